@@ -1,0 +1,11 @@
+"""Model architectures as plain functions over weight dicts."""
+from .llama import Llama
+from .opt import OPT
+from .spec import ModelSpec, opt_spec, spec_from_hf_config
+
+
+def build_arch(spec: ModelSpec):
+    return {"opt": OPT, "llama": Llama}[spec.arch](spec)
+
+
+__all__ = ["Llama", "OPT", "ModelSpec", "opt_spec", "spec_from_hf_config", "build_arch"]

@@ -1,0 +1,111 @@
+"""Run configuration: FlexGen's Policy (same fields, same meaning) and the engine's own knobs.
+
+Both are frozen; they are filled once (YAML file, then CLI overrides) in cli/options.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A bad setting; the CLI prints its message on one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """FlexGen's placement/schedule policy. Percents: share of bytes on GPU (compute) and CPU;
+    disk holds the remainder."""
+
+    gpu_batch_size: int = 4
+    num_gpu_batches: int = 1
+    w_gpu_percent: float = 100
+    w_cpu_percent: float = 0
+    cache_gpu_percent: float = 100
+    cache_cpu_percent: float = 0
+    act_gpu_percent: float = 100
+    act_cpu_percent: float = 0
+    overlap: bool = True
+    sep_layer: bool = True
+    pin_weight: bool = True
+    cpu_cache_compute: bool = False
+    attn_sparsity: float = 1.0
+    compress_weight: bool = False
+    compress_cache: bool = False
+
+    def __post_init__(self):
+        if self.gpu_batch_size < 1 or self.num_gpu_batches < 1:
+            raise ConfigError("--gpu-batch-size and --num-gpu-batches must be >= 1")
+        for kind in ("w", "cache", "act"):
+            g, c = getattr(self, f"{kind}_gpu_percent"), getattr(self, f"{kind}_cpu_percent")
+            if not (0 <= g <= 100 and 0 <= c <= 100 and g + c <= 100):
+                raise ConfigError(f"--percent for {kind}: GPU and CPU shares must be in [0, 100] "
+                                  f"and sum to at most 100 (got {g}, {c})")
+        if not 0 < self.attn_sparsity <= 1:
+            raise ConfigError("--attn-sparsity must be in (0, 1]")
+        acts = (self.act_gpu_percent, self.act_cpu_percent, self.act_disk_percent)
+        if sorted(acts) != [0, 0, 100]:
+            raise ConfigError("activations must live whole on one tier (--percent ... 100 0 or 0 100); "
+                              "a split activation tier is not supported (FlexGen refuses it too)")
+        if self.act_disk_percent == 100:
+            raise ConfigError("activations on disk are not supported: use 100 0 (GPU) or 0 100 (CPU)")
+        if self.compress_cache and self.attn_sparsity < 1:
+            raise ConfigError("--compress-cache with --attn-sparsity < 1 is not supported (as in FlexGen)")
+
+    @property
+    def w_disk_percent(self) -> float:
+        return 100 - self.w_gpu_percent - self.w_cpu_percent
+
+    @property
+    def cache_disk_percent(self) -> float:
+        return 100 - self.cache_gpu_percent - self.cache_cpu_percent
+
+    @property
+    def act_disk_percent(self) -> float:
+        return 100 - self.act_gpu_percent - self.act_cpu_percent
+
+    @property
+    def weight_percents(self) -> tuple[float, float, float]:
+        return (self.w_gpu_percent, self.w_cpu_percent, self.w_disk_percent)
+
+    @property
+    def cache_percents(self) -> tuple[float, float, float]:
+        return (self.cache_gpu_percent, self.cache_cpu_percent, self.cache_disk_percent)
+
+    @property
+    def batch_size(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs beyond FlexGen's Policy."""
+
+    device: str = "auto"  # "auto" -> cuda if present else cpu
+    dtype: str = "auto"  # "auto" -> float16 on CUDA, float32 on CPU
+    block_size: int = 64
+    offload_dir: str = "~/flexgen_offload_dir"
+    direct_io: bool = False  # bypass the page cache on the disk tier (benchmarks)
+    io_threads: int = 2
+    kv_policy: str = "dense"
+    policy_args: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ConfigError("--block-size must be >= 1")
+        if self.dtype not in ("auto", "float16", "bfloat16", "float32"):
+            raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype})")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but no CUDA device is available")
+        return dev
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,279 @@
+"""FlexGen's overlapped schedule over (token i, layer j, GPU batch k), in one generation loop.
+
+While layer j computes batch k, the I/O pool loads layer j+1's weights and batch k+1's KV
+blocks, and stores the blocks batch k-1 sealed; `overlap=False` runs the same tasks inline.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..kv.block_table import BlockTable
+from ..kv.policy import KVPolicy, make_policy
+from ..models import build_arch
+from ..storage.disk import DiskStore
+from ..storage.tiers import Devices, Tier, block_homes
+from .attention import decode_attention_step, prefill_attention
+from .config import ConfigError, EngineConfig, Policy
+from .sampling import Sampler
+from .weights import WeightStore
+
+
+@dataclass
+class Layer:
+    kind: str  # embed | attn | mlp | block (attn + mlp, when not sep_layer) | head
+    index: int
+    names: dict[str, str]
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per sequence (prompt excluded)
+    step_times: list[float]  # wall seconds per generated token; [0] is prefill
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V], if kept
+
+
+class _Done(Future):
+    def __init__(self, value=None):
+        super().__init__()
+        self.set_result(value)
+
+
+class Engine:
+    def __init__(self, source, policy: Policy, cfg: EngineConfig, progress: bool = False):
+        self.spec, self.policy, self.cfg = source.spec, policy, cfg
+        self.arch = build_arch(self.spec)
+        self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight)
+        self.dtype = cfg.torch_dtype(self.devices.compute)
+        self.kv_policy: KVPolicy = make_policy(cfg.kv_policy, **cfg.policy_args)
+        self.layers = self._layers()
+        needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0
+        self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None
+        self.io = ThreadPoolExecutor(max(1, cfg.io_threads), thread_name_prefix="flexgen-io")
+        self.act_home = self.devices.effective(Tier.COMPUTE if policy.act_gpu_percent == 100 else Tier.CPU)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(self.layers), desc="load weights", leave=False)
+        try:
+            self.weights = WeightStore(source, [l.names for l in self.layers], policy.weight_percents,
+                                       self.devices, self.dtype, self.disk, policy.compress_weight,
+                                       policy.pin_weight, bar)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if bar:
+                bar.close()
+        self.tables: dict[tuple[int, int], BlockTable] = {}
+
+    def _layers(self) -> list[Layer]:
+        a, sep = self.arch, self.policy.sep_layer
+        layers = [Layer("embed", -1, a.embed_names())]
+        for i in range(self.spec.num_layers):
+            if sep:
+                layers += [Layer("attn", i, a.attn_names(i)), Layer("mlp", i, a.mlp_names(i))]
+            else:
+                names = {f"a.{k}": v for k, v in a.attn_names(i).items()}
+                names |= {f"m.{k}": v for k, v in a.mlp_names(i).items()}
+                layers.append(Layer("block", i, names))
+        return layers + [Layer("head", -1, a.head_names())]
+
+    # --- I/O tasks ---
+    def _submit(self, fn, *args) -> Future:
+        if self.policy.overlap:
+            return self.io.submit(fn, *args)
+        return _Done(fn(*args))
+
+    def _new_tables(self, max_len: int) -> None:
+        for t in self.tables.values():
+            t.close()
+        self.tables.clear()
+        nb = -(-max_len // self.cfg.block_size)
+        homes = block_homes(nb, self.policy.cache_percents)
+        for i in range(self.spec.num_layers):
+            for k in range(self.policy.num_gpu_batches):
+                t = BlockTable(name=f"l{i}-b{k}", batch=self.policy.gpu_batch_size,
+                               num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim,
+                               block_size=self.cfg.block_size, max_len=max_len, dtype=self.dtype,
+                               homes=homes, devices=self.devices, disk=self.disk,
+                               compress=self.policy.compress_cache)
+                self.kv_policy.attach(t, i)
+                self.tables[(i, k)] = t
+
+    def _prefetch_cache(self, layer: Layer, k: int) -> Future:
+        """Gather batch k's blocks for layer `layer` (decode only; resident caches need none)."""
+        if layer.kind not in ("attn", "block"):
+            return _Done(None)
+        t = self.tables[(layer.index, k)]
+        if t.resident or t.length == 0 or self.policy.cpu_cache_compute and self.devices.is_cuda:
+            return _Done(None)
+        blocks = self.kv_policy.plan(t, layer.index)
+        if blocks is None:
+            return _Done(None)
+        return self._submit(self._gather_with_spare, t, blocks)
+
+    def _gather_with_spare(self, t: BlockTable, blocks: list[int]):
+        total = sum(t.block_len(b) for b in blocks)
+        out = torch.empty((2, t.block_shape[1], t.block_shape[2], total + 1, t.block_shape[4]),
+                          dtype=self.dtype, device=self.devices.compute)
+        kv, pos = t.gather(blocks, out)
+        return out, torch.cat([pos, pos.new_zeros(1)])
+
+    # --- compute ---
+    def _attention(self, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bool):
+        a = self.arch
+        h = a.attn_input(w, x)
+        q, kk, vv = a.qkv(w, h, pos)
+        t = self.tables[(layer_idx, k)]
+        if prefill:
+            o, jobs = prefill_attention(t, q, kk, vv, pads_valid(pos, pads))
+        else:
+            if fetched is None and not t.resident and not (self.policy.cpu_cache_compute and self.devices.is_cuda):
+                blocks = self.kv_policy.select(t, layer_idx, q)
+                fetched = self._gather_with_spare(t, blocks)
+            o, jobs = decode_attention_step(t, q, kk, vv, pads, fetched, sparsity=self.policy.attn_sparsity,
+                                            cpu_compute=self.policy.cpu_cache_compute)
+        return a.attn_output(w, x, o), jobs
+
+    def _compute(self, layer: Layer, w, x, ids, k: int, pos, pads, fetched, prefill: bool):
+        a = self.arch
+        if layer.kind == "embed":
+            return a.embed(w, ids, pos), []
+        if layer.kind == "attn":
+            return self._attention(w, x, layer.index, k, pos, pads, fetched, prefill)
+        if layer.kind == "mlp":
+            return a.mlp(w, x), []
+        if layer.kind == "block":
+            wa = {key[2:]: t for key, t in w.items() if key.startswith("a.")}
+            wm = {key[2:]: t for key, t in w.items() if key.startswith("m.")}
+            x, jobs = self._attention(wa, x, layer.index, k, pos, pads, fetched, prefill)
+            return a.mlp(wm, x), jobs
+        return a.head(w, x[:, -1]).float(), []  # logits: [B, vocab]
+
+    def _park(self, x: torch.Tensor) -> torch.Tensor:
+        """Move a batch's hidden state to its activation tier between layers."""
+        if self.act_home == Tier.CPU and x.device != torch.device("cpu"):
+            self.devices.counters.add("compute", "cpu", x.nbytes)
+            return x.to("cpu", non_blocking=True)
+        return x
+
+    def _unpark(self, x: torch.Tensor) -> torch.Tensor:
+        if x is not None and x.device != self.devices.compute:
+            self.devices.counters.add("cpu", "compute", x.nbytes)
+            return x.to(self.devices.compute, non_blocking=True)
+        return x
+
+    # --- the generation loop ---
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
+                 stop: int | None = None, progress: bool = False, keep_logits: bool = False) -> GenerationResult:
+        p, dev = self.policy, self.devices.compute
+        if len(prompts) != p.batch_size:
+            raise ConfigError(f"got {len(prompts)} prompts; the policy runs batches of "
+                              f"{p.gpu_batch_size} x {p.num_gpu_batches} = {p.batch_size}")
+        if max_new_tokens < 1 or any(len(s) == 0 for s in prompts):
+            raise ConfigError("need at least one prompt token and one new token")
+        sampler = sampler or Sampler()
+        plen = max(len(s) for s in prompts)
+        max_len = plen + max_new_tokens
+        if self.spec.arch == "opt" and max_len > self.spec.max_pos:
+            raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {self.spec.name}'s "
+                              f"{self.spec.max_pos}-position table (dummy weights: raise --max-seq-len)")
+        self._new_tables(max_len)
+        gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
+        ids = torch.full((p.batch_size, plen), self.spec.pad_id, dtype=torch.long)
+        for b, s in enumerate(prompts):
+            ids[b, plen - len(s):] = torch.tensor(s)
+        pads_all = torch.tensor([plen - len(s) for s in prompts], device=dev)
+        pads = [pads_all[k * gbs:(k + 1) * gbs] for k in range(ngb)]
+        ids = ids.to(dev)
+        done = torch.zeros(p.batch_size, dtype=torch.bool, device=dev)
+        out_tokens, step_times, kept = [], [], []
+        steps = range(max_new_tokens)
+        if progress:
+            from tqdm import tqdm
+            steps = tqdm(steps, desc="decode", leave=False)
+        cur = ids
+        for i in steps:
+            t0 = time.perf_counter()
+            prefill = i == 0
+            length = plen if prefill else plen + i - 1  # tokens before this step's input
+            pos_all = (torch.arange(plen, device=dev)[None, :] - pads_all[:, None]).clamp(min=0) if prefill \
+                else (length - pads_all)[:, None]
+            logits = self._step(cur, pos_all, pads, prefill)
+            if keep_logits:
+                kept.append(logits.cpu())
+            nxt = sampler(logits)  # nxt: [B]
+            if stop is not None:
+                nxt = torch.where(done, torch.full_like(nxt, stop), nxt)
+                done |= nxt == stop
+            out_tokens.append(nxt)
+            cur = nxt[:, None]
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            step_times.append(time.perf_counter() - t0)
+            if stop is not None and bool(done.all()):
+                break
+        toks = torch.stack(out_tokens, dim=1).tolist()
+        return GenerationResult(tokens=toks, step_times=step_times, logits=kept)
+
+    def _step(self, ids, pos_all, pads, prefill: bool) -> torch.Tensor:
+        """One token step (or the prefill) through every layer and batch; returns logits [B, V]."""
+        p = self.policy
+        gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
+        hidden = [None] * ngb
+        logits = [None] * ngb
+        w_next = self._submit(self.weights.load, 0)
+        fetched = None
+        for j, layer in enumerate(self.layers):
+            w = w_next.result()
+            if j + 1 < len(self.layers):
+                w_next = self._submit(self.weights.load, j + 1)
+            stores: list[Future] = []
+            for k in range(ngb):
+                # prefetch the cache the next (layer, batch) in schedule order will read
+                nj, nk = (j, k + 1) if k + 1 < ngb else (j + 1, 0)
+                cache_next = None
+                if not prefill and nj < len(self.layers):
+                    cache_next = self._prefetch_cache(self.layers[nj], nk)
+                sl = slice(k * gbs, (k + 1) * gbs)
+                x = self._unpark(hidden[k])
+                y, jobs = self._compute(layer, w, x, ids[sl], k, pos_all[sl], pads[k],
+                                        fetched.result() if fetched is not None else None, prefill)
+                stores += [self._submit(job) for job in jobs]
+                if layer.kind == "head":
+                    logits[k] = y
+                else:
+                    hidden[k] = self._park(y)
+                fetched = cache_next
+            for f in stores:
+                f.result()
+        return torch.cat(logits)
+
+    def close(self) -> None:
+        for t in getattr(self, "tables", {}).values():
+            t.close()
+        if getattr(self, "weights", None):
+            self.weights.close()
+        if getattr(self, "io", None):
+            self.io.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def pads_valid(pos, pads) -> torch.Tensor:
+    """[B, S] validity of prefill tokens under left padding."""
+    s = pos.shape[1]
+    return torch.arange(s, device=pos.device)[None, :] >= pads[:, None]

@@ -1,0 +1,88 @@
+"""Every layer's weights on their home tiers, and loading one layer's weights to compute."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..storage.codec import Int4Codec
+from ..storage.compress import CompressionConfig
+from ..storage.tiers import Devices, Tier, split_by_percent
+
+WEIGHT_COMPRESSION = CompressionConfig(num_bits=4, group_size=64, group_dim=0)
+
+
+@dataclass
+class StoredWeight:
+    home: Tier
+    shape: tuple[int, ...]
+    data: object  # a tensor (raw or packed row) on compute/CPU, or a disk slot index
+    nbytes: int
+    codec: Int4Codec | None = None
+    file: object = None
+
+
+class WeightStore:
+    """layers: per executor layer, {short key: checkpoint name}. percents = (compute, cpu, disk).
+
+    Tensors shared by two layers (tied embeddings) are stored once, where the first layer puts them.
+    """
+
+    def __init__(self, source, layers: list[dict[str, str]], percents, devices: Devices,
+                 dtype: torch.dtype, disk=None, compress: bool = False, pin: bool = True,
+                 progress=None):
+        self.layers, self.devices, self.dtype = layers, devices, dtype
+        self.stored: dict[str, StoredWeight] = {}
+        self._files = []
+        for names in layers:
+            fresh = [n for n in dict.fromkeys(names.values()) if n not in self.stored]
+            tensors = [source.get(n) for n in fresh]
+            homes = split_by_percent([t.numel() for t in tensors], percents)
+            for n, t, home in zip(fresh, tensors, homes):
+                self.stored[n] = self._put(n, t.to(dtype), devices.effective(home), disk, compress, pin)
+            if progress:
+                progress.update(1)
+
+    def _put(self, name: str, t: torch.Tensor, home: Tier, disk, compress: bool, pin: bool) -> StoredWeight:
+        dev = self.devices
+        codec = Int4Codec(tuple(t.shape), self.dtype, WEIGHT_COMPRESSION) if compress and t.dim() >= 2 else None
+        if codec:
+            t = codec.encode(t.to(dev.compute) if home == Tier.COMPUTE else t)
+        nbytes = t.numel() * t.element_size()
+        if home == Tier.COMPUTE:
+            return StoredWeight(home, tuple(t.shape), t.to(dev.compute), nbytes, codec)
+        if home == Tier.CPU:
+            host = t.pin_memory() if (pin and dev.is_cuda) else t.contiguous()
+            return StoredWeight(home, tuple(t.shape), host, nbytes, codec)
+        if disk is None:
+            raise ValueError("weights placed on disk but no --offload-dir store was given")
+        f = disk.new_file(f"w-{name}", 1, nbytes)
+        f.write(0, t.contiguous())
+        self._files.append(f)
+        return StoredWeight(home, tuple(t.shape), 0, nbytes, codec, f)
+
+    def load(self, j: int) -> dict[str, torch.Tensor]:
+        """Layer j's weights on the compute device: {short key: tensor}."""
+        return {short: self.fetch(full) for short, full in self.layers[j].items()}
+
+    def fetch(self, name: str) -> torch.Tensor:
+        w, dev = self.stored[name], self.devices
+        if w.home == Tier.DISK:
+            host = dev.empty_host(w.shape, torch.uint8 if w.codec else self.dtype)
+            w.file.read(0, host)
+            dev.counters.add("disk", "cpu", host.nbytes)
+            t = host
+        else:
+            t = w.data
+        if t.device != dev.compute:
+            t = t.to(dev.compute, non_blocking=True)
+            dev.counters.add("cpu", "compute", t.nbytes)
+        return w.codec.decode(t) if w.codec else t
+
+    def nbytes_on(self, tier: Tier) -> int:
+        return sum(w.nbytes for w in self.stored.values() if w.home == tier)
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        self._files.clear()

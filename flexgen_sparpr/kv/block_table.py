@@ -1,0 +1,183 @@
+"""The block-granular KV cache of one layer for one GPU batch.
+
+Block b holds token positions [b*bs, (b+1)*bs) of every sequence in the batch as one tensor
+kv: [2, B, Hkv, bs, D] (K then V). Each block has a home tier fixed at creation; the block
+being filled lives on the compute device until it is full ("sealed"), then moves home.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..storage.tiers import Devices, Tier
+from ..storage.codec import Int4Codec, RawCodec
+
+
+class BlockTable:
+    def __init__(self, *, name: str, batch: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 max_len: int, dtype: torch.dtype, homes: list[Tier], devices: Devices,
+                 disk=None, compress: bool = False):
+        self.bs, self.devices, self.dtype = block_size, devices, dtype
+        self.block_shape = (2, batch, num_kv_heads, block_size, head_dim)
+        self.capacity = -(-max_len // block_size) * block_size
+        self.homes = [devices.effective(t) for t in homes]
+        if len(self.homes) * block_size < max_len:
+            raise ValueError("fewer block homes than blocks")
+        self.codec = Int4Codec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
+        self.slot = [self.homes[:b].count(h) for b, h in enumerate(self.homes)]
+        self.length = 0
+        self.on_seal: list[Callable[[int, torch.Tensor], None]] = []  # policy hooks: (block, kv)
+        n = {t: self.homes.count(t) for t in Tier}
+        dev = devices.compute
+        b, h, bs, d = batch, num_kv_heads, block_size, head_dim
+        self._arena, self._rows, self._disk = {}, {}, None
+        for tier in (Tier.COMPUTE, Tier.CPU):
+            if not n[tier]:
+                continue
+            if compress:
+                shape = (n[tier], self.codec.nbytes)
+                self._rows[tier] = (torch.empty(shape, dtype=torch.uint8, device=dev) if tier == Tier.COMPUTE
+                                    else devices.empty_host(shape, torch.uint8))
+            else:
+                shape = (2, b, h, n[tier] * bs, d)
+                self._arena[tier] = (torch.zeros(shape, dtype=dtype, device=dev) if tier == Tier.COMPUTE
+                                     else devices.empty_host(shape, dtype))
+        if n[Tier.DISK]:
+            if disk is None:
+                raise ValueError("KV blocks placed on disk but no --offload-dir store was given")
+            self._disk = disk.new_file(f"kv-{name}", n[Tier.DISK], self.codec.nbytes)
+        self._tail = torch.zeros(self.block_shape, dtype=dtype, device=dev)
+        self.resident = not compress and all(t == Tier.COMPUTE for t in self.homes)
+
+    # --- shape facts ---
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.length // self.bs)
+
+    def block_len(self, b: int) -> int:
+        return min(self.bs, self.length - b * self.bs)
+
+    def _in_arena(self, b: int) -> torch.Tensor:
+        s = self.slot[b] * self.bs
+        return self._arena[self.homes[b]][:, :, :, s:s + self.bs]
+
+    def _writable(self, b: int) -> torch.Tensor:
+        """Where block b is filled: its arena slot if it lives raw on compute, else the tail."""
+        if self.homes[b] == Tier.COMPUTE and Tier.COMPUTE in self._arena:
+            return self._in_arena(b)
+        return self._tail
+
+    # --- writing ---
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> list[Callable[[], None]]:
+        """k, v: [B, Hkv, S, D] on compute. Returns store jobs for blocks sealed by this append
+        (run them on the I/O pool; the caller waits for them before the next read)."""
+        jobs, s, off = [], k.shape[2], 0
+        if self.length + s > self.capacity:
+            raise ValueError(f"KV cache full: {self.length}+{s} > {self.capacity} tokens")
+        while off < s:
+            b, pos = divmod(self.length, self.bs)
+            n = min(self.bs - pos, s - off)
+            dst = self._writable(b)
+            dst[0, :, :, pos:pos + n].copy_(k[:, :, off:off + n])
+            dst[1, :, :, pos:pos + n].copy_(v[:, :, off:off + n])
+            self.length += n
+            off += n
+            if pos + n == self.bs:
+                jobs.append(self._seal(b, dst))
+        return [j for j in jobs if j is not None]
+
+    def _seal(self, b: int, kv: torch.Tensor):
+        for hook in self.on_seal:
+            hook(b, kv)
+        home = self.homes[b]
+        if home == Tier.COMPUTE and not self.codec.compressed:
+            return None
+        blk = kv.clone()  # the tail is reused at once; the store reads a private copy
+        return lambda: self._store(b, blk)
+
+    def _store(self, b: int, blk: torch.Tensor) -> None:
+        home, slot, dev = self.homes[b], self.slot[b], self.devices
+        data = self.codec.encode(blk) if self.codec.compressed else blk
+        if home == Tier.DISK:
+            host = data.cpu()
+            if dev.is_cuda:
+                dev.counters.add("compute", "cpu", host.nbytes)
+            self._disk.write(slot, host)
+            dev.counters.add("cpu", "disk", host.nbytes)
+        elif self.codec.compressed:
+            self._rows[home][slot].copy_(data)
+            if home == Tier.CPU:
+                dev.counters.add("compute", "cpu", data.nbytes)
+        else:
+            s = slot * self.bs
+            self._arena[home][:, :, :, s:s + self.bs].copy_(data)
+            dev.counters.add("compute", "cpu", data.nbytes)
+
+    # --- reading ---
+    def _load(self, b: int, out: torch.Tensor) -> None:
+        """Copy sealed block b into out: [2, B, Hkv, bs, D] on compute."""
+        home, slot, dev = self.homes[b], self.slot[b], self.devices
+        if home == Tier.DISK:
+            host = dev.empty_host((self.codec.nbytes,), torch.uint8)
+            self._disk.read(slot, host)
+            dev.counters.add("disk", "cpu", host.nbytes)
+            data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
+            if dev.is_cuda:
+                dev.counters.add("cpu", "compute", host.nbytes)
+            out.copy_(self.codec.decode(data) if self.codec.compressed else data.view(self.dtype).view(out.shape))
+        elif self.codec.compressed:
+            row = self._rows[home][slot]
+            if home == Tier.CPU:
+                row = row.to(dev.compute, non_blocking=True)
+                dev.counters.add("cpu", "compute", row.nbytes)
+            out.copy_(self.codec.decode(row))
+        else:
+            src = self._in_arena(b)
+            out.copy_(src, non_blocking=True)
+            if home == Tier.CPU:
+                dev.counters.add("cpu", "compute", src.nbytes)
+
+    def gather(self, blocks: list[int] | None = None, out: torch.Tensor | None = None):
+        """KV of the given blocks (ascending; default all) on compute.
+
+        Returns kv: [2, B, Hkv, T, D] and pos: [T] (absolute token positions). A fully resident
+        cache read in full is returned as a view, with no copy.
+        """
+        nb = self.num_blocks
+        blocks = list(range(nb)) if blocks is None else blocks
+        dev = self.devices.compute
+        if self.resident and blocks == list(range(nb)):
+            return (self._arena[Tier.COMPUTE][:, :, :, :self.length],
+                    torch.arange(self.length, device=dev))
+        lens = [self.block_len(b) for b in blocks]
+        total = sum(lens)
+        if out is None or out.shape[3] < total:
+            out = torch.empty((*self.block_shape[:3], total, self.block_shape[4]), dtype=self.dtype, device=dev)
+        t = 0
+        for b, n in zip(blocks, lens):
+            dst = out[:, :, :, t:t + n]
+            if n < self.bs:  # the partial tail block is still on compute
+                dst.copy_(self._writable(b)[:, :, :, :n])
+            elif self.homes[b] == Tier.COMPUTE and not self.codec.compressed:
+                dst.copy_(self._in_arena(b))
+            elif dst.is_contiguous():
+                self._load(b, dst)
+            else:
+                tmp = torch.empty(self.block_shape, dtype=self.dtype, device=dev)
+                self._load(b, tmp)
+                dst.copy_(tmp)
+            t += n
+        pos = torch.cat([torch.arange(b * self.bs, b * self.bs + n, device=dev) for b, n in zip(blocks, lens)]) \
+            if blocks else torch.empty(0, dtype=torch.long, device=dev)
+        return out[:, :, :, :total], pos
+
+    def nbytes_on(self, tier: Tier) -> int:
+        """Bytes of the sealed blocks homed on a tier (for reports)."""
+        sealed = self.length // self.bs
+        return sum(self.codec.nbytes for b in range(sealed) if self.homes[b] == tier)
+
+    def close(self) -> None:
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None

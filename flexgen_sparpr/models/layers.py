@@ -1,0 +1,122 @@
+"""Functional building blocks shared by every architecture: norms, RoPE, attention.
+
+All functions take plain tensors (weights included) so one code path serves every device.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions: [B, S] int -> cos, sin: [B, 1, S, D] (HF rotate_half layout)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.float()[..., None] * inv  # ang: [B, S, D/2]
+    ang = torch.cat([ang, ang], dim=-1)  # ang: [B, S, D]
+    return ang.cos().to(dtype)[:, None], ang.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, S, D]; rotates pairs (i, i + D/2)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    b, s, _ = x.shape
+    return x.view(b, s, num_heads, -1).transpose(1, 2)  # [B, S, H*D] -> [B, H, S, D]
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = x.shape
+    return x.transpose(1, 2).reshape(b, s, h * d)  # [B, H, S, D] -> [B, S, H*D]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     valid: torch.Tensor | None) -> torch.Tensor:
+    """Prefill attention. q: [B, H, S, D]; k, v: [B, Hkv, S, D]; valid: [B, S] bool or None.
+
+    Padded (invalid) queries still attend to themselves so no row is all -inf.
+    """
+    s = q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if valid is None or bool(valid.all()):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    mask = causal & valid[:, None, None, :]  # mask: [B, 1, S, S]
+    mask = mask | torch.eye(s, dtype=torch.bool, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     valid: torch.Tensor | None) -> torch.Tensor:
+    """One query position over T keys. q: [B, H, 1, D]; k, v: [B, Hkv, T, D]; valid: [B, T]."""
+    gqa = q.shape[1] != k.shape[1]
+    mask = None if valid is None else valid[:, None, None, :]  # mask: [B, 1, 1, T]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       valid: torch.Tensor | None = None):
+    """Partial attention that also returns its log-sum-exp, for merging.
+
+    q: [B, H, Sq, D]; k, v: [B, Hkv, T, D]; valid: [B, T] bool or [B, Hkv, T] bool.
+    Returns out: [B, H, Sq, D] (float32), lse: [B, H, Sq] (float32; -inf where nothing is valid).
+    """
+    b, h, sq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(b, hkv, h // hkv, sq, d)  # qg: [B, Hkv, G, Sq, D]
+    scores = torch.einsum("bkgqd,bktd->bkgqt", qg, k.float()) / math.sqrt(d)
+    if valid is not None:
+        m = valid[:, None, None, None, :] if valid.dim() == 2 else valid[:, :, None, None, :]
+        scores = scores.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # lse: [B, Hkv, G, Sq]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(scores - safe[..., None])
+    out = torch.einsum("bkgqt,bktd->bkgqd", p, v.float())
+    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Merge partial attentions [(out [B,H,Sq,D], lse [B,H,Sq]), ...] by log-sum-exp."""
+    lses = torch.stack([lse for _, lse in parts])  # lses: [P, B, H, Sq]
+    total = torch.logsumexp(lses, dim=0)
+    total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    w = torch.exp(lses - total)[..., None]  # w: [P, B, H, Sq, 1]
+    return sum(wi * out for wi, (out, _) in zip(w, parts))
+
+
+def topk_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          valid: torch.Tensor | None, keep: float) -> torch.Tensor:
+    """FlexGen's --attn-sparsity: full scores, keep the top ceil(keep*T) keys per head,
+    softmax renormalised over the kept keys only. q: [B, H, 1, D]; k, v: [B, Hkv, T, D]."""
+    b, h, sq, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    qg = q.float().view(b, hkv, h // hkv, sq, d)
+    scores = torch.einsum("bkgqd,bktd->bkgqt", qg, k.float()) / math.sqrt(d)
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None, None, :], float("-inf"))
+    n = max(1, min(t, math.ceil(keep * t)))
+    top, idx = scores.topk(n, dim=-1)  # top: [B, Hkv, G, Sq, n]
+    p = torch.softmax(top, dim=-1)
+    vg = v.float()[:, :, None, None].expand(b, hkv, h // hkv, sq, t, d)
+    picked = torch.gather(vg, 4, idx[..., None].expand(*idx.shape, d))  # [B, Hkv, G, Sq, n, D]
+    out = (p[..., None] * picked).sum(-2)
+    return out.reshape(b, h, sq, d).to(q.dtype)

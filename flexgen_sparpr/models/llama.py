@@ -1,0 +1,67 @@
+"""Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU (HF naming)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .layers import apply_rope, linear, merge_heads, rms_norm, rope_cos_sin, split_heads
+from .spec import ModelSpec
+
+_P = "model."
+
+
+class Llama:
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+
+    def embed_names(self) -> dict[str, str]:
+        return {"tok": _P + "embed_tokens.weight"}
+
+    def attn_names(self, i: int) -> dict[str, str]:
+        p = f"{_P}layers.{i}."
+        names = {"ln.w": p + "input_layernorm.weight"}
+        for s in ("q", "k", "v", "o"):
+            names[f"{s}.w"] = f"{p}self_attn.{s}_proj.weight"
+        return names
+
+    def mlp_names(self, i: int) -> dict[str, str]:
+        p = f"{_P}layers.{i}."
+        names = {"ln.w": p + "post_attention_layernorm.weight"}
+        for s in ("gate", "up", "down"):
+            names[f"{s}.w"] = f"{p}mlp.{s}_proj.weight"
+        return names
+
+    def head_names(self) -> dict[str, str]:
+        tok = _P + "embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
+        return {"ln.w": _P + "norm.weight", "tok": tok}
+
+    def embed(self, w, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return w["tok"][ids]  # [B, S] -> [B, S, hidden]
+
+    def attn_input(self, w, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, w["ln.w"], self.spec.norm_eps)
+
+    def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(pos, self.spec.head_dim, self.spec.rope_theta, dtype)
+
+    def kv(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None):
+        """h: [B, S, hidden]; pos: [B, S] -> k, v: [B, Hkv, S, D] (RoPE applied to k)."""
+        cos, sin = rope or self._rope(pos, h.dtype)
+        k = split_heads(linear(h, w["k.w"]), self.spec.num_kv_heads)
+        v = split_heads(linear(h, w["v.w"]), self.spec.num_kv_heads)
+        return apply_rope(k, cos, sin), v
+
+    def qkv(self, w, h: torch.Tensor, pos: torch.Tensor):
+        rope = self._rope(pos, h.dtype)
+        q = apply_rope(split_heads(linear(h, w["q.w"]), self.spec.num_heads), *rope)
+        return (q, *self.kv(w, h, pos, rope))
+
+    def attn_output(self, w, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return x + linear(merge_heads(o).to(x.dtype), w["o.w"])
+
+    def mlp(self, w, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, w["ln.w"], self.spec.norm_eps)
+        return x + linear(F.silu(linear(h, w["gate.w"])) * linear(h, w["up.w"]), w["down.w"])
+
+    def head(self, w, x: torch.Tensor) -> torch.Tensor:
+        return linear(rms_norm(x, w["ln.w"], self.spec.norm_eps), w["tok"])

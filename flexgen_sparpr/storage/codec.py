@@ -1,0 +1,52 @@
+"""How a tensor of fixed shape is laid out on a tier: raw, or packed 4-bit group-wise (FlexGen)."""
+from __future__ import annotations
+
+import torch
+
+from .compress import CompressedTensor, CompressionConfig, compress, compressed_nbytes, decompress
+
+
+class RawCodec:
+    """A tensor as is, in its dtype."""
+
+    compressed = False
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self.shape, self.dtype = shape, dtype
+        self.nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+class Int4Codec:
+    """A tensor packed into one flat uint8 row: 4-bit codes, then group minima, then scales.
+    KV blocks group along head_dim (FlexGen's cache config); weights along dim 0."""
+
+    compressed = True
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype,
+                 cfg: CompressionConfig = CompressionConfig(num_bits=4, group_size=64, group_dim=-1)):
+        self.shape, self.dtype, self.cfg = tuple(shape), dtype, cfg
+        self.nbytes = compressed_nbytes(self.shape, dtype, cfg)
+        self._parts = None
+
+    def _set_parts(self, c: CompressedTensor) -> None:
+        self._parts = [(p.dtype, p.shape, p.numel() * p.element_size()) for p in (c.data, c.mn, c.scale)]
+        assert sum(n for _, _, n in self._parts) == self.nbytes
+
+    def encode(self, block: torch.Tensor) -> torch.Tensor:
+        """block: `shape` -> bytes: [nbytes] uint8 (same device)."""
+        c = compress(block, self.cfg)
+        if self._parts is None:
+            self._set_parts(c)
+        return torch.cat([p.contiguous().view(torch.uint8).flatten() for p in (c.data, c.mn, c.scale)])
+
+    def decode(self, row: torch.Tensor) -> torch.Tensor:
+        """row: [nbytes] uint8 on the compute device -> tensor of `shape`."""
+        if self._parts is None:
+            self._set_parts(compress(torch.zeros(self.shape, dtype=self.dtype), self.cfg))
+        parts, off = [], 0
+        for dt, shape, n in self._parts:
+            parts.append(row[off:off + n].view(dt).view(shape))
+            off += n
+        c = CompressedTensor(data=parts[0], mn=parts[1], scale=parts[2], shape=self.shape,
+                             dtype=self.dtype, config=self.cfg)
+        return decompress(c, row.device)

@@ -1,0 +1,314 @@
+"""Disk tier: preallocated slot files for weights and KV-cache blocks.
+
+A `DiskFile` is one file cut into `num_slots` fixed-size slots; each slot holds
+the raw bytes of one contiguous tensor. A `DiskStore` owns the directory of one
+run and removes it on close (or at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the block size
+_MAX_IO = 1 << 30  # one syscall moves at most ~2 GiB on Linux; stay well below
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _is_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % ALIGN == 0 and t.nbytes % ALIGN == 0
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view [nbytes] of a contiguous tensor (any dtype, any device)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _np_bytes(t: torch.Tensor) -> memoryview:
+    """Writable memoryview over the bytes of a contiguous CPU tensor."""
+    return memoryview(_byte_view(t).numpy())
+
+
+def aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised CPU tensor whose data pointer is 4096-byte aligned.
+
+    With O_DIRECT, reads into / writes from such a tensor skip the staging copy
+    when its byte size is also a multiple of 4096.
+    """
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
+class _Staging(threading.local):
+    """Per-thread page-aligned bounce buffer, grown on demand."""
+
+    def get(self, n: int) -> torch.Tensor:
+        buf = getattr(self, "buf", None)
+        if buf is None or buf.numel() < n:
+            # anonymous mmap is page aligned; the tensor view keeps it alive
+            self.buf = torch.from_numpy(np.frombuffer(mmap.mmap(-1, _round_up(n)), dtype=np.uint8))
+        return self.buf[:n]
+
+
+_staging = _Staging()
+
+
+def _pio(fn, fd: int, mv: memoryview, off: int) -> None:
+    """Loop a positional read/write (`os.preadv`/`os.pwritev`) until `mv` is done."""
+    done = 0
+    while done < len(mv):
+        n = fn(fd, [mv[done:done + _MAX_IO]], off + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short I/O at offset {off + done}")
+        done += n
+
+
+class DiskFile:
+    """A preallocated file of `num_slots` slots, each `slot_bytes` long (padded to 4096).
+
+    `direct_mode` is "o_direct" (page cache bypassed), "fadvise" (O_DIRECT was
+    refused; pages are dropped with POSIX_FADV_DONTNEED instead) or "buffered".
+    Reads and writes of different slots may run concurrently from many threads.
+    """
+
+    def __init__(self, path: Path, num_slots: int, slot_bytes: int, direct: bool = False):
+        if num_slots <= 0 or slot_bytes <= 0:
+            raise ValueError(f"need num_slots > 0 and slot_bytes > 0, got {num_slots}, {slot_bytes}")
+        self.path = Path(path)
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.slot_stride = _round_up(slot_bytes)
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._lens = [-1] * num_slots  # payload bytes last written per slot; -1 = never
+        self._lock = threading.Lock()
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._fd = os.open(self.path, flags, 0o600)
+        self.direct_mode = "buffered"
+        try:  # fail early (e.g. ENOSPC) rather than mid-run, and leave no file behind
+            self._preallocate(num_slots * self.slot_stride)
+            if direct:
+                self.direct_mode = self._try_o_direct(flags & ~(os.O_CREAT | os.O_TRUNC))
+        except BaseException:
+            self.close()
+            raise
+
+    def _preallocate(self, size: int) -> None:
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as e:  # some filesystems lack fallocate: a sparse file still works
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            os.ftruncate(self._fd, size)
+
+    def _try_o_direct(self, flags: int) -> str:
+        """Reopen with O_DIRECT; probe one aligned read because some filesystems fail late."""
+        o_direct = getattr(os, "O_DIRECT", 0)
+        if o_direct:
+            fd = -1
+            try:
+                fd = os.open(self.path, flags | o_direct)
+                os.preadv(fd, [memoryview(_staging.get(ALIGN).numpy())], 0)
+            except OSError as e:
+                if fd >= 0:
+                    os.close(fd)
+                if e.errno != errno.EINVAL:
+                    raise
+            else:
+                os.close(self._fd)
+                self._fd = fd
+                return "o_direct"
+        return "fadvise" if hasattr(os, "posix_fadvise") else "buffered"
+
+    # ------------------------------------------------------------------ I/O
+    def _check(self, slot: int, nbytes: int) -> int:
+        if self._fd < 0:
+            raise ValueError(f"{self.path} is closed")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit a {self.slot_bytes}-byte slot")
+        return slot * self.slot_stride
+
+    def _drop_cache(self, off: int, n: int) -> None:
+        if self.direct_mode == "fadvise":
+            os.posix_fadvise(self._fd, off, n, os.POSIX_FADV_DONTNEED)
+
+    def write(self, slot: int, t: torch.Tensor) -> None:
+        """Store the raw bytes of contiguous tensor `t` (any shape/dtype/device) in `slot`."""
+        if not t.is_contiguous():
+            raise ValueError("DiskFile.write needs a contiguous tensor")
+        n = t.nbytes
+        off = self._check(slot, n)
+        if n:
+            if self.direct_mode == "o_direct" and not (t.is_cpu and _is_aligned(t)):
+                buf = _staging.get(_round_up(n))
+                buf[:n].copy_(_byte_view(t))  # CUDA: device-to-host straight into the bounce buffer
+                buf[n:].zero_()
+                _pio(os.pwritev, self._fd, memoryview(buf.numpy()), off)
+            else:
+                src = t if t.is_cpu else t.cpu()
+                _pio(os.pwritev, self._fd, _np_bytes(src), off)
+                self._drop_cache(off, n)
+        self._lens[slot] = n
+        with self._lock:
+            self.bytes_written += n
+
+    def read(self, slot: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill contiguous `out` with the bytes written to `slot`; returns `out`.
+
+        `out` must have exactly the byte size that was written. A CPU `out` is
+        filled directly; any other device goes through a CPU bounce buffer.
+        """
+        if not out.is_contiguous():
+            raise ValueError("DiskFile.read needs a contiguous output tensor")
+        n = out.nbytes
+        off = self._check(slot, n)
+        if self._lens[slot] != n:
+            raise ValueError(f"slot {slot} holds {self._lens[slot]} bytes, out has {n}")
+        if n:
+            self._drop_cache(off, n)
+            if out.is_cpu and (self.direct_mode != "o_direct" or _is_aligned(out)):
+                _pio(os.preadv, self._fd, _np_bytes(out), off)
+            else:
+                buf = _staging.get(_round_up(n))
+                _pio(os.preadv, self._fd, memoryview(buf.numpy()), off)
+                _byte_view(out).copy_(buf[:n])
+        with self._lock:
+            self.bytes_read += n
+        return out
+
+    def read_new(self, slot: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Read `slot` into a fresh page-aligned CPU tensor of `shape`/`dtype`."""
+        return self.read(slot, aligned_empty(tuple(shape), dtype))
+
+    def sync(self) -> None:
+        """Flush written data to the device (fsync)."""
+        if self._fd >= 0:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Close the file descriptor and delete the file; safe to call twice."""
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        os.close(fd)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "DiskFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DiskFile({str(self.path)!r}, {self.num_slots}x{self.slot_bytes}B, {self.direct_mode})"
+
+
+class DiskStore:
+    """The directory of one run (`root/run-<pid>-<random>`) and the files in it."""
+
+    def __init__(self, root: Path, direct: bool = False):
+        root = Path(root)
+        self.direct = direct
+        self.created_root = not root.exists()
+        if self.created_root:
+            try:
+                root.mkdir(parents=True)
+            except OSError as e:
+                raise ValueError(f"cannot create offload directory {root}: {e.strerror}.") from None
+        if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+            raise ValueError(f"offload directory {root} is not a writable directory.")
+        self.root = root
+        try:
+            self.dir = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=root))
+        except OSError as e:
+            raise ValueError(f"cannot write to offload directory {root}: {e.strerror}.") from None
+        self.files: dict[str, DiskFile] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
+
+    def new_file(self, name: str, num_slots: int, slot_bytes: int) -> DiskFile:
+        """Create the slot file `name` inside this run's directory."""
+        if not name or os.sep in name or name in (".", ".."):
+            raise ValueError(f"file name must be a plain name, got {name!r}")
+        with self._lock:
+            if self._closed:
+                raise ValueError("DiskStore is closed")
+            if name in self.files:
+                raise ValueError(f"file {name!r} already exists in {self.dir}")
+            f = DiskFile(self.dir / name, num_slots, slot_bytes, direct=self.direct)
+            self.files[name] = f
+            return f
+
+    def close(self) -> None:
+        """Close every file and remove the run directory; safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            files, self.files = list(self.files.values()), {}
+        for f in files:
+            f.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.created_root:
+            try:
+                self.root.rmdir()  # only succeeds when empty
+            except OSError:
+                pass
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> "DiskStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def disk_bandwidth(dir: Path, nbytes: int = 64 << 20, direct: bool = True,
+                   chunk_bytes: int = 8 << 20) -> dict:
+    """Sequential write (incl. fsync) then read of an `nbytes` temp file in `dir`.
+
+    Returns {"read_GBps", "write_GBps", "mode"}; the file is deleted afterwards.
+    """
+    chunk_bytes = min(_round_up(chunk_bytes), _round_up(nbytes))
+    n_chunks = max(1, -(-nbytes // chunk_bytes))
+    src = aligned_empty((chunk_bytes,), torch.uint8)
+    src.copy_(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8))  # incompressible
+    store = DiskStore(Path(dir), direct=direct)
+    try:
+        f = store.new_file("bandwidth.bin", n_chunks, chunk_bytes)
+        t0 = time.perf_counter()
+        for i in range(n_chunks):
+            f.write(i, src)
+        f.sync()
+        t1 = time.perf_counter()
+        for i in range(n_chunks):
+            f.read(i, src)
+        t2 = time.perf_counter()
+        total = n_chunks * chunk_bytes
+        return {"read_GBps": total / (t2 - t1) / 1e9,
+                "write_GBps": total / (t1 - t0) / 1e9,
+                "mode": f.direct_mode}
+    finally:
+        store.close()

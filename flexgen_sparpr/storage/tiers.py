@@ -1,0 +1,87 @@
+"""The three storage tiers, the devices behind them, and the bytes moved between them."""
+from __future__ import annotations
+
+import enum
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Tier(str, enum.Enum):
+    COMPUTE = "compute"
+    CPU = "cpu"
+    DISK = "disk"
+
+
+class LinkCounters:
+    """Bytes moved per link ('disk->cpu', 'cpu->compute', ...); thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bytes: dict[str, int] = defaultdict(int)
+
+    def add(self, src: str, dst: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[f"{src}->{dst}"] += int(nbytes)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._bytes.clear()
+
+    def total(self) -> int:
+        return sum(self.snapshot().values())
+
+
+@dataclass
+class Devices:
+    """The physical devices behind the tiers of one run.
+
+    On a CPU-only machine the compute tier *is* host memory, so the CPU tier folds into it:
+    blocks placed on 'cpu' live beside the compute tier and no link is crossed.
+    """
+
+    compute: torch.device
+    pin_memory: bool = True
+    counters: LinkCounters = field(default_factory=LinkCounters)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.compute.type == "cuda"
+
+    def effective(self, tier: Tier) -> Tier:
+        return Tier.COMPUTE if (tier == Tier.CPU and not self.is_cuda) else tier
+
+    def device_of(self, tier: Tier) -> torch.device:
+        return self.compute if self.effective(tier) == Tier.COMPUTE else torch.device("cpu")
+
+    def empty_host(self, shape, dtype) -> torch.Tensor:
+        """A host buffer, pinned when a CUDA link will read it."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda and self.pin_memory)
+
+
+def split_by_percent(sizes: list[int], percents: tuple[float, float, float]) -> list[Tier]:
+    """FlexGen's rule: each tensor goes to the tier whose cumulative-percent range holds the
+    midpoint of its own byte range. percents = (compute, cpu, disk), summing to 100."""
+    total = max(1, sum(sizes))
+    bounds = (percents[0], percents[0] + percents[1])
+    tiers, acc = [], 0
+    for s in sizes:
+        mid = (acc + s / 2) / total * 100
+        acc += s
+        tiers.append(Tier.COMPUTE if mid < bounds[0] else Tier.CPU if mid < bounds[1] else Tier.DISK)
+    return tiers
+
+
+def block_homes(num_blocks: int, percents: tuple[float, float, float]) -> list[Tier]:
+    """Home tier per KV block, recency-ordered: the oldest blocks go to disk, then CPU, and the
+    newest to the compute tier, since every attention policy reads the recent window."""
+    n_disk = round(num_blocks * percents[2] / 100)
+    n_cpu = round(num_blocks * percents[1] / 100)
+    n_cpu = min(n_cpu, num_blocks - n_disk)
+    return [Tier.DISK] * n_disk + [Tier.CPU] * n_cpu + [Tier.COMPUTE] * (num_blocks - n_disk - n_cpu)
