@@ -19,24 +19,30 @@ def prefill_attention(table: BlockTable, q, k, v, valid):
 def decode_attention_step(table: BlockTable, q, k, v, pads, fetched, *, sparsity: float = 1.0,
                           cpu_compute: bool = False):
     """One new token. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D]; pads: [B] left-pad counts;
-    fetched: (kv [2, B, Hkv, T+1, D], pos [T+1]) gathered *before* this token with a spare last
-    slot, or None for a resident cache (read in place after the append).
-    Returns (o: [B, H, 1, D], store jobs)."""
+    fetched: (kv [2, B, Hkv, T+1, D], pos [T+1], Selection) gathered *before* this token with a
+    spare last slot, or None for a resident cache read whole, in place, after the append.
+    Returns (o: [B, H, 1, D], kv, pos, store jobs)."""
     if cpu_compute and table.devices.is_cuda and Tier.CPU in table.homes[:table.num_blocks]:
-        return _split_by_home(table, q, k, v, pads), table.append(k, v)
+        o = _split_by_home(table, q, k, v, pads)
+        return o, None, None, table.append(k, v)
+    mask = None
     if fetched is None:
         jobs = table.append(k, v)
         kv, pos = table.gather()
     else:
-        kv, pos = fetched
+        kv, pos, sel = fetched
         kv[0, :, :, -1:].copy_(k)
         kv[1, :, :, -1:].copy_(v)
         pos[-1] = table.length
         jobs = table.append(k, v)
-    valid = pos[None, :] >= pads[:, None]  # valid: [B, T]
+        mask = sel.mask
+    valid = pos[None, :] >= pads[:, None]  # valid: [B, T+1]
+    if mask is not None:
+        keep = torch.cat([mask, mask.new_ones(*mask.shape[:2], 1)], dim=-1)  # keep: [B, Hkv, T+1]
+        valid = valid[:, None, :] & keep  # valid: [B, Hkv, T+1]
     if sparsity < 1:
-        return topk_sparse_attention(q, kv[0], kv[1], valid, sparsity), jobs
-    return decode_attention(q, kv[0], kv[1], valid), jobs
+        return topk_sparse_attention(q, kv[0], kv[1], valid, sparsity), kv, pos, jobs
+    return decode_attention(q, kv[0], kv[1], valid), kv, pos, jobs
 
 
 def _split_by_home(table: BlockTable, q, k, v, pads):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..kv.block_table import BlockTable
-from ..kv.policy import KVPolicy, make_policy
+from ..kv.policy import KVPolicy, Selection, make_policy
 from ..models import build_arch
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier, block_homes
@@ -110,19 +110,25 @@ class Engine:
         if layer.kind not in ("attn", "block"):
             return _Done(None)
         t = self.tables[(layer.index, k)]
-        if t.resident or t.length == 0 or self.policy.cpu_cache_compute and self.devices.is_cuda:
+        if self._reads_in_place(t):
             return _Done(None)
-        blocks = self.kv_policy.plan(t, layer.index)
-        if blocks is None:
+        sel = self.kv_policy.plan(t, layer.index)
+        if sel is None:
             return _Done(None)
-        return self._submit(self._gather_with_spare, t, blocks)
+        return self._submit(self._gather_with_spare, t, sel)
 
-    def _gather_with_spare(self, t: BlockTable, blocks: list[int]):
-        total = sum(t.block_len(b) for b in blocks)
+    def _reads_in_place(self, t: BlockTable) -> bool:
+        """Caches attended without a gather: resident and read whole, or split by home
+        (--cpu-cache-compute on CUDA)."""
+        return (t.resident and self.kv_policy.reads_all) or \
+            (self.policy.cpu_cache_compute and self.devices.is_cuda)
+
+    def _gather_with_spare(self, t: BlockTable, sel: Selection):
+        total = sum(t.block_len(b) for b in sel.blocks)
         out = torch.empty((2, t.block_shape[1], t.block_shape[2], total + 1, t.block_shape[4]),
                           dtype=self.dtype, device=self.devices.compute)
-        kv, pos = t.gather(blocks, out)
-        return out, torch.cat([pos, pos.new_zeros(1)])
+        kv, pos = t.gather(sel.blocks, out)
+        return out, torch.cat([pos, pos.new_zeros(1)]), sel
 
     # --- compute ---
     def _attention(self, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bool):
@@ -130,14 +136,20 @@ class Engine:
         h = a.attn_input(w, x)
         q, kk, vv = a.qkv(w, h, pos)
         t = self.tables[(layer_idx, k)]
+        pol = self.kv_policy
         if prefill:
-            o, jobs = prefill_attention(t, q, kk, vv, pads_valid(pos, pads))
+            valid = pads_valid(pos, pads)
+            o, jobs = prefill_attention(t, q, kk, vv, valid)
+            pol.on_prefill(t, layer_idx, q, kk, valid)
         else:
-            if fetched is None and not t.resident and not (self.policy.cpu_cache_compute and self.devices.is_cuda):
-                blocks = self.kv_policy.select(t, layer_idx, q)
-                fetched = self._gather_with_spare(t, blocks)
-            o, jobs = decode_attention_step(t, q, kk, vv, pads, fetched, sparsity=self.policy.attn_sparsity,
-                                            cpu_compute=self.policy.cpu_cache_compute)
+            if fetched is None and not self._reads_in_place(t):
+                sel = pol.plan(t, layer_idx)
+                fetched = self._gather_with_spare(t, sel if sel is not None else pol.select(t, layer_idx, q))
+            o, kv, kpos, jobs = decode_attention_step(
+                t, q, kk, vv, pads, fetched, sparsity=self.policy.attn_sparsity,
+                cpu_compute=self.policy.cpu_cache_compute)
+            if kv is not None:
+                pol.observe(t, layer_idx, q, kv, kpos, fetched[2] if fetched else Selection.all(t))
         return a.attn_output(w, x, o), jobs
 
     def _compute(self, layer: Layer, w, x, ids, k: int, pos, pads, fetched, prefill: bool):

@@ -6,6 +6,8 @@ query returns None there and answers `select` at compute time instead.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .block_table import BlockTable
@@ -27,19 +29,49 @@ def make_policy(name: str, **kwargs) -> "KVPolicy":
     return POLICIES[name](**kwargs)
 
 
+@dataclass
+class Selection:
+    """What one decode step of one layer reads: whole blocks (what the engine moves), and
+    optionally a finer token mask over the gathered tokens, per sequence and KV head."""
+
+    blocks: list[int]  # ascending block ids
+    mask: torch.Tensor | None = None  # [B, Hkv, T] bool over the gathered tokens; None = all
+
+    @staticmethod
+    def all(table: BlockTable) -> "Selection":
+        return Selection(list(range(table.num_blocks)))
+
+
 class KVPolicy:
+    """Hooks, all optional. The new token of a step is always attended; the gathered tokens are
+    the blocks' tokens in block order (table.gather's order)."""
+
     name = "base"
 
     def attach(self, table: BlockTable, layer: int) -> None:
         """Called once per new block table (hook `table.on_seal` here to keep block summaries)."""
 
-    def plan(self, table: BlockTable, layer: int) -> list[int] | None:
-        """Blocks to read, decided before the query exists; None means 'ask select'."""
-        return list(range(table.num_blocks))
+    def on_prefill(self, table: BlockTable, layer: int, q: torch.Tensor, k: torch.Tensor,
+                   valid: torch.Tensor) -> None:
+        """After prefill attention. q: [B, H, S, D]; k: [B, Hkv, S, D]; valid: [B, S]."""
 
-    def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> list[int]:
-        """Blocks to read for query q: [B, H, 1, D] (called only when plan returned None)."""
-        return list(range(table.num_blocks))
+    def plan(self, table: BlockTable, layer: int) -> Selection | None:
+        """What to read, decided before the query exists (so it can be prefetched);
+        None means 'ask select once the query is known'."""
+        return Selection.all(table)
+
+    def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
+        """What to read for query q: [B, H, 1, D] (called only when plan returned None)."""
+        return Selection.all(table)
+
+    def observe(self, table: BlockTable, layer: int, q: torch.Tensor, kv: torch.Tensor,
+                pos: torch.Tensor, sel: Selection) -> None:
+        """After decode attention. kv: [2, B, Hkv, T+1, D] read (new token last); pos: [T+1]."""
+
+    @property
+    def reads_all(self) -> bool:
+        """True when every step reads the whole cache (lets a resident cache skip gathering)."""
+        return type(self).plan is KVPolicy.plan and type(self).select is KVPolicy.select
 
 
 @register("dense")

@@ -67,10 +67,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      valid: torch.Tensor | None) -> torch.Tensor:
-    """One query position over T keys. q: [B, H, 1, D]; k, v: [B, Hkv, T, D]; valid: [B, T]."""
+    """One query position over T keys. q: [B, H, 1, D]; k, v: [B, Hkv, T, D];
+    valid: [B, T] or per KV head [B, Hkv, T] bool."""
     gqa = q.shape[1] != k.shape[1]
-    mask = None if valid is None else valid[:, None, None, :]  # mask: [B, 1, 1, T]
+    mask = None if valid is None else _head_mask(valid, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _head_mask(valid: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, T] -> [B, 1, 1, T]; [B, Hkv, T] -> [B, H, 1, T] (query heads grouped per KV head)."""
+    if valid.dim() == 2:
+        return valid[:, None, None, :]
+    return valid.repeat_interleave(num_heads // valid.shape[1], dim=1)[:, :, None, :]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -106,13 +114,15 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
 def topk_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           valid: torch.Tensor | None, keep: float) -> torch.Tensor:
     """FlexGen's --attn-sparsity: full scores, keep the top ceil(keep*T) keys per head,
-    softmax renormalised over the kept keys only. q: [B, H, 1, D]; k, v: [B, Hkv, T, D]."""
+    softmax renormalised over the kept keys only. q: [B, H, 1, D]; k, v: [B, Hkv, T, D];
+    valid: [B, T] or [B, Hkv, T]."""
     b, h, sq, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     qg = q.float().view(b, hkv, h // hkv, sq, d)
     scores = torch.einsum("bkgqd,bktd->bkgqt", qg, k.float()) / math.sqrt(d)
     if valid is not None:
-        scores = scores.masked_fill(~valid[:, None, None, None, :], float("-inf"))
+        m = valid[:, None, None, None, :] if valid.dim() == 2 else valid[:, :, None, None, :]
+        scores = scores.masked_fill(~m, float("-inf"))
     n = max(1, min(t, math.ceil(keep * t)))
     top, idx = scores.topk(n, dim=-1)  # top: [B, Hkv, G, Sq, n]
     p = torch.softmax(top, dim=-1)
