@@ -5,6 +5,7 @@ blocks, and stores the blocks batch k-1 sealed; `overlap=False` runs the same ta
 """
 from __future__ import annotations
 
+import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,27 @@ class GenerationResult:
     tokens: list[list[int]]  # generated ids per sequence (prompt excluded)
     step_times: list[float]  # wall seconds per generated token; [0] is prefill
     logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V], if kept
+
+
+@dataclass
+class GenState:
+    """Where a generation stands: everything decode needs to go on."""
+
+    plen: int
+    max_new: int
+    pads: torch.Tensor  # [B] left-pad counts
+    sampler: Sampler
+    keep_logits: bool
+    done: torch.Tensor  # [B] bool
+    tokens: list[torch.Tensor] = field(default_factory=list)  # per step [B]
+    step_times: list[float] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Snapshot:
+    state: GenState
+    tables: dict
 
 
 class _Done(Future):
@@ -70,6 +92,8 @@ class Engine:
             if bar:
                 bar.close()
         self.tables: dict[tuple[int, int], BlockTable] = {}
+        self._observers: tuple[KVPolicy, ...] = ()
+        self._generation = 0
 
     def _layers(self) -> list[Layer]:
         a, sep = self.arch, self.policy.sep_layer
@@ -93,11 +117,12 @@ class Engine:
         for t in self.tables.values():
             t.close()
         self.tables.clear()
+        self._generation += 1  # disk file names stay unique across generations
         nb = -(-max_len // self.cfg.block_size)
         homes = block_homes(nb, self.policy.cache_percents)
         for i in range(self.spec.num_layers):
             for k in range(self.policy.num_gpu_batches):
-                t = BlockTable(name=f"l{i}-b{k}", batch=self.policy.gpu_batch_size,
+                t = BlockTable(name=f"g{self._generation}-l{i}-b{k}", batch=self.policy.gpu_batch_size,
                                num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim,
                                block_size=self.cfg.block_size, max_len=max_len, dtype=self.dtype,
                                homes=homes, devices=self.devices, disk=self.disk,
@@ -140,7 +165,8 @@ class Engine:
         if prefill:
             valid = pads_valid(pos, pads)
             o, jobs = prefill_attention(t, q, kk, vv, valid)
-            pol.on_prefill(t, layer_idx, q, kk, valid)
+            for observer in (pol, *self._observers):
+                observer.on_prefill(t, layer_idx, q, kk, valid)
         else:
             if fetched is None and not self._reads_in_place(t):
                 sel = pol.plan(t, layer_idx)
@@ -181,58 +207,91 @@ class Engine:
         return x
 
     # --- the generation loop ---
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
                  stop: int | None = None, progress: bool = False, keep_logits: bool = False) -> GenerationResult:
+        """Prefill the prompts (left-padded to one length), then decode up to max_new_tokens."""
+        state = self.prefill(prompts, max_new_tokens, sampler, keep_logits=keep_logits)
+        return self.decode(state, stop=stop, progress=progress)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
+                keep_logits: bool = False, observers: tuple[KVPolicy, ...] = ()) -> "GenState":
+        """Step 0: build the block tables and run the prompt. `observers` are further KV policies
+        that see the prefill too (attach + on_prefill), so one prefill can serve several."""
         p, dev = self.policy, self.devices.compute
         if len(prompts) != p.batch_size:
             raise ConfigError(f"got {len(prompts)} prompts; the policy runs batches of "
                               f"{p.gpu_batch_size} x {p.num_gpu_batches} = {p.batch_size}")
         if max_new_tokens < 1 or any(len(s) == 0 for s in prompts):
             raise ConfigError("need at least one prompt token and one new token")
-        sampler = sampler or Sampler()
         plen = max(len(s) for s in prompts)
-        max_len = plen + max_new_tokens
-        if self.spec.arch == "opt" and max_len > self.spec.max_pos:
+        if self.spec.arch == "opt" and plen + max_new_tokens > self.spec.max_pos:
             raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {self.spec.name}'s "
                               f"{self.spec.max_pos}-position table (dummy weights: raise --max-seq-len)")
-        self._new_tables(max_len)
-        gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
+        self._observers = observers
+        self._new_tables(plen + max_new_tokens)
+        for obs in observers:
+            for (i, _), t in self.tables.items():
+                obs.attach(t, i)
         ids = torch.full((p.batch_size, plen), self.spec.pad_id, dtype=torch.long)
-        for b, s in enumerate(prompts):
-            ids[b, plen - len(s):] = torch.tensor(s)
-        pads_all = torch.tensor([plen - len(s) for s in prompts], device=dev)
-        pads = [pads_all[k * gbs:(k + 1) * gbs] for k in range(ngb)]
-        ids = ids.to(dev)
-        done = torch.zeros(p.batch_size, dtype=torch.bool, device=dev)
-        out_tokens, step_times, kept = [], [], []
-        steps = range(max_new_tokens)
+        for b, seq in enumerate(prompts):
+            ids[b, plen - len(seq):] = torch.tensor(seq)
+        pads = torch.tensor([plen - len(seq) for seq in prompts], device=dev)
+        st = GenState(plen=plen, max_new=max_new_tokens, pads=pads, sampler=sampler or Sampler(),
+                      keep_logits=keep_logits, done=torch.zeros(p.batch_size, dtype=torch.bool, device=dev))
+        pos = (torch.arange(plen, device=dev)[None, :] - pads[:, None]).clamp(min=0)  # pos: [B, S]
+        self._advance(st, ids.to(dev), pos, prefill=True, stop=None)
+        self._observers = ()
+        return st
+
+    @torch.inference_mode()
+    def decode(self, st: "GenState", stop: int | None = None, progress: bool = False) -> GenerationResult:
+        """Decode from a prefilled state until max_new tokens (or every sequence hit `stop`)."""
+        steps = range(len(st.tokens), st.max_new)
         if progress:
             from tqdm import tqdm
             steps = tqdm(steps, desc="decode", leave=False)
-        cur = ids
         for i in steps:
-            t0 = time.perf_counter()
-            prefill = i == 0
-            length = plen if prefill else plen + i - 1  # tokens before this step's input
-            pos_all = (torch.arange(plen, device=dev)[None, :] - pads_all[:, None]).clamp(min=0) if prefill \
-                else (length - pads_all)[:, None]
-            logits = self._step(cur, pos_all, pads, prefill)
-            if keep_logits:
-                kept.append(logits.cpu())
-            nxt = sampler(logits)  # nxt: [B]
-            if stop is not None:
-                nxt = torch.where(done, torch.full_like(nxt, stop), nxt)
-                done |= nxt == stop
-            out_tokens.append(nxt)
-            cur = nxt[:, None]
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            step_times.append(time.perf_counter() - t0)
-            if stop is not None and bool(done.all()):
+            if stop is not None and bool(st.done.all()):
                 break
-        toks = torch.stack(out_tokens, dim=1).tolist()
-        return GenerationResult(tokens=toks, step_times=step_times, logits=kept)
+            length = st.plen + i - 1  # tokens cached before this step's input
+            self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
+        toks = torch.stack(st.tokens, dim=1).tolist()
+        return GenerationResult(tokens=toks, step_times=list(st.step_times), logits=list(st.logits))
+
+    def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None) -> None:
+        t0 = time.perf_counter()
+        gbs, ngb = self.policy.gpu_batch_size, self.policy.num_gpu_batches
+        pads = [st.pads[k * gbs:(k + 1) * gbs] for k in range(ngb)]
+        logits = self._step(ids, pos, pads, prefill)
+        if st.keep_logits:
+            st.logits.append(logits.cpu())
+        nxt = st.sampler(logits)  # nxt: [B]
+        if stop is not None:
+            nxt = torch.where(st.done, torch.full_like(nxt, stop), nxt)
+            st.done |= nxt == stop
+        st.tokens.append(nxt)
+        if self.devices.is_cuda:
+            torch.cuda.synchronize(self.devices.compute)
+        st.step_times.append(time.perf_counter() - t0)
+
+    def set_kv_policy(self, policy: KVPolicy, attach: bool = True) -> None:
+        """Swap the KV policy between runs (attach=False for one that observed the prefill)."""
+        self.kv_policy = policy
+        if attach:
+            for (i, _), t in self.tables.items():
+                policy.attach(t, i)
+
+    @torch.inference_mode()
+    def snapshot(self, st: "GenState") -> "Snapshot":
+        """Remember a state (e.g. right after prefill) so several decodes can start from it."""
+        return Snapshot(copy.deepcopy(st), {key: t.mark() for key, t in self.tables.items()})
+
+    @torch.inference_mode()
+    def restore(self, snap: "Snapshot") -> "GenState":
+        for key, t in self.tables.items():
+            t.rewind(snap.tables[key])
+        return copy.deepcopy(snap.state)
 
     def _step(self, ids, pos_all, pads, prefill: bool) -> torch.Tensor:
         """One token step (or the prefill) through every layer and batch; returns logits [B, V]."""

@@ -172,6 +172,17 @@ class BlockTable:
             if blocks else torch.empty(0, dtype=torch.long, device=dev)
         return out[:, :, :, :total], pos
 
+    # --- rewinding (one prefill, several decodes) ---
+    def mark(self):
+        """Remember the current length; the partial block's tail is copied since later
+        appends reuse the tail buffer."""
+        return self.length, self._tail.clone()
+
+    def rewind(self, mark) -> None:
+        """Go back to a mark. Blocks sealed after it are overwritten when refilled."""
+        self.length, tail = mark
+        self._tail.copy_(tail)
+
     def nbytes_on(self, tier: Tier) -> int:
         """Bytes of the sealed blocks homed on a tier (for reports)."""
         sealed = self.length // self.bs
