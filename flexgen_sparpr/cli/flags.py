@@ -1,0 +1,97 @@
+"""Command-line flags: every upstream FlexGen flag (same defaults, same meaning) plus ours.
+
+Defaults live in DEFAULTS, not in argparse, so a flag the user did not give can be told
+apart from one that merely equals its default (YAML config values sit between the two).
+"""
+from __future__ import annotations
+
+import argparse
+
+DEFAULTS = {
+    "model": "facebook/opt-6.7b", "path": "~/opt_weights", "offload_dir": "~/flexgen_offload_dir",
+    "prompt_len": 512, "gen_len": 32, "cut_gen_len": None, "debug_mode": None,
+    "gpu_batch_size": 4, "num_gpu_batches": 1, "percent": [100, 0, 100, 0, 100, 0],
+    "sep_layer": True, "pin_weight": True, "cpu_cache_compute": False, "attn_sparsity": 1.0,
+    "compress_weight": False, "compress_cache": False, "log_file": "auto", "no_log": False,
+    "verbose": 2, "overlap": True,
+    "device": "auto", "dtype": "auto", "block_size": 64, "max_seq_len": None, "prompt": None,
+    "prompt_file": None, "prompt_ids_file": None, "chat": False, "output_json": None, "config": None,
+    "kv_policy": "dense", "keep_ratio": 1.0, "direct_io": False, "io_threads": 2, "seed": 0,
+    "do_sample": False, "temperature": 1.0, "top_p": 1.0, "stop": None, "warmup": True,
+}
+
+
+def str2bool(v: str) -> bool:
+    if v.lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if v.lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+def add_flexgen_flags(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    g = p.add_argument_group("FlexGen flags (upstream names, defaults and meaning)")
+    g.add_argument("--model", help=f"model: a known name (opt-125m ... opt-175b, smollm2-135m), a local HF "
+                   f"checkpoint directory, or a .gguf file (default {d['model']})")
+    g.add_argument("--path", help=f"weights folder: FlexGen's <path>/<model>-np layout or a HF checkpoint; "
+                   f"'_DUMMY_' for deterministic random weights (default {d['path']})")
+    g.add_argument("--offload-dir", help=f"folder for the disk tier (default {d['offload_dir']})")
+    g.add_argument("--prompt-len", type=int, help=f"prompt tokens when no prompt is given (default {d['prompt_len']})")
+    g.add_argument("--gen-len", type=int, help=f"tokens to generate (default {d['gen_len']})")
+    g.add_argument("--cut-gen-len", type=int, help="generate only this many tokens and project the "
+                   "decode latency to --gen-len (fast debugging)")
+    g.add_argument("--debug-mode", choices=["fewer_batch", "breakdown"],
+                   help="breakdown: print every step's time; fewer_batch: as breakdown, with "
+                   "--cut-gen-len defaulting to 5")
+    g.add_argument("--gpu-batch-size", type=int, help=f"sequences per GPU batch (default {d['gpu_batch_size']})")
+    g.add_argument("--num-gpu-batches", type=int, help=f"GPU batches per block (default {d['num_gpu_batches']})")
+    g.add_argument("--percent", nargs="+", type=int, help="six numbers: weight on GPU, weight on CPU, "
+                   "cache on GPU, cache on CPU, activations on GPU, activations on CPU (percent; disk "
+                   "gets the rest; on a CPU-only machine 'GPU' is the compute tier) (default 100 0 100 0 100 0)")
+    g.add_argument("--sep-layer", type=str2bool, nargs="?", const=True, help="attention and MLP as separate "
+                   "layers of the schedule (default true)")
+    g.add_argument("--pin-weight", type=str2bool, nargs="?", const=True, help="pin CPU-tier weights (default true)")
+    g.add_argument("--cpu-cache-compute", action="store_true", default=None,
+                   help="attend CPU-tier KV blocks on the CPU (only the query crosses the link)")
+    g.add_argument("--attn-sparsity", type=float, help="FlexGen's top-k attention: fraction of positions "
+                   "kept per head, renormalised (default 1.0 = dense)")
+    g.add_argument("--compress-weight", action="store_true", default=None, help="4-bit group-wise weights (group 64)")
+    g.add_argument("--compress-cache", action="store_true", default=None, help="4-bit group-wise KV cache (group 64)")
+    g.add_argument("--log-file", help="FlexGen benchmark log file; 'auto' names it fo-<size>-gbs...log (default auto)")
+    g.add_argument("--no-log", action="store_true", default=None, help="write no log file")
+    g.add_argument("--verbose", type=int, help="0: quiet, 1: summary, 2: summary and outputs (default 2)")
+    g.add_argument("--overlap", type=str2bool, nargs="?", const=True, help="overlap I/O with compute (default true)")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("flexgen-sparpr flags")
+    g.add_argument("--config", help="YAML file with 'policy:', 'engine:' and 'run:' sections; flags override it")
+    g.add_argument("--device", help="compute device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
+    g.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"],
+                   help="compute dtype (auto: float16 on CUDA, float32 on CPU)")
+    g.add_argument("--block-size", type=int, help="tokens per KV block (default 64)")
+    g.add_argument("--max-seq-len", type=int, help="dummy weights: size the position table (OPT's real one stops at 2048)")
+    g.add_argument("--prompt", help="prompt text (needs a model with a tokenizer)")
+    g.add_argument("--prompt-file", help="file holding the prompt text")
+    g.add_argument("--prompt-ids-file", help="JSON list of token-id lists (for models without a tokenizer)")
+    g.add_argument("--chat", action="store_true", default=None, help="wrap the prompt in the model's chat template")
+    g.add_argument("--output-json", help="write ids, texts, timings, peak memory and bytes moved here")
+    g.add_argument("--kv-policy", help="which KV blocks attention reads at decode (default dense)")
+    g.add_argument("--keep-ratio", type=float, help="KV budget: fraction of context tokens read (default 1.0)")
+    g.add_argument("--direct-io", action="store_true", default=None, help="disk tier bypasses the page cache (O_DIRECT)")
+    g.add_argument("--io-threads", type=int, help="I/O threads of the overlapped schedule (default 2)")
+    g.add_argument("--seed", type=int, help="seed for sampling and dummy weights (default 0)")
+    g.add_argument("--do-sample", action="store_true", default=None, help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling threshold (default 1.0)")
+    g.add_argument("--stop", help="stop token id, or 'eos' for the model's end token (default: none, as FlexGen)")
+    g.add_argument("--warmup", type=str2bool, nargs="?", const=True, help="one short warm-up generation "
+                   "before the timed one, as FlexGen does (default true)")
+
+
+def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run offloaded generation with FlexGen's flags.")
+    add_flexgen_flags(p)
+    add_engine_flags(p)
+    return p

@@ -1,0 +1,64 @@
+"""Turn --prompt / --prompt-file / --prompt-ids-file (or nothing, as FlexGen) into token ids."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..engine.config import ConfigError
+
+FLEXGEN_PROMPT = "Paris is the capital city of"
+
+
+def load_tokenizer(tokenizer_dir):
+    if tokenizer_dir is None:
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def build_prompts(run, tokenizer, batch_size: int, vocab: int) -> list[list[int]]:
+    """One id list per sequence; a single prompt is repeated over the batch, as FlexGen does."""
+    if run.prompt_ids_file:
+        try:
+            ids = json.loads(Path(run.prompt_ids_file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--prompt-ids-file: {e}") from None
+        if not (isinstance(ids, list) and ids and all(isinstance(s, list) and s and
+                                                      all(isinstance(t, int) and 0 <= t < vocab for t in s) for s in ids)):
+            raise ConfigError(f"--prompt-ids-file must hold a JSON list of non-empty lists of token ids in [0, {vocab})")
+        return _fill(ids, batch_size)
+    text = run.prompt
+    if run.prompt_file:
+        try:
+            text = Path(run.prompt_file).read_text()
+        except OSError as e:
+            raise ConfigError(f"--prompt-file: {e.strerror}: {run.prompt_file}") from None
+    if text is not None:
+        if tokenizer is None:
+            raise ConfigError("this model has no tokenizer: give token ids with --prompt-ids-file")
+        return _fill([encode(tokenizer, text, run.chat)], batch_size)
+    if tokenizer is not None:  # FlexGen's benchmark prompt (the engine left-pads it to --prompt-len)
+        return _fill([encode(tokenizer, FLEXGEN_PROMPT, run.chat)[-run.prompt_len:]], batch_size)
+    g = torch.Generator().manual_seed(run.seed)  # no tokenizer (dummy OPT): fixed random ids
+    return _fill([torch.randint(3, vocab, (run.prompt_len,), generator=g).tolist()], batch_size)
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("--chat: this model's tokenizer has no chat template")
+        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    return tokenizer(text)["input_ids"]
+
+
+def _fill(ids: list[list[int]], batch_size: int) -> list[list[int]]:
+    if len(ids) == 1:
+        return ids * batch_size
+    if len(ids) != batch_size:
+        raise ConfigError(f"{len(ids)} prompts given but the batch is {batch_size} "
+                          "(--gpu-batch-size x --num-gpu-batches)")
+    return ids

@@ -1,0 +1,264 @@
+"""Decode throughput: this engine's dense decode vs HF transformers' `generate`, same model,
+same prompts, same dtype and thread count, in one run.
+
+For every (context, batch) cell both run greedy generation of --gen-len tokens from the same
+prompts (slices of a text file, tokenized with the model's tokenizer, truncated to the context
+length; batch rows start at different offsets of the text so they differ but share a length).
+
+  decode tok/s = batch * (gen_len - 1) / decode seconds   (prefill and its first token excluded)
+
+Engine: prefill = step_times[0]; decode = sum(step_times[1:]).
+HF: one ordinary `model.generate` call; a pass-through LogitsProcessor timestamps every step
+(it runs right after each forward). prefill = first timestamp - call start; decode = last
+timestamp - first timestamp, which spans exactly gen_len - 1 one-token forwards plus their
+greedy selection and bookkeeping, the same work the engine's steps 1.. do.
+
+Writes <out>/decode_vs_hf.json (every cell + config + machine info) and <out>/decode_vs_hf.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, die, int_list, machine_info, md_table, write_results  # noqa: E402
+
+TARGET = 1.2  # the project's goal: engine decode tok/s >= 1.2x HF's at every context on CPU
+STEM = "decode_vs_hf"
+WARMUP_LEN, WARMUP_GEN = 64, 4
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Timing method:\n" + __doc__.split("\n\n", 2)[2])
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="a known name or a local HF checkpoint dir (default: smollm2-135m, the prepared model)")
+    ap.add_argument("--text", default=str(REPO / "tests" / "data" / "alice29.txt"),
+                    help="prompt text file (default: tests/data/alice29.txt in the repo; "
+                         "filler words are used, with a note, if the default is missing)")
+    ap.add_argument("--lengths", default="2048,4096,8192",
+                    help="comma-separated context lengths in tokens (default: 2048,4096,8192)")
+    ap.add_argument("--batches", default="1,4", help="comma-separated batch sizes (default: 1,4)")
+    ap.add_argument("--gen-len", type=int, default=32, help="new tokens per sequence, >= 2 (default: 32)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for both (default: torch's default here)")
+    ap.add_argument("--out", default=str(REPO / "results"), help="output directory (default: results/)")
+    args = ap.parse_args(argv)
+    for name in ("lengths", "batches"):
+        try:
+            setattr(args, name, int_list(getattr(args, name)))
+        except ValueError:
+            die(f"--{name} must be a comma-separated list of positive integers (got {getattr(args, name)!r})")
+    if args.gen_len < 2:
+        die(f"--gen-len must be >= 2 (decode excludes the first token; got {args.gen_len})")
+    if args.threads is not None and args.threads < 1:
+        die(f"--threads must be >= 1 (got {args.threads})")
+    return args
+
+
+# --- prompts ---
+def load_tokens(tokenizer, text_path: str, needed: int) -> tuple[list[int], str]:
+    """Token ids of the text (or of filler words, if the default file is missing)."""
+    p = Path(text_path)
+    default = p == REPO / "tests" / "data" / "alice29.txt"
+    if p.is_file():
+        ids = tokenizer(p.read_text(errors="replace"))["input_ids"]
+        if not ids:
+            die(f"--text {p} tokenizes to no tokens")
+        return ids, str(p)
+    if not default:
+        die(f"--text file not found: {p}")
+    print(f"note: {p} is missing; using generated filler words as the prompt", file=sys.stderr)
+    rng = random.Random(0)
+    words = "the a rabbit queen hat tea garden door key small large curious said Alice".split()
+    text = " ".join(rng.choice(words) for _ in range(needed + 1000))
+    return tokenizer(text)["input_ids"], "filler words (random.Random(0))"
+
+
+def make_prompts(tokens: list[int], ctx: int, batch: int) -> list[list[int]]:
+    """batch rows of ctx tokens each, starting at evenly spaced offsets (the text wraps)."""
+    stride = max(1, len(tokens) // batch)
+    reps = -(-(stride * (batch - 1) + ctx) // len(tokens)) + 1
+    long = tokens * reps
+    return [long[b * stride: b * stride + ctx] for b in range(batch)]
+
+
+# --- the two runners ---
+def run_engine(engine, prompts: list[list[int]], gen_len: int) -> dict:
+    r = engine.generate(prompts, gen_len)
+    return {"tokens": r.tokens, "prefill_s": r.step_times[0], "step_s": list(r.step_times[1:])}
+
+
+def run_hf(model, prompts: list[list[int]], gen_len: int) -> dict:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores):
+            self.t.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    stamp = Stamp()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len,
+                             do_sample=False, eos_token_id=None,
+                             logits_processor=LogitsProcessorList([stamp]))
+    new = out[:, ids.shape[1]:].tolist()
+    if len(stamp.t) != gen_len or len(new[0]) != gen_len:
+        raise RuntimeError(f"HF generate made {len(new[0])} tokens in {len(stamp.t)} steps, expected {gen_len}")
+    steps = [b - a for a, b in zip(stamp.t, stamp.t[1:])]
+    return {"tokens": new, "prefill_s": stamp.t[0] - t0, "step_s": steps}
+
+
+# --- one cell ---
+def summarize(run: dict, batch: int, gen_len: int) -> dict:
+    decode = sum(run["step_s"])
+    return {"prefill_s": round(run["prefill_s"], 4), "decode_s": round(decode, 4),
+            "tok_s": round(batch * (gen_len - 1) / decode, 3),
+            "step_ms_median": round(1e3 * statistics.median(run["step_s"]), 2),
+            "step_ms_max": round(1e3 * max(run["step_s"]), 2)}
+
+
+def first_mismatch(a: list[list[int]], b: list[list[int]]) -> int | None:
+    """Earliest generated position where any row differs (None if all equal)."""
+    diffs = [i for ra, rb in zip(a, b) for i, (x, y) in enumerate(zip(ra, rb)) if x != y]
+    return min(diffs) if diffs else None
+
+
+def bench_cell(engine, model, tokens, ctx: int, batch: int, gen_len: int) -> dict:
+    prompts = make_prompts(tokens, ctx, batch)
+    e = run_engine(engine, prompts, gen_len)
+    gc.collect()
+    h = run_hf(model, prompts, gen_len)
+    gc.collect()
+    es, hs = summarize(e, batch, gen_len), summarize(h, batch, gen_len)
+    mm = first_mismatch(e["tokens"], h["tokens"])
+    return {"context": ctx, "batch": batch, "engine_tok_s": es["tok_s"], "hf_tok_s": hs["tok_s"],
+            "ratio": round(es["tok_s"] / hs["tok_s"], 3),
+            "engine_prefill_s": es["prefill_s"], "hf_prefill_s": hs["prefill_s"],
+            "tokens_match": mm is None, "first_mismatch_step": mm,
+            "engine": es, "hf": hs, "engine_tokens": e["tokens"], "hf_tokens": h["tokens"]}
+
+
+# --- setup ---
+def load_models(args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
+    from flexgen_sparpr.weights.sources import HFDirSource
+
+    try:
+        src = resolve_source(args.model, "")
+    except (ModelNotFound, ValueError) as exc:
+        die(str(exc))
+    if not isinstance(src, HFDirSource) or src.tokenizer_dir is None:
+        die(f"--model {args.model}: need a HF checkpoint directory with a tokenizer (HF loads the same files)")
+    tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
+    return src, tok, model
+
+
+def make_engine(src, batch: int):
+    from flexgen_sparpr.engine.config import EngineConfig, Policy
+    from flexgen_sparpr.engine.executor import Engine
+    return Engine(src, Policy(gpu_batch_size=batch), EngineConfig(device="cpu", dtype="float32"))
+
+
+def warm_up(engine, model, tokens, batch: int) -> None:
+    prompts = make_prompts(tokens, WARMUP_LEN, batch)
+    run_engine(engine, prompts, WARMUP_GEN)
+    run_hf(model, prompts, WARMUP_GEN)
+
+
+# --- output ---
+def render_md(payload: dict) -> str:
+    cfg, m = payload["config"], payload["machine"]
+    rows = [[c["context"], c["batch"], f'{c["engine_tok_s"]:.2f}', f'{c["hf_tok_s"]:.2f}',
+             f'{c["ratio"]:.2f}' + ("" if c["ratio"] >= TARGET else " (below 1.2)"),
+             f'{c["engine_prefill_s"]:.2f}', f'{c["hf_prefill_s"]:.2f}',
+             "yes" if c["tokens_match"] else f'no (step {c["first_mismatch_step"]})']
+            for c in payload["cells"]]
+    head = ["context", "batch", "engine tok/s", "HF tok/s", "ratio", "engine prefill s",
+            "HF prefill s", "tokens match"]
+    notes = [
+        f"# Decode throughput: engine vs HF `generate` ({cfg['model']})\n",
+        f"float32 on CPU, greedy, {cfg['gen_len']} new tokens, {m['torch_threads']} torch threads, "
+        f"torch {m['torch']}, transformers {m.get('transformers')}, CPU {m['cpu_model']} "
+        f"({m['cpu_count']} cores). Prompt: {cfg['text']}.\n",
+        f"decode tok/s = batch x (gen_len - 1) / decode seconds, prefill excluded. "
+        f"{payload['method']}\n",
+        f"Target: engine >= {TARGET}x HF at every context. Load average before/after: "
+        f"{payload['load_before']} / {m['load_average']}"
+        + (" (timings may be noisy: other work shared the CPU)." if payload["noisy"] else ".") + "\n",
+    ]
+    return "\n".join(notes) + "\n" + md_table(head, rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    load_before = [round(v, 2) for v in os.getloadavg()]
+    src, tok, model = load_models(args)
+    tokens, text_desc = load_tokens(tok, args.text, max(args.lengths) * max(args.batches))
+    if max(args.lengths) + args.gen_len > src.spec.max_pos:
+        print(f"note: context + gen-len exceeds the model's {src.spec.max_pos} trained positions "
+              f"(RoPE runs past it in both)", file=sys.stderr)
+    cells, t_start = [], time.perf_counter()
+    for batch in args.batches:
+        engine = make_engine(src, batch)
+        try:
+            warm_up(engine, model, tokens, batch)
+            for ctx in args.lengths:
+                c = bench_cell(engine, model, tokens, ctx, batch, args.gen_len)
+                cells.append(c)
+                print(f"ctx {ctx:>5} batch {batch}: engine {c['engine_tok_s']:.2f} tok/s, "
+                      f"HF {c['hf_tok_s']:.2f} tok/s, ratio {c['ratio']:.2f}, "
+                      f"prefill {c['engine_prefill_s']:.1f}s / {c['hf_prefill_s']:.1f}s, "
+                      f"tokens_match={c['tokens_match']}", flush=True)
+        finally:
+            engine.close()
+    machine = machine_info()
+    machine["torch_threads"] = threads
+    noisy = max(load_before[0], machine["load_average"][0]) > threads + 0.5
+    payload = {
+        "config": {"model": args.model, "model_dir": str(src.path), "text": text_desc,
+                   "lengths": args.lengths, "batches": args.batches, "gen_len": args.gen_len,
+                   "threads": threads, "dtype": "float32", "device": "cpu", "greedy": True,
+                   "engine": "Policy(gpu_batch_size=batch) all on compute tier, EngineConfig(dense)",
+                   "hf_attn_implementation": model.config._attn_implementation,
+                   "warmup": f"each once per batch size on a {WARMUP_LEN}-token prompt, {WARMUP_GEN} new tokens"},
+        "method": ("Engine: prefill = step_times[0], decode = sum(step_times[1:]). HF: one "
+                   "model.generate call; a pass-through LogitsProcessor timestamps each step right "
+                   "after its forward; prefill = first stamp - call start, decode = last - first "
+                   "stamp (gen_len - 1 one-token forwards)."),
+        "target_ratio": TARGET, "load_before": load_before, "noisy": noisy,
+        "wall_s": round(time.perf_counter() - t_start, 1), "machine": machine, "cells": cells,
+        "meets_target": all(c["ratio"] >= TARGET for c in cells),
+    }
+    for p in write_results(Path(args.out), STEM, payload, render_md(payload)):
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
