@@ -50,7 +50,7 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
         with PeakMemory(eng.devices.compute) as mem:
             res = eng.generate(prompts, gen_len, sampler, stop=stop, progress=tty, pad_to=pad_to)
         moved = eng.devices.counters.snapshot()
-        disk_mode = eng.disk.mode if eng.disk is not None and hasattr(eng.disk, "mode") else None
+        disk_mode = sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else None
     finally:
         eng.close()
     times = res.step_times
