@@ -18,7 +18,7 @@ def prefill_attention(table: BlockTable, q, k, v, valid):
 
 def decode_attention_step(table: BlockTable, q, k, v, pads, fetched, *, sparsity: float = 1.0,
                           cpu_compute: bool = False):
-    """One new token. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D]; pads: [B] left-pad counts;
+    """One new token. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D]; pads: [B] left-pad counts or None;
     fetched: (kv [2, B, Hkv, T+1, D], pos [T+1], Selection) gathered *before* this token with a
     spare last slot, or None for a resident cache read whole, in place, after the append.
     Returns (o: [B, H, 1, D], kv, pos, store jobs)."""
@@ -36,8 +36,10 @@ def decode_attention_step(table: BlockTable, q, k, v, pads, fetched, *, sparsity
         pos[-1] = table.length
         jobs = table.append(k, v)
         mask = sel.mask
-    valid = pos[None, :] >= pads[:, None]  # valid: [B, T+1]
+    valid = None if pads is None else pos[None, :] >= pads[:, None]  # valid: [B, T+1]
     if mask is not None:
+        if valid is None:
+            valid = torch.ones(mask.shape[0], pos.shape[0], dtype=torch.bool, device=pos.device)
         keep = torch.cat([mask, mask.new_ones(*mask.shape[:2], 1)], dim=-1)  # keep: [B, Hkv, T+1]
         valid = valid[:, None, :] & keep  # valid: [B, Hkv, T+1]
     if sparsity < 1:
@@ -55,6 +57,8 @@ def _split_by_home(table: BlockTable, q, k, v, pads):
     kv, pos = table.gather(rest)
     kv = torch.cat([kv, torch.stack([k, v])], dim=3)  # + the new token
     pos = torch.cat([pos, torch.tensor([table.length], device=pos.device)])
+    if pads is None:
+        pads = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
     parts.append(attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None]))
     if on_cpu:
         qc, pc = q.cpu(), pads.cpu()

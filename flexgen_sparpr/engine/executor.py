@@ -165,6 +165,8 @@ class Engine:
         if prefill:
             valid = pads_valid(pos, pads)
             o, jobs = prefill_attention(t, q, kk, vv, valid)
+            if valid is None:
+                valid = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
             for observer in (pol, *self._observers):
                 observer.on_prefill(t, layer_idx, q, kk, valid)
         else:
@@ -264,7 +266,9 @@ class Engine:
     def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None) -> None:
         t0 = time.perf_counter()
         gbs, ngb = self.policy.gpu_batch_size, self.policy.num_gpu_batches
+        # a batch without left padding needs no attention mask (lets SDPA take its fast path)
         pads = [st.pads[k * gbs:(k + 1) * gbs] for k in range(ngb)]
+        pads = [p if bool(p.any()) else None for p in pads]
         logits = self._step(ids, pos, pads, prefill)
         if st.keep_logits:
             st.logits.append(logits.cpu())
@@ -346,7 +350,9 @@ class Engine:
         self.close()
 
 
-def pads_valid(pos, pads) -> torch.Tensor:
-    """[B, S] validity of prefill tokens under left padding."""
+def pads_valid(pos, pads) -> torch.Tensor | None:
+    """[B, S] validity of prefill tokens under left padding (None: no padding)."""
+    if pads is None:
+        return None
     s = pos.shape[1]
     return torch.arange(s, device=pos.device)[None, :] >= pads[:, None]

@@ -1,0 +1,8 @@
+"""The budgeted KV policies; importing this package registers them (POLICIES in kv/policy.py)."""
+from .base import BudgetPolicy, token_budget
+from .flexgen_topk import FlexGenTopK
+from .h2o import H2O
+from .quest import Quest
+from .streaming_llm import StreamingLLM
+
+__all__ = ["BudgetPolicy", "FlexGenTopK", "H2O", "Quest", "StreamingLLM", "token_budget"]

@@ -1,0 +1,112 @@
+"""What the budgeted KV policies share: the token budget, per-table state, and turning a set of
+kept tokens into a Selection (the blocks to move plus the exact token mask).
+
+Budget. For sequence b at a decode step, n_b = valid tokens cached before the step
+(table.length minus b's left padding). Per KV head the step reads at most
+
+    budget_b = min(n_b, max(ceil(keep_ratio * n_b), floor))
+
+cached tokens (True, non-pad entries of Selection.mask); `floor` is what the policy can never
+drop (its sinks, the open block). The step's own new token is attended on top: it is computed
+this step, not read from the cache, so keep_ratio = 1 reads exactly what dense attention reads.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..block_table import BlockTable
+from ..policy import KVPolicy, Selection
+
+
+def token_budget(keep_ratio: float, n: int, floor: int = 0) -> int:
+    """min(n, max(ceil(keep_ratio * n), floor)); rounded first so 0.1 * 2040 is 204, not 205."""
+    return min(n, max(math.ceil(round(keep_ratio * n, 9)), floor))
+
+
+@dataclass(eq=False)  # identity semantics: two policies with equal knobs are still two policies
+class BudgetPolicy(KVPolicy):
+    """Base of the policies that read a fraction `keep_ratio` of the context at a decode step."""
+
+    keep_ratio: float = 0.5
+
+    def __post_init__(self):
+        if not 0 < self.keep_ratio <= 1:
+            raise ValueError(f"keep_ratio must be in (0, 1] (got {self.keep_ratio})")
+        # keyed by the table object itself, weakly: a dropped table takes its state with it
+        self._pads: weakref.WeakKeyDictionary[BlockTable, torch.Tensor] = weakref.WeakKeyDictionary()
+
+    # --- what every step must read (the test matrix checks these) ---
+    def floor(self, table: BlockTable) -> int:
+        """Tokens the budget never drops below (sinks, the open block)."""
+        return 0
+
+    def mandatory(self, table: BlockTable, budget: int) -> tuple[int, int]:
+        """(first, last): how many of the oldest / newest valid cached tokens a step with this
+        budget always reads."""
+        return 0, 0
+
+    def is_dense_layer(self, layer: int) -> bool:
+        """Layers the policy leaves dense (the budget does not apply there)."""
+        return False
+
+    # --- per-table facts ---
+    def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
+        # left padding: the invalid prefix of each row
+        self._pads[table] = (~valid).sum(dim=1).to(table.devices.compute)  # pads: [B]
+
+    def pads(self, table: BlockTable) -> torch.Tensor:
+        """[B] left-pad counts (zeros for a table this policy did not see prefilled)."""
+        p = self._pads.get(table)
+        return p if p is not None else torch.zeros(table.block_shape[1], dtype=torch.long,
+                                                   device=table.devices.compute)
+
+    def budgets(self, table: BlockTable) -> list[int]:
+        """Per sequence: cached tokens this step may read per KV head."""
+        floor = self.floor(table)
+        return [token_budget(self.keep_ratio, table.length - int(p), floor) for p in self.pads(table).tolist()]
+
+    def valid_tokens(self, table: BlockTable) -> torch.Tensor:
+        """[B, L] bool over the cached positions [0, L): not left padding."""
+        pos = torch.arange(table.length, device=table.devices.compute)
+        return pos[None, :] >= self.pads(table)[:, None]
+
+
+def gathered_positions(table: BlockTable, blocks: list[int]) -> torch.Tensor:
+    """Cache positions of blocks' tokens in table.gather's order: [T]."""
+    dev = table.devices.compute
+    if not blocks:
+        return torch.empty(0, dtype=torch.long, device=dev)
+    ids = torch.tensor(blocks, device=dev)
+    pos = (ids[:, None] * table.bs + torch.arange(table.bs, device=dev)).flatten()  # pos: [nb * bs]
+    return pos[pos < table.length]  # only the last (open) block can be short
+
+
+def selection_from_tokens(table: BlockTable, keep: torch.Tensor) -> Selection:
+    """keep: [B, Hkv, L] bool over the cached positions. Moves every block holding a kept token
+    of any sequence or head; the mask then gives each (sequence, head) exactly its own tokens."""
+    b, h, length = keep.shape
+    nb = table.num_blocks
+    padded = torch.zeros(b, h, nb * table.bs, dtype=torch.bool, device=keep.device)
+    padded[..., :length] = keep
+    hit = padded.view(b, h, nb, table.bs).any(dim=3).any(dim=1).any(dim=0)  # hit: [nb]
+    blocks = hit.nonzero().flatten().tolist()
+    return Selection(blocks, keep[..., gathered_positions(table, blocks)])  # mask: [B, Hkv, T]
+
+
+def recent_mask(valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[B, L] bool: the last counts[b] positions of each row (all valid when counts[b] <= n_b)."""
+    length = valid.shape[1]
+    pos = torch.arange(length, device=valid.device)
+    start = torch.tensor([length - c for c in counts], device=valid.device)
+    return pos[None, :] >= start[:, None]
+
+
+def first_valid_mask(valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[B, L] bool: the first counts[b] valid positions of each row (the sinks)."""
+    rank = valid.long().cumsum(dim=1)  # 1-based rank among valid tokens
+    lim = torch.tensor(counts, device=valid.device)
+    return valid & (rank <= lim[:, None])

@@ -1,0 +1,133 @@
+"""H2O: heavy hitters (most attended tokens so far) plus a recent window; the rest is evicted."""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..block_table import BlockTable
+from ..policy import Selection, register
+from .base import BudgetPolicy, recent_mask, selection_from_tokens
+
+
+@dataclass(eq=False)
+class _State:
+    prefill: torch.Tensor  # [B, Hkv, capacity] attention received during prefill
+    score: torch.Tensor | None = None  # [B, Hkv, capacity] prefill + every decode step so far
+    evicted: torch.Tensor | None = None  # [B, Hkv, capacity] bool, for good
+    planned: int = -1  # table.length at the last plan
+    observed: bool = False  # observe ran since that plan
+    sel: Selection | None = None
+
+
+def prefill_column_sums(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor,
+                        max_elems: int = 1 << 25) -> torch.Tensor:
+    """Attention each key receives in prefill, summed over valid queries and a KV head's query
+    heads. q: [B, H, S, D]; k: [B, Hkv, S, D]; valid: [B, S] -> [B, Hkv, S] (float32).
+
+    Causal softmax rows are made a chunk of queries at a time, each chunk against only the keys
+    it can see, so memory stays near `max_elems` floats even at 8k tokens."""
+    b, h, s, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(b, hkv, h // hkv, s, d)  # qg: [B, Hkv, G, S, D]
+    kf = k.float()
+    col = torch.zeros(b, hkv, s, dtype=torch.float32, device=q.device)
+    chunk = max(1, max_elems // max(1, b * h * s))
+    pos = torch.arange(s, device=q.device)
+    for i0 in range(0, s, chunk):
+        i1 = min(s, i0 + chunk)
+        sc = torch.einsum("bkgqd,bktd->bkgqt", qg[:, :, :, i0:i1].float(), kf[:, :, :i1]) / math.sqrt(d)
+        see = (pos[None, :i1] <= pos[i0:i1, None])[None] & valid[:, None, :i1]  # see: [B, c, i1]
+        see |= pos[None, :i1] == pos[i0:i1, None]  # a pad query sees itself: no all -inf row
+        p = torch.softmax(sc.masked_fill(~see[:, None, None], float("-inf")), dim=-1)
+        p = p * valid[:, None, None, i0:i1, None]  # pad queries add nothing
+        col[:, :, :i1] += p.sum(dim=(2, 3))
+    return col
+
+
+@register("h2o")
+@dataclass(eq=False)
+class H2O(BudgetPolicy):
+    """Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+    Language Models" (NeurIPS 2023).
+
+    Every token's score is the attention it has received, summed over the prefill's queries and
+    every decode step's query, and over the query heads of its KV head. A step keeps, per
+    sequence and KV head, the `recent` newest tokens (budget - heavy, heavy = floor(budget *
+    heavy_fraction)) and the `heavy` highest-scoring older tokens that were never evicted; every
+    other token is evicted for good. The choice uses only past attention, so `plan` answers it
+    (prefetchable). Token level within blocks: a block moves if any sequence or head keeps a
+    token in it, and the mask gives each head its own tokens. The open last block is treated like
+    any other. Scores of a decode step come from recomputing its softmax in `observe` (one query).
+    A rewind to the prefill snapshot (Engine.restore) is detected and restarts from the prefill
+    scores; snapshots taken after decode steps are not supported.
+    """
+
+    heavy_fraction: float = 0.5
+    prefill_chunk_elems: int = 1 << 25  # floats per chunk of the prefill statistics
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.heavy_fraction <= 1:
+            raise ValueError(f"heavy_fraction must be in [0, 1] (got {self.heavy_fraction})")
+        self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
+
+    def split(self, budget: int) -> tuple[int, int]:
+        """(heavy, recent) token counts of a budget."""
+        heavy = int(budget * self.heavy_fraction)
+        return heavy, budget - heavy
+
+    def mandatory(self, table: BlockTable, budget: int) -> tuple[int, int]:
+        return 0, self.split(budget)[1]
+
+    def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
+        super().on_prefill(table, layer, q, k, valid)
+        b, hkv, s, _ = k.shape
+        prefill = torch.zeros(b, hkv, table.capacity, dtype=torch.float32, device=k.device)
+        prefill[..., :s] = prefill_column_sums(q, k, valid, self.prefill_chunk_elems)
+        self._state[table] = _State(prefill)  # set, not added: a second call is harmless
+
+    def _live(self, table: BlockTable) -> _State:
+        st = self._state.get(table)
+        if st is None:  # attached after the prefill: no statistics, start from zero
+            b, hkv = table.block_shape[1:3]
+            st = self._state[table] = _State(torch.zeros(b, hkv, table.capacity, device=table.devices.compute))
+        if st.score is None or table.length < st.planned or (table.length == st.planned and st.observed):
+            st.score, st.evicted = st.prefill.clone(), torch.zeros_like(st.prefill, dtype=torch.bool)
+            st.planned, st.sel = -1, None
+        return st
+
+    def plan(self, table: BlockTable, layer: int) -> Selection:
+        st = self._live(table)
+        length = table.length
+        if st.planned == length and st.sel is not None:  # asked twice for one step
+            return st.sel
+        valid = self.valid_tokens(table)  # valid: [B, L]
+        parts = [self.split(n) for n in self.budgets(table)]
+        recent = recent_mask(valid, [r for _, r in parts])[:, None, :]  # recent: [B, 1, L]
+        alive = valid[:, None, :] & ~st.evicted[..., :length] & ~recent  # alive: [B, Hkv, L]
+        score = st.score[..., :length].masked_fill(~alive, float("-inf"))
+        heavy_set = torch.zeros_like(alive)
+        for b, (heavy, _) in enumerate(parts):
+            if heavy:
+                top = score[b].topk(heavy, dim=-1)  # top: [Hkv, heavy]
+                heavy_set[b].scatter_(-1, top.indices, top.values > float("-inf"))
+        keep = recent | heavy_set  # keep: [B, Hkv, L]
+        st.evicted[..., :length] |= valid[:, None, :] & ~keep
+        st.sel, st.planned, st.observed = selection_from_tokens(table, keep), length, False
+        return st.sel
+
+    def observe(self, table: BlockTable, layer: int, q, kv, pos, sel: Selection) -> None:
+        st = self._live(table)
+        b, h, _, d = q.shape
+        hkv = kv.shape[2]
+        see = (pos[None, :] >= self.pads(table)[:, None])[:, None, :]  # see: [B, 1, T+1]
+        if sel.mask is not None:
+            see = see & torch.cat([sel.mask, sel.mask.new_ones(b, hkv, 1)], dim=-1)  # [B, Hkv, T+1]
+        qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+        sc = torch.einsum("bkgd,bktd->bkgt", qg, kv[0].float()) / math.sqrt(d)
+        p = torch.softmax(sc.masked_fill(~see[:, :, None, :], float("-inf")), dim=-1).sum(dim=2)  # [B, Hkv, T+1]
+        st.score.index_add_(2, pos.to(st.score.device), p)
+        st.observed = True
