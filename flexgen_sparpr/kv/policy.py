@@ -24,6 +24,7 @@ def register(name: str):
 
 
 def make_policy(name: str, **kwargs) -> "KVPolicy":
+    from . import policies  # noqa: F401  (registers the built-in policies)
     if name not in POLICIES:
         raise ValueError(f"unknown --kv-policy {name!r} (known: {', '.join(sorted(POLICIES))})")
     return POLICIES[name](**kwargs)
