@@ -110,7 +110,8 @@ class Engine:
     # --- I/O tasks ---
     def _submit(self, fn, *args) -> Future:
         if self.policy.overlap:
-            return self.io.submit(fn, *args)
+            # inference mode is per thread: the pool's threads write inference tensors too
+            return self.io.submit(torch.inference_mode()(fn), *args)
         return _Done(fn(*args))
 
     def _new_tables(self, max_len: int) -> None:
@@ -251,6 +252,8 @@ class Engine:
     @torch.inference_mode()
     def decode(self, st: "GenState", stop: int | None = None, progress: bool = False) -> GenerationResult:
         """Decode from a prefilled state until max_new tokens (or every sequence hit `stop`)."""
+        if stop is not None:  # the prefill's token may already be the stop token
+            st.done |= st.tokens[0] == stop
         steps = range(len(st.tokens), st.max_new)
         if progress:
             from tqdm import tqdm

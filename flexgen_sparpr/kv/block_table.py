@@ -142,12 +142,12 @@ class BlockTable:
         """KV of the given blocks (ascending; default all) on compute.
 
         Returns kv: [2, B, Hkv, T, D] and pos: [T] (absolute token positions). A fully resident
-        cache read in full is returned as a view, with no copy.
+        cache read in full with no `out` buffer is returned as a view, with no copy.
         """
         nb = self.num_blocks
         blocks = list(range(nb)) if blocks is None else blocks
         dev = self.devices.compute
-        if self.resident and blocks == list(range(nb)):
+        if out is None and self.resident and blocks == list(range(nb)):
             return (self._arena[Tier.COMPUTE][:, :, :, :self.length],
                     torch.arange(self.length, device=dev))
         lens = [self.block_len(b) for b in blocks]

@@ -123,7 +123,7 @@ def topk_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if valid is not None:
         m = valid[:, None, None, None, :] if valid.dim() == 2 else valid[:, :, None, None, :]
         scores = scores.masked_fill(~m, float("-inf"))
-    n = max(1, min(t, math.ceil(keep * t)))
+    n = max(1, min(t, math.ceil(keep * t - 1e-9)))  # 0.07 * 100 is 7.000000000000001
     top, idx = scores.topk(n, dim=-1)  # top: [B, Hkv, G, Sq, n]
     p = torch.softmax(top, dim=-1)
     vg = v.float()[:, :, None, None].expand(b, hkv, h // hkv, sq, t, d)

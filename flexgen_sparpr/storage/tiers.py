@@ -81,7 +81,7 @@ def split_by_percent(sizes: list[int], percents: tuple[float, float, float]) -> 
 def block_homes(num_blocks: int, percents: tuple[float, float, float]) -> list[Tier]:
     """Home tier per KV block, recency-ordered: the oldest blocks go to disk, then CPU, and the
     newest to the compute tier, since every attention policy reads the recent window."""
+    # cumulative rounding: a tier with a 0 % share never gets a block
     n_disk = round(num_blocks * percents[2] / 100)
-    n_cpu = round(num_blocks * percents[1] / 100)
-    n_cpu = min(n_cpu, num_blocks - n_disk)
+    n_cpu = round(num_blocks * (percents[2] + percents[1]) / 100) - n_disk
     return [Tier.DISK] * n_disk + [Tier.CPU] * n_cpu + [Tier.COMPUTE] * (num_blocks - n_disk - n_cpu)

@@ -79,6 +79,8 @@ class NumpyDirSource(WeightSource):
 
     def get(self, name: str) -> torch.Tensor:
         f = self.path / name.removeprefix("model.")
+        if not f.exists():  # FlexGen's converter renames the final norm
+            f = self.path / name.removeprefix("model.").replace("decoder.final_layer_norm", "decoder.layer_norm")
         if not f.exists():
             raise KeyError(name)
         return torch.from_numpy(np.load(f))

@@ -1,0 +1,241 @@
+"""BlockTable: appends across blocks, gathers (order, positions, subsets, the resident view),
+homes on every tier round-tripping, compressed homes, capacity, mark/rewind."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from flexgen_sparpr.kv.block_table import BlockTable
+from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.tiers import Devices, Tier
+
+C, P, D = Tier.COMPUTE, Tier.CPU, Tier.DISK
+B, HKV, HD = 2, 3, 16
+
+
+@dataclass
+class UnfoldedDevices(Devices):
+    """A CPU machine laid out like a CUDA one: the CPU tier keeps its own arena (so the
+    CPU-home store/load code runs here too)."""
+
+    def effective(self, tier: Tier) -> Tier:
+        return tier
+
+
+@pytest.fixture
+def disk(tmp_path):
+    store = DiskStore(tmp_path / "offload")
+    yield store
+    store.close()
+
+
+def make(homes, bs=4, max_len=None, *, compress=False, devices=None, disk=None, name="t"):
+    return BlockTable(name=name, batch=B, num_kv_heads=HKV, head_dim=HD, block_size=bs,
+                      max_len=max_len or len(homes) * bs, dtype=torch.float32, homes=list(homes),
+                      devices=devices or Devices(torch.device("cpu")), disk=disk, compress=compress)
+
+
+def fill(table, sizes, seed=0):
+    """Append chunks of the given sizes (running the store jobs); returns the reference kv
+    [2, B, Hkv, T, D] and the number of store jobs each append returned."""
+    g = torch.Generator().manual_seed(seed)
+    ks, vs, njobs = [], [], []
+    for s in sizes:
+        k = torch.randn(B, HKV, s, HD, generator=g)
+        v = torch.randn(B, HKV, s, HD, generator=g)
+        jobs = table.append(k, v)
+        njobs.append(len(jobs))
+        for j in jobs:
+            j()
+        ks.append(k)
+        vs.append(v)
+    return torch.stack([torch.cat(ks, 2), torch.cat(vs, 2)]), njobs
+
+
+def block_of(ref, b, bs):
+    return ref[:, :, :, b * bs:(b + 1) * bs]
+
+
+# --- writing and reading in order ---------------------------------------------------------
+@pytest.mark.parametrize("sizes", [[6, 1, 1, 3, 5], [1] * 16, [16], [4, 4, 4, 4], [3, 13]])
+def test_append_across_block_boundaries(sizes):
+    t = make([C] * 4, bs=4)
+    ref, _ = fill(t, sizes)
+    assert t.length == 16 and t.num_blocks == 4
+    kv, pos = t.gather()
+    torch.testing.assert_close(kv, ref, rtol=0, atol=0)
+    assert pos.tolist() == list(range(16))
+
+
+def test_partial_tail_block():
+    t = make([C] * 3, bs=4, max_len=12)
+    ref, _ = fill(t, [7, 3])
+    assert t.length == 10 and t.num_blocks == 3
+    assert [t.block_len(b) for b in range(3)] == [4, 4, 2]
+    kv, pos = t.gather()
+    assert kv.shape == (2, B, HKV, 10, HD)
+    torch.testing.assert_close(kv, ref, rtol=0, atol=0)
+    kv2, pos2 = t.gather([2])
+    torch.testing.assert_close(kv2, ref[:, :, :, 8:10], rtol=0, atol=0)
+    assert pos2.tolist() == [8, 9]
+
+
+def test_partial_tail_of_an_offloaded_block_is_read_from_the_tail(disk):
+    t = make([D, D, D], bs=4, disk=disk)
+    ref, njobs = fill(t, [5, 1])
+    assert njobs == [1, 0]  # only block 0 sealed
+    kv, pos = t.gather()
+    torch.testing.assert_close(kv, ref, rtol=0, atol=0)
+    assert pos.tolist() == list(range(6))
+
+
+def test_resident_fast_path_returns_a_view_of_the_arena():
+    t = make([C] * 4, bs=4)
+    assert t.resident
+    ref, njobs = fill(t, [5, 2])
+    assert njobs == [0, 0]  # raw compute homes need no store job
+    kv, pos = t.gather()
+    arena = t._arena[Tier.COMPUTE]
+    assert kv.data_ptr() == arena.data_ptr()  # no copy
+    assert kv.shape[3] == 7
+    torch.testing.assert_close(kv, ref, rtol=0, atol=0)
+    assert pos.tolist() == list(range(7))
+    # a subset is a copy, not a view
+    sub, _ = t.gather([0])
+    assert sub.data_ptr() != arena.data_ptr()
+
+
+@pytest.mark.parametrize("homes", [[C] * 4, [D, D, C, C]])
+def test_subset_gather_order_and_positions(homes, disk):
+    t = make(homes, bs=4, disk=disk)
+    ref, _ = fill(t, [14])
+    for blocks in ([0, 2], [1, 3], [3], [0, 1, 2, 3], []):
+        kv, pos = t.gather(blocks)
+        want_pos = [p for b in blocks for p in range(b * 4, min(b * 4 + 4, 14))]
+        assert pos.tolist() == want_pos
+        assert kv.shape[3] == len(want_pos)
+        torch.testing.assert_close(kv, ref[:, :, :, want_pos], rtol=0, atol=0)
+
+
+def test_gather_into_a_larger_out_buffer(disk):
+    t = make([D, C, C], bs=4, disk=disk)
+    ref, _ = fill(t, [9])
+    out = torch.full((2, B, HKV, 20, HD), float("nan"))
+    kv, pos = t.gather([0, 2], out)
+    assert kv.data_ptr() == out.data_ptr()  # filled in place, trimmed to the gathered tokens
+    assert kv.shape[3] == 5
+    torch.testing.assert_close(kv, ref[:, :, :, [0, 1, 2, 3, 8]], rtol=0, atol=0)
+
+
+def test_capacity_overflow_raises():
+    t = make([C] * 3, bs=4, max_len=10)
+    assert t.capacity == 12
+    fill(t, [12])
+    with pytest.raises(ValueError, match="full"):
+        t.append(torch.zeros(B, HKV, 1, HD), torch.zeros(B, HKV, 1, HD))
+    assert t.length == 12
+    t2 = make([C] * 3, bs=4, max_len=10)
+    with pytest.raises(ValueError):
+        t2.append(torch.zeros(B, HKV, 13, HD), torch.zeros(B, HKV, 13, HD))
+    assert t2.length == 0
+
+
+def test_construction_errors(disk):
+    with pytest.raises(ValueError, match="homes"):
+        make([C, C], bs=4, max_len=9)
+    with pytest.raises(ValueError, match="disk"):
+        make([D, C], bs=4, disk=None)
+
+
+# --- homes on every tier ------------------------------------------------------------------
+@pytest.mark.parametrize("devices_cls", [Devices, UnfoldedDevices])
+def test_disk_and_cpu_homes_round_trip_exactly(devices_cls, disk):
+    devices = devices_cls(torch.device("cpu"))
+    homes = [D, D, P, P, C, C]
+    t = make(homes, bs=4, devices=devices, disk=disk)
+    assert not t.resident
+    ref, njobs = fill(t, [5, 3, 1, 9, 4])  # 22 tokens: 5 sealed blocks + 2 in the tail
+    sealed_off_compute = sum(1 for b in range(5) if t.homes[b] != C)
+    assert sum(njobs) == sealed_off_compute
+    kv, pos = t.gather()
+    torch.testing.assert_close(kv, ref, rtol=0, atol=0)
+    assert pos.tolist() == list(range(22))
+    for b in range(5):  # every block alone, too
+        kvb, _ = t.gather([b])
+        torch.testing.assert_close(kvb, block_of(ref, b, 4), rtol=0, atol=0)
+
+
+def test_link_counters_per_home(disk):
+    devices = UnfoldedDevices(torch.device("cpu"))
+    t = make([D, D, P, C], bs=4, devices=devices, disk=disk)
+    fill(t, [16])
+    nb = 2 * B * HKV * 4 * HD * 4  # one raw float32 block
+    snap = devices.counters.snapshot()
+    assert snap.get("cpu->disk", 0) == 2 * nb  # two blocks stored to disk
+    assert snap.get("compute->cpu", 0) == 1 * nb  # one block stored to the CPU arena
+    devices.counters.reset()
+    t.gather()
+    snap = devices.counters.snapshot()
+    assert snap.get("disk->cpu", 0) == 2 * nb
+    assert snap.get("cpu->compute", 0) == 1 * nb
+    assert t.nbytes_on(D) == 2 * nb and t.nbytes_on(P) == nb and t.nbytes_on(C) == nb
+
+
+def _quant_bound(ref_block):
+    """4-bit asymmetric quantisation along head_dim (one group here, head_dim < 64):
+    |x - x^| <= (max - min) / 15 / 2 per row, plus float slack."""
+    rng = ref_block.amax(-1, keepdim=True) - ref_block.amin(-1, keepdim=True)
+    return rng / 30 + 1e-6
+
+
+@pytest.mark.parametrize("devices_cls", [Devices, UnfoldedDevices])
+def test_compressed_homes_round_trip_within_quantisation_error(devices_cls, disk):
+    devices = devices_cls(torch.device("cpu"))
+    t = make([D, D, P, C, C], bs=4, devices=devices, disk=disk, compress=True)
+    assert not t.resident and t.codec.compressed
+    ref, njobs = fill(t, [6, 7, 5])  # 18 tokens: 4 sealed blocks + 2 raw in the tail
+    assert sum(njobs) == 4  # compressed blocks are stored on every tier, compute included
+    kv, pos = t.gather()
+    assert pos.tolist() == list(range(18))
+    err = (kv - ref).abs()
+    assert bool((err <= _quant_bound(ref)).all())
+    assert err[:, :, :, :16].max() > 0  # really quantised
+    torch.testing.assert_close(kv[:, :, :, 16:], ref[:, :, :, 16:], rtol=0, atol=0)  # raw tail
+    assert t.nbytes_on(D) == 2 * t.codec.nbytes
+    raw = 2 * B * HKV * 4 * HD * 4
+    assert t.codec.nbytes < raw
+
+
+def test_on_seal_hooks_see_each_sealed_block_in_order(disk):
+    t = make([D, C, C], bs=4, disk=disk)
+    seen = []
+    t.on_seal.append(lambda b, kv: seen.append((b, kv.clone())))
+    ref, _ = fill(t, [3, 3, 4, 1])
+    assert [b for b, _ in seen] == [0, 1]
+    for b, kv in seen:
+        torch.testing.assert_close(kv, block_of(ref, b, 4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("homes", [[C] * 4, [D, D, D, C]])
+def test_mark_and_rewind(homes, disk):
+    t = make(homes, bs=4, disk=disk)
+    first, _ = fill(t, [6], seed=1)
+    m = t.mark()
+    fill(t, [7], seed=2)  # overwrites the tail and seals blocks 1, 2
+    t.rewind(m)
+    assert t.length == 6
+    second, _ = fill(t, [5], seed=3)
+    kv, pos = t.gather()
+    torch.testing.assert_close(kv, torch.cat([first, second], 3), rtol=0, atol=0)
+    assert pos.tolist() == list(range(11))
+
+
+def test_close_removes_the_disk_file(disk):
+    t = make([D, C], bs=4, disk=disk, name="x")
+    path = t._disk.path
+    assert path.exists()
+    t.close()
+    t.close()  # twice is fine
+    assert not path.exists()
