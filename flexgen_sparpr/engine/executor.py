@@ -76,6 +76,8 @@ class Engine:
         needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0
         self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None
         self.io = ThreadPoolExecutor(max(1, cfg.io_threads), thread_name_prefix="flexgen-io")
+        # on CUDA the I/O tasks copy on their own stream so they overlap the compute stream
+        self._io_stream = torch.cuda.Stream(self.devices.compute) if self.devices.is_cuda else None
         self.act_home = self.devices.effective(Tier.COMPUTE if policy.act_gpu_percent == 100 else Tier.CPU)
         bar = None
         if progress:
@@ -110,9 +112,32 @@ class Engine:
     # --- I/O tasks ---
     def _submit(self, fn, *args) -> Future:
         if self.policy.overlap:
-            # inference mode is per thread: the pool's threads write inference tensors too
-            return self.io.submit(torch.inference_mode()(fn), *args)
+            return self.io.submit(self._io_task, fn, *args)
         return _Done(fn(*args))
+
+    def _io_task(self, fn, *args):
+        """Runs on a pool thread. Inference mode is per thread, so it is entered here too."""
+        with torch.inference_mode():
+            if self._io_stream is None:
+                return fn(*args)
+            # wait for what the compute stream produced (sealed blocks), copy, then finish
+            # before handing back, so the compute stream never reads a half-done copy
+            self._io_stream.wait_stream(torch.cuda.current_stream(self.devices.compute))
+            with torch.cuda.stream(self._io_stream):
+                out = fn(*args)
+            self._io_stream.synchronize()
+            return out
+
+    def _adopt(self, obj):
+        """Tensors made on the I/O stream are used on the compute stream: tell the caching
+        allocator, so their memory is not reused while the compute stream still reads it."""
+        if self._io_stream is not None and self.policy.overlap:
+            stream = torch.cuda.current_stream(self.devices.compute)
+            items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, tuple) else ()
+            for t in items:
+                if torch.is_tensor(t) and t.is_cuda:
+                    t.record_stream(stream)
+        return obj
 
     def _new_tables(self, max_len: int) -> None:
         for t in self.tables.values():
@@ -311,7 +336,7 @@ class Engine:
         w_next = self._submit(self.weights.load, 0)
         fetched = None
         for j, layer in enumerate(self.layers):
-            w = w_next.result()
+            w = self._adopt(w_next.result())
             if j + 1 < len(self.layers):
                 w_next = self._submit(self.weights.load, j + 1)
             stores: list[Future] = []
@@ -324,7 +349,7 @@ class Engine:
                 sl = slice(k * gbs, (k + 1) * gbs)
                 x = self._unpark(hidden[k])
                 y, jobs = self._compute(layer, w, x, ids[sl], k, pos_all[sl], pads[k],
-                                        fetched.result() if fetched is not None else None, prefill)
+                                        self._adopt(fetched.result()) if fetched is not None else None, prefill)
                 stores += [self._submit(job) for job in jobs]
                 if layer.kind == "head":
                     logits[k] = y
