@@ -30,7 +30,7 @@ def decode_attention_step(table: BlockTable, q, k, v, pads, fetched, *, sparsity
         jobs = table.append(k, v)
         kv, pos = table.gather()
     else:
-        kv, pos, sel = fetched
+        kv, pos, sel = fetched.kv, fetched.pos, fetched.sel
         kv[0, :, :, -1:].copy_(k)
         kv[1, :, :, -1:].copy_(v)
         pos[-1] = table.length

@@ -19,6 +19,7 @@ from ..models import build_arch
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier, block_homes
 from .attention import decode_attention_step, prefill_attention
+from .recovery import Fetched, gather_selection, rebuild_kv
 from .config import ConfigError, EngineConfig, Policy
 from .sampling import Sampler
 from .weights import WeightStore
@@ -146,13 +147,17 @@ class Engine:
         self._generation += 1  # disk file names stay unique across generations
         nb = -(-max_len // self.cfg.block_size)
         homes = block_homes(nb, self.policy.cache_percents)
+        ckpt = any(p.needs_checkpoints for p in (self.kv_policy, *self._observers))
         for i in range(self.spec.num_layers):
             for k in range(self.policy.num_gpu_batches):
-                t = BlockTable(name=f"g{self._generation}-l{i}-b{k}", batch=self.policy.gpu_batch_size,
-                               num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim,
-                               block_size=self.cfg.block_size, max_len=max_len, dtype=self.dtype,
-                               homes=homes, devices=self.devices, disk=self.disk,
-                               compress=self.policy.compress_cache)
+                common = dict(batch=self.policy.gpu_batch_size, block_size=self.cfg.block_size,
+                              max_len=max_len, dtype=self.dtype, homes=homes, devices=self.devices,
+                              disk=self.disk)
+                t = BlockTable(name=f"g{self._generation}-l{i}-b{k}", num_kv_heads=self.spec.num_kv_heads,
+                               head_dim=self.spec.head_dim, compress=self.policy.compress_cache, **common)
+                if ckpt:  # checkpoints live on the same tiers as the blocks they rebuild
+                    t.checkpoints = BlockTable(name=f"g{self._generation}-l{i}-b{k}-ckpt", num_kv_heads=1,
+                                               head_dim=self.spec.hidden, planes=1, **common)
                 self.kv_policy.attach(t, i)
                 self.tables[(i, k)] = t
 
@@ -174,12 +179,8 @@ class Engine:
         return (t.resident and self.kv_policy.reads_all) or \
             (self.policy.cpu_cache_compute and self.devices.is_cuda)
 
-    def _gather_with_spare(self, t: BlockTable, sel: Selection):
-        total = sum(t.block_len(b) for b in sel.blocks)
-        out = torch.empty((2, t.block_shape[1], t.block_shape[2], total + 1, t.block_shape[4]),
-                          dtype=self.dtype, device=self.devices.compute)
-        kv, pos = t.gather(sel.blocks, out)
-        return out, torch.cat([pos, pos.new_zeros(1)]), sel
+    def _gather_with_spare(self, t: BlockTable, sel: Selection) -> Fetched:
+        return gather_selection(t, sel, self.dtype, self.devices.compute)
 
     # --- compute ---
     def _attention(self, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bool):
@@ -188,6 +189,7 @@ class Engine:
         q, kk, vv = a.qkv(w, h, pos)
         t = self.tables[(layer_idx, k)]
         pol = self.kv_policy
+        ckpt_jobs = t.checkpoints.append(h[:, None]) if t.checkpoints is not None else []  # [B, 1, S, hidden]
         if prefill:
             valid = pads_valid(pos, pads)
             o, jobs = prefill_attention(t, q, kk, vv, valid)
@@ -199,12 +201,14 @@ class Engine:
             if fetched is None and not self._reads_in_place(t):
                 sel = pol.plan(t, layer_idx)
                 fetched = self._gather_with_spare(t, sel if sel is not None else pol.select(t, layer_idx, q))
+            if fetched is not None:
+                rebuild_kv(fetched, a, w, pads)
             o, kv, kpos, jobs = decode_attention_step(
                 t, q, kk, vv, pads, fetched, sparsity=self.policy.attn_sparsity,
                 cpu_compute=self.policy.cpu_cache_compute)
             if kv is not None:
-                pol.observe(t, layer_idx, q, kv, kpos, fetched[2] if fetched else Selection.all(t))
-        return a.attn_output(w, x, o), jobs
+                pol.observe(t, layer_idx, q, kv, kpos, fetched.sel if fetched else Selection.all(t))
+        return a.attn_output(w, x, o), jobs + ckpt_jobs
 
     def _compute(self, layer: Layer, w, x, ids, k: int, pos, pads, fetched, prefill: bool):
         a = self.arch

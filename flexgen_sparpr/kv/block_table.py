@@ -1,7 +1,8 @@
 """The block-granular KV cache of one layer for one GPU batch.
 
 Block b holds token positions [b*bs, (b+1)*bs) of every sequence in the batch as one tensor
-kv: [2, B, Hkv, bs, D] (K then V). Each block has a home tier fixed at creation; the block
+kv: [2, B, Hkv, bs, D] (K then V). With planes=1 the same table keeps other per-token state
+(SparPR's hidden-state checkpoints: [1, B, 1, bs, hidden]). Each block has a home tier fixed at creation; the block
 being filled lives on the compute device until it is full ("sealed"), then moves home.
 """
 from __future__ import annotations
@@ -17,9 +18,10 @@ from ..storage.codec import Int4Codec, RawCodec
 class BlockTable:
     def __init__(self, *, name: str, batch: int, num_kv_heads: int, head_dim: int, block_size: int,
                  max_len: int, dtype: torch.dtype, homes: list[Tier], devices: Devices,
-                 disk=None, compress: bool = False):
+                 disk=None, compress: bool = False, planes: int = 2):
         self.bs, self.devices, self.dtype = block_size, devices, dtype
-        self.block_shape = (2, batch, num_kv_heads, block_size, head_dim)
+        self.block_shape = (planes, batch, num_kv_heads, block_size, head_dim)
+        self.checkpoints: "BlockTable | None" = None  # hidden-state checkpoints, when kept
         self.capacity = -(-max_len // block_size) * block_size
         self.homes = [devices.effective(t) for t in homes]
         if len(self.homes) * block_size < max_len:
@@ -40,7 +42,7 @@ class BlockTable:
                 self._rows[tier] = (torch.empty(shape, dtype=torch.uint8, device=dev) if tier == Tier.COMPUTE
                                     else devices.empty_host(shape, torch.uint8))
             else:
-                shape = (2, b, h, n[tier] * bs, d)
+                shape = (planes, b, h, n[tier] * bs, d)
                 self._arena[tier] = (torch.zeros(shape, dtype=dtype, device=dev) if tier == Tier.COMPUTE
                                      else devices.empty_host(shape, dtype))
         if n[Tier.DISK]:
@@ -69,18 +71,18 @@ class BlockTable:
         return self._tail
 
     # --- writing ---
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> list[Callable[[], None]]:
-        """k, v: [B, Hkv, S, D] on compute. Returns store jobs for blocks sealed by this append
-        (run them on the I/O pool; the caller waits for them before the next read)."""
-        jobs, s, off = [], k.shape[2], 0
+    def append(self, *planes: torch.Tensor) -> list[Callable[[], None]]:
+        """k, v (one tensor per plane): [B, Hkv, S, D] on compute. Returns store jobs for blocks
+        sealed by this append (run them on the I/O pool; wait for them before the next read)."""
+        jobs, s, off = [], planes[0].shape[2], 0
         if self.length + s > self.capacity:
             raise ValueError(f"KV cache full: {self.length}+{s} > {self.capacity} tokens")
         while off < s:
             b, pos = divmod(self.length, self.bs)
             n = min(self.bs - pos, s - off)
             dst = self._writable(b)
-            dst[0, :, :, pos:pos + n].copy_(k[:, :, off:off + n])
-            dst[1, :, :, pos:pos + n].copy_(v[:, :, off:off + n])
+            for i, x in enumerate(planes):
+                dst[i, :, :, pos:pos + n].copy_(x[:, :, off:off + n])
             self.length += n
             off += n
             if pos + n == self.bs:
@@ -116,7 +118,7 @@ class BlockTable:
 
     # --- reading ---
     def _load(self, b: int, out: torch.Tensor) -> None:
-        """Copy sealed block b into out: [2, B, Hkv, bs, D] on compute."""
+        """Copy sealed block b into out: [planes, B, Hkv, bs, D] on compute."""
         home, slot, dev = self.homes[b], self.slot[b], self.devices
         if home == Tier.DISK:
             host = dev.empty_host((self.codec.nbytes,), torch.uint8)
@@ -141,7 +143,7 @@ class BlockTable:
     def gather(self, blocks: list[int] | None = None, out: torch.Tensor | None = None):
         """KV of the given blocks (ascending; default all) on compute.
 
-        Returns kv: [2, B, Hkv, T, D] and pos: [T] (absolute token positions). A fully resident
+        Returns kv: [planes, B, Hkv, T, D] and pos: [T] (absolute token positions). A fully resident
         cache read in full with no `out` buffer is returned as a view, with no copy.
         """
         nb = self.num_blocks
@@ -176,12 +178,15 @@ class BlockTable:
     def mark(self):
         """Remember the current length; the partial block's tail is copied since later
         appends reuse the tail buffer."""
-        return self.length, self._tail.clone()
+        ck = self.checkpoints.mark() if self.checkpoints is not None else None
+        return self.length, self._tail.clone(), ck
 
     def rewind(self, mark) -> None:
         """Go back to a mark. Blocks sealed after it are overwritten when refilled."""
-        self.length, tail = mark
+        self.length, tail, ck = mark
         self._tail.copy_(tail)
+        if ck is not None:
+            self.checkpoints.rewind(ck)
 
     def nbytes_on(self, tier: Tier) -> int:
         """Bytes of the sealed blocks homed on a tier (for reports)."""
@@ -189,6 +194,8 @@ class BlockTable:
         return sum(self.codec.nbytes for b in range(sealed) if self.homes[b] == tier)
 
     def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         if self._disk is not None:
             self._disk.close()
             self._disk = None

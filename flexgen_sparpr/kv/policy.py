@@ -37,6 +37,7 @@ class Selection:
 
     blocks: list[int]  # ascending block ids
     mask: torch.Tensor | None = None  # [B, Hkv, T] bool over the gathered tokens; None = all
+    recompute: tuple[int, ...] = ()  # blocks (of `blocks`) rebuilt from hidden-state checkpoints
 
     @staticmethod
     def all(table: BlockTable) -> "Selection":
@@ -48,6 +49,7 @@ class KVPolicy:
     the blocks' tokens in block order (table.gather's order)."""
 
     name = "base"
+    needs_checkpoints = False  # True: the engine keeps each block's K/V-projection input
 
     def attach(self, table: BlockTable, layer: int) -> None:
         """Called once per new block table (hook `table.on_seal` here to keep block summaries)."""

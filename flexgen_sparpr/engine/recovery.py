@@ -1,0 +1,62 @@
+"""Bringing a Selection's KV blocks to the compute device: copied from their home tier, or
+rebuilt from hidden-state checkpoints through the K/V projections alone (SparPR's recompute)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.block_table import BlockTable
+from ..kv.policy import Selection
+
+
+@dataclass
+class Fetched:
+    """A decode step's gathered KV with one spare last slot for the step's new token."""
+
+    kv: torch.Tensor  # [2, B, Hkv, T+1, D]
+    pos: torch.Tensor  # [T+1] cache positions (last: filled in by the step)
+    sel: Selection
+    hidden: torch.Tensor | None = None  # [B, Tr, hidden] checkpoints of the blocks to rebuild
+    slots: torch.Tensor | None = None  # [Tr] where the rebuilt tokens go in kv
+
+
+def _ranges(t: BlockTable, blocks, device) -> torch.Tensor:
+    if not blocks:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.cat([torch.arange(b * t.bs, b * t.bs + t.block_len(b), device=device) for b in blocks])
+
+
+def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: torch.device) -> Fetched:
+    """I/O half: copy the blocks to copy, and the checkpoints of the blocks to rebuild."""
+    rebuild = sorted(set(sel.recompute) & set(sel.blocks)) if t.checkpoints is not None else []
+    lens = [t.block_len(b) for b in sel.blocks]
+    total = sum(lens)
+    _, b, hkv, _, d = t.block_shape
+    out = torch.empty((2, b, hkv, total + 1, d), dtype=dtype, device=device)
+    pos = torch.cat([_ranges(t, sel.blocks, device), torch.zeros(1, dtype=torch.long, device=device)])
+    if not rebuild:
+        t.gather(sel.blocks, out)
+        return Fetched(out, pos, sel)
+    copy = [blk for blk in sel.blocks if blk not in set(rebuild)]
+    starts = dict(zip(sel.blocks, torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()))
+    slot_of = lambda blks: torch.cat([torch.arange(starts[x], starts[x] + t.block_len(x), device=device)
+                                      for x in blks])  # noqa: E731
+    if copy:
+        kv, _ = t.gather(copy)
+        out[:, :, :, slot_of(copy)] = kv
+    h, _ = t.checkpoints.gather(rebuild)  # h: [1, B, 1, Tr, hidden]
+    return Fetched(out, pos, sel, hidden=h[0, :, 0], slots=slot_of(rebuild))
+
+
+def rebuild_kv(f: Fetched, arch, w, pads: torch.Tensor | None) -> None:
+    """Compute half: K, V of the checkpointed tokens through the K/V projections only (RoPE at
+    each token's own position for Llama), written into their slots."""
+    if f.hidden is None:
+        return
+    tok = f.pos[f.slots]  # tok: [Tr] cache positions
+    b = f.hidden.shape[0]
+    p = tok[None, :].expand(b, -1) if pads is None else (tok[None, :] - pads[:, None]).clamp(min=0)
+    k, v = arch.kv(w, f.hidden, p)  # k, v: [B, Hkv, Tr, D]
+    f.kv[0][:, :, f.slots] = k.to(f.kv.dtype)
+    f.kv[1][:, :, f.slots] = v.to(f.kv.dtype)
