@@ -7,6 +7,7 @@ being filled lives on the compute device until it is full ("sealed"), then moves
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -122,8 +123,9 @@ class BlockTable:
         home, slot, dev = self.homes[b], self.slot[b], self.devices
         if home == Tier.DISK:
             host = dev.empty_host((self.codec.nbytes,), torch.uint8)
+            t0 = time.perf_counter()
             self._disk.read(slot, host)
-            dev.counters.add("disk", "cpu", host.nbytes)
+            dev.counters.add("disk", "cpu", host.nbytes, time.perf_counter() - t0)
             data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
             if dev.is_cuda:
                 dev.counters.add("cpu", "compute", host.nbytes)

@@ -16,21 +16,34 @@ class Tier(str, enum.Enum):
 
 
 class LinkCounters:
-    """Bytes moved per link ('disk->cpu', 'cpu->compute', ...); thread-safe."""
+    """Bytes moved per link ('disk->cpu', 'cpu->compute', ...); thread-safe. Transfers that
+    were timed also add their seconds, so the engine's own I/O measures each link's bandwidth."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._bytes: dict[str, int] = defaultdict(int)
+        self._timed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # link -> [bytes, s]
 
-    def add(self, src: str, dst: str, nbytes: int) -> None:
+    def add(self, src: str, dst: str, nbytes: int, seconds: float | None = None) -> None:
+        link = f"{src}->{dst}"
         with self._lock:
-            self._bytes[f"{src}->{dst}"] += int(nbytes)
+            self._bytes[link] += int(nbytes)
+            if seconds is not None and seconds > 0:
+                self._timed[link][0] += nbytes
+                self._timed[link][1] += seconds
+
+    def bandwidth(self, src: str, dst: str) -> float | None:
+        """Bytes per second measured on a link so far (None before any timed transfer)."""
+        with self._lock:
+            b, s = self._timed.get(f"{src}->{dst}", (0.0, 0.0))
+        return b / s if s > 0 else None
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._bytes)
 
     def reset(self) -> None:
+        """Clear the byte counts (measured bandwidths are kept: they describe the machine)."""
         with self._lock:
             self._bytes.clear()
 
