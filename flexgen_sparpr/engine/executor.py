@@ -73,6 +73,9 @@ class Engine:
         self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight)
         self.dtype = cfg.torch_dtype(self.devices.compute)
         self.kv_policy: KVPolicy = make_policy(cfg.kv_policy, **cfg.policy_args)
+        if policy.cpu_cache_compute and cfg.kv_policy != "dense" and self.devices.is_cuda:
+            raise ConfigError("--cpu-cache-compute attends CPU blocks in place and cannot apply a "
+                              f"--kv-policy selection ({cfg.kv_policy}); use one or the other")
         self.layers = self._layers()
         needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0
         self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None
@@ -262,9 +265,10 @@ class Engine:
         if self.spec.arch == "opt" and plen + max_new_tokens > self.spec.max_pos:
             raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {self.spec.name}'s "
                               f"{self.spec.max_pos}-position table (dummy weights: raise --max-seq-len)")
-        self._observers = observers
+        # a policy that is also an observer sees each hook once
+        self._observers = tuple(o for o in dict.fromkeys(observers) if o is not self.kv_policy)
         self._new_tables(plen + max_new_tokens)
-        for obs in observers:
+        for obs in self._observers:
             for (i, _), t in self.tables.items():
                 obs.attach(t, i)
         ids = torch.full((p.batch_size, plen), self.spec.pad_id, dtype=torch.long)

@@ -8,17 +8,24 @@ import torch
 
 from ..block_table import BlockTable
 from ..policy import Selection, register
-from .base import BudgetPolicy
+from .base import BudgetPolicy, selection_from_tokens
 
 
 @register("flexgen-topk")
 @dataclass(eq=False)
 class FlexGenTopK(BudgetPolicy):
     """Sheng et al. 2023, "FlexGen: High-Throughput Generative Inference of Large Language Models
-    with a Single GPU" (ICML 2023), section 5 ("sparse attention"): score every cached key, keep
-    the top k = ceil(keep_ratio * n) per head, softmax renormalised over the kept keys (the
+    with a Single GPU" (ICML 2023), approximate methods, sparse attention: score every cached key,
+    keep the top k = ceil(keep_ratio * n) per head, softmax renormalised over the kept keys (the
     engine's masked softmax does the renormalising); the step's new token is always attended on
     top of the k, as upstream does.
+
+    Upstream faults not copied (flexgen/pytorch_backend.py, `_sparse_attention_value`, read not
+    run): the kept weights are the full softmax's, never renormalised (they sum to < 1); k =
+    int(sparsity * (s - 1)) floors, to 0 on short contexts; the top-k V gather passes a tensor
+    index that only the disk copy threads handle (vector_gather): a V cache on GPU or CPU reaches
+    general_copy's `... if src_indices else ...` (truth value of a multi-element tensor), and a
+    split (mixed) cache is refused by an assert in mha_gen.
 
     Grouped-query attention: the mask is per KV head, so a KV head's query heads share one kept
     set, ranked by the max over the group of each query head's softmax probability (a key that
@@ -27,11 +34,12 @@ class FlexGenTopK(BudgetPolicy):
     (Policy.attn_sparsity -> models/layers.topk_sparse_attention, which also ranks the new token
     among the k instead of keeping it on top).
 
-    Bytes: ranking needs every key, so this policy reads every block. On an offloaded cache it
-    reads them twice per step (`select` gathers the keys, then the engine gathers the selected =
-    all blocks): the KV moved is dense (2x); only the attention is sparse. Upstream moved all K
-    and only the top-k V; a block table stores K and V together, so that saving needs an engine
-    change (a key-only gather before the value gather).
+    Bytes: ranking needs every key, so `select` reads every block (on a resident cache a view,
+    no copy); the engine then moves the blocks holding a kept key of any sequence or head (near
+    all of them at moderate keep ratios). So an offloaded cache moves more than dense attention
+    would: all blocks plus the selected ones. Upstream moved all K and only the top-k V; a block
+    table stores K and V together, so that saving needs an engine change (a key-only gather, or
+    handing `select` the KV it gathered).
     """
 
     scans_keys = True  # select reads every block once more (the test matrix accounts for it)
@@ -52,4 +60,4 @@ class FlexGenTopK(BudgetPolicy):
         for i, k in enumerate(self.budgets(table)):
             if k:
                 mask[i].scatter_(-1, rank[i].topk(k, dim=-1).indices, True)
-        return Selection(list(range(table.num_blocks)), mask)
+        return selection_from_tokens(table, mask)  # the second read skips blocks with no top-k key

@@ -23,28 +23,38 @@ class _State:
 
 
 def prefill_column_sums(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor,
-                        max_elems: int = 1 << 25) -> torch.Tensor:
+                        max_elems: int = 1 << 24) -> torch.Tensor:
     """Attention each key receives in prefill, summed over valid queries and a KV head's query
-    heads. q: [B, H, S, D]; k: [B, Hkv, S, D]; valid: [B, S] -> [B, Hkv, S] (float32).
+    heads. q: [B, H, S, D]; k: [B, Hkv, S, D]; valid: [B, S] (left padding) -> [B, Hkv, S] float32.
 
-    Causal softmax rows are made a chunk of queries at a time, each chunk against only the keys
-    it can see, so memory stays near `max_elems` floats even at 8k tokens."""
+    A chunk of queries at a time, each against only the keys it can see, so memory stays near
+    `max_elems` floats even at 8k tokens; the row normalisation is folded into a matmul
+    (col = sum_q e_qk / Z_q = (1/Z)^T E), so the big score tile is only exponentiated in place."""
     b, h, s, d = q.shape
     hkv = k.shape[1]
-    qg = q.view(b, hkv, h // hkv, s, d)  # qg: [B, Hkv, G, S, D]
-    kf = k.float()
-    col = torch.zeros(b, hkv, s, dtype=torch.float32, device=q.device)
+    g = h // hkv
+    qg = q.unflatten(1, (hkv, g))  # qg: [B, Hkv, G, S, D] (a view even of transposed heads)
+    kf = k.reshape(b * hkv, s, d).float()
+    pads = (~valid).sum(dim=1).tolist()
+    col = torch.zeros(b * hkv, 1, s, dtype=torch.float32, device=q.device)
     chunk = max(1, max_elems // max(1, b * h * s))
-    pos = torch.arange(s, device=q.device)
     for i0 in range(0, s, chunk):
         i1 = min(s, i0 + chunk)
-        sc = torch.einsum("bkgqd,bktd->bkgqt", qg[:, :, :, i0:i1].float(), kf[:, :, :i1]) / math.sqrt(d)
-        see = (pos[None, :i1] <= pos[i0:i1, None])[None] & valid[:, None, :i1]  # see: [B, c, i1]
-        see |= pos[None, :i1] == pos[i0:i1, None]  # a pad query sees itself: no all -inf row
-        p = torch.softmax(sc.masked_fill(~see[:, None, None], float("-inf")), dim=-1)
-        p = p * valid[:, None, None, i0:i1, None]  # pad queries add nothing
-        col[:, :, :i1] += p.sum(dim=(2, 3))
-    return col
+        c = i1 - i0
+        qc = qg[:, :, :, i0:i1].reshape(b * hkv, g * c, d).float()  # qc: [B*Hkv, G*c, D]
+        e = torch.bmm(qc, kf[:, :i1].transpose(1, 2)).mul_(1 / math.sqrt(d))  # e: [B*Hkv, G*c, i1]
+        tile = e.view(b * hkv, g, c, i1)
+        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)
+        tile[..., i0:i1].masked_fill_(future, float("-inf"))  # causal: only the diagonal square
+        for bi, p in enumerate(pads):
+            if p:
+                e[bi * hkv:(bi + 1) * hkv, :, :min(p, i1)] = float("-inf")
+        e.sub_(e.amax(dim=-1, keepdim=True).clamp_min(-1e30)).exp_()  # all-pad rows -> 0
+        z = e.sum(dim=-1)  # z: [B*Hkv, G*c]
+        w = valid[:, i0:i1].float().repeat_interleave(hkv, dim=0).repeat(1, g)  # w: [B*Hkv, G*c]
+        w = w / z.clamp_min(1e-30)  # pad queries weigh 0
+        col[:, :, :i1] += torch.bmm(w[:, None, :], e)
+    return col.view(b, hkv, s)
 
 
 @register("h2o")
@@ -66,7 +76,7 @@ class H2O(BudgetPolicy):
     """
 
     heavy_fraction: float = 0.5
-    prefill_chunk_elems: int = 1 << 25  # floats per chunk of the prefill statistics
+    prefill_chunk_elems: int = 1 << 24  # floats per chunk of the prefill statistics
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,6 +98,14 @@ class H2O(BudgetPolicy):
         prefill = torch.zeros(b, hkv, table.capacity, dtype=torch.float32, device=k.device)
         prefill[..., :s] = prefill_column_sums(q, k, valid, self.prefill_chunk_elems)
         self._state[table] = _State(prefill)  # set, not added: a second call is harmless
+
+    def adopt_prefill(self, other: "H2O", tables) -> None:
+        """Take another H2O's prefill statistics for these tables (they depend on no knob), so
+        several budgets can share one O(S^2) pass."""
+        for t in tables:
+            if t in other._state:
+                self._pads[t] = other.pads(t)
+                self._state[t] = _State(other._state[t].prefill)  # read-only: _live clones it
 
     def _live(self, table: BlockTable) -> _State:
         st = self._state.get(table)
