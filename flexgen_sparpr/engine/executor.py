@@ -119,6 +119,12 @@ class Engine:
             return self.io.submit(self._io_task, fn, *args)
         return _Done(fn(*args))
 
+    def _load_weights(self, j: int) -> Future:
+        """Resident layers load inline: a thread hand-off would cost more than it hides."""
+        if self.weights.is_resident(j):
+            return _Done(self.weights.load(j))
+        return self._submit(self.weights.load, j)
+
     def _io_task(self, fn, *args):
         """Runs on a pool thread. Inference mode is per thread, so it is entered here too."""
         with torch.inference_mode():
@@ -341,12 +347,12 @@ class Engine:
         gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
         hidden = [None] * ngb
         logits = [None] * ngb
-        w_next = self._submit(self.weights.load, 0)
+        w_next = self._load_weights(0)
         fetched = None
         for j, layer in enumerate(self.layers):
             w = self._adopt(w_next.result())
             if j + 1 < len(self.layers):
-                w_next = self._submit(self.weights.load, j + 1)
+                w_next = self._load_weights(j + 1)
             stores: list[Future] = []
             for k in range(ngb):
                 # prefetch the cache the next (layer, batch) in schedule order will read

@@ -61,6 +61,11 @@ class WeightStore:
         self._files.append(f)
         return StoredWeight(home, tuple(t.shape), 0, nbytes, codec, f)
 
+    def is_resident(self, j: int) -> bool:
+        """Layer j's weights already sit raw on the compute device (loading is free)."""
+        return all(self.stored[n].home == Tier.COMPUTE and self.stored[n].codec is None
+                   for n in self.layers[j].values())
+
     def load(self, j: int) -> dict[str, torch.Tensor]:
         """Layer j's weights on the compute device: {short key: tensor}."""
         return {short: self.fetch(full) for short, full in self.layers[j].items()}
