@@ -21,6 +21,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., in]; w: [out, in] -> [..., out]."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cpu" and rows <= 16:
+        # decode-sized inputs: CPU BLAS is much faster as W @ x^T than as x @ W^T (measured
+        # 1.8x at 4 rows); contiguous so later kernels (SDPA) keep their fast paths
+        y = torch.mm(w, x.reshape(rows, -1).T).T.contiguous().view(*x.shape[:-1], w.shape[0])
+        return y + b if b is not None else y
     return F.linear(x, w, b)
 
 
@@ -69,16 +76,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      valid: torch.Tensor | None) -> torch.Tensor:
     """One query position over T keys. q: [B, H, 1, D]; k, v: [B, Hkv, T, D];
     valid: [B, T] or per KV head [B, Hkv, T] bool."""
-    gqa = q.shape[1] != k.shape[1]
-    mask = None if valid is None else _head_mask(valid, q.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def _head_mask(valid: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[B, T] -> [B, 1, 1, T]; [B, Hkv, T] -> [B, H, 1, T] (query heads grouped per KV head)."""
-    if valid.dim() == 2:
-        return valid[:, None, None, :]
-    return valid.repeat_interleave(num_heads // valid.shape[1], dim=1)[:, :, None, :]
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    # the query heads of a KV head become that head's query rows (no K/V expansion)
+    qg = q.reshape(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+    mask = None
+    if valid is not None:
+        mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]  # [B, 1|Hkv, 1, T]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # o: [B, Hkv, G, D]
+    return o.reshape(b, h, 1, d)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -13,6 +13,7 @@ _P = "model."
 class Llama:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
+        self._rope_memo = None  # (positions, dtype, cos, sin): every layer of a step shares them
 
     def embed_names(self) -> dict[str, str]:
         return {"tok": _P + "embed_tokens.weight"}
@@ -42,7 +43,13 @@ class Llama:
         return rms_norm(x, w["ln.w"], self.spec.norm_eps)
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(pos, self.spec.head_dim, self.spec.rope_theta, dtype)
+        m = self._rope_memo
+        if m is not None and m[1] == dtype and m[0].shape == pos.shape and m[0].device == pos.device \
+                and torch.equal(m[0], pos):
+            return m[2], m[3]
+        cos, sin = rope_cos_sin(pos, self.spec.head_dim, self.spec.rope_theta, dtype)
+        self._rope_memo = (pos.clone(), dtype, cos, sin)
+        return cos, sin
 
     def kv(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None):
         """h: [B, S, hidden]; pos: [B, S] -> k, v: [B, Hkv, S, D] (RoPE applied to k)."""
