@@ -60,8 +60,10 @@ class _Staging(threading.local):
     def get(self, n: int) -> torch.Tensor:
         buf = getattr(self, "buf", None)
         if buf is None or buf.numel() < n:
-            # anonymous mmap is page aligned; the tensor view keeps it alive
-            self.buf = torch.from_numpy(np.frombuffer(mmap.mmap(-1, _round_up(n)), dtype=np.uint8))
+            # anonymous mmap is page aligned; the tensor view keeps it alive. Made outside
+            # inference mode, or a later write outside it would be refused.
+            with torch.inference_mode(False):
+                self.buf = torch.from_numpy(np.frombuffer(mmap.mmap(-1, _round_up(n)), dtype=np.uint8))
         return self.buf[:n]
 
 
