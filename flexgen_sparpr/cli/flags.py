@@ -18,6 +18,9 @@ DEFAULTS = {
     "prompt_file": None, "prompt_ids_file": None, "chat": False, "output_json": None, "config": None,
     "kv_policy": "dense", "keep_ratio": 1.0, "direct_io": False, "io_threads": 2, "seed": 0,
     "do_sample": False, "temperature": 1.0, "top_p": 1.0, "stop": None, "warmup": True,
+    # SparPR (--kv-policy sparpr)
+    "min_keep": 0.1, "gamma": 0.9, "no_dynamic_budget": False, "quest_only": False,
+    "no_recompute": False, "no_fallback": False,
 }
 
 
@@ -55,7 +58,8 @@ def add_flexgen_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-cache-compute", action="store_true", default=None,
                    help="attend CPU-tier KV blocks on the CPU (only the query crosses the link)")
     g.add_argument("--attn-sparsity", type=float, help="FlexGen's top-k attention: fraction of positions "
-                   "kept per head, renormalised (default 1.0 = dense)")
+                   "kept per head, renormalised; runs as --kv-policy flexgen-topk --keep-ratio S "
+                   "(default 1.0 = dense)")
     g.add_argument("--compress-weight", action="store_true", default=None, help="4-bit group-wise weights (group 64)")
     g.add_argument("--compress-cache", action="store_true", default=None, help="4-bit group-wise KV cache (group 64)")
     g.add_argument("--log-file", help="FlexGen benchmark log file; 'auto' names it fo-<size>-gbs...log (default auto)")
@@ -79,6 +83,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-json", help="write ids, texts, timings, peak memory and bytes moved here")
     g.add_argument("--kv-policy", help="which KV blocks attention reads at decode (default dense)")
     g.add_argument("--keep-ratio", type=float, help="KV budget: fraction of context tokens read (default 1.0)")
+    g.add_argument("--min-keep", type=float, help="sparpr: Minimum Keep Floor, the least fraction of the "
+                   "context the dynamic budget keeps (default 0.1; --keep-ratio is the ceiling)")
+    g.add_argument("--gamma", type=float, help="sparpr: Dense Fallback Threshold; read everything when the "
+                   "sparse path costs more than gamma x the dense path (default 0.9)")
+    g.add_argument("--no-dynamic-budget", action="store_true", default=None,
+                   help="sparpr ablation: always keep --keep-ratio (no cost-driven budget)")
+    g.add_argument("--quest-only", action="store_true", default=None, help="sparpr ablation: query-aware "
+                   "selection alone, copy only (no dynamic budget, recompute or fallback)")
+    g.add_argument("--no-recompute", action="store_true", default=None,
+                   help="sparpr ablation: copy every selected block (no checkpoint recompute)")
+    g.add_argument("--no-fallback", action="store_true", default=None,
+                   help="sparpr ablation: never fall back to dense")
     g.add_argument("--direct-io", action="store_true", default=None, help="disk tier bypasses the page cache (O_DIRECT)")
     g.add_argument("--io-threads", type=int, help="I/O threads of the overlapped schedule (default 2)")
     g.add_argument("--seed", type=int, help="seed for sampling and dummy weights (default 0)")

@@ -57,6 +57,19 @@ def load_yaml(path: str) -> dict:
     return data
 
 
+def _sparpr_args(merged: dict, policy: Policy) -> dict:
+    """SparPR's knobs; its probe measures the disk tier's folder when the cache uses disk."""
+    for flag in ("min_keep", "gamma"):
+        if not 0 < merged[flag] <= 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be in (0, 1] (got {merged[flag]})")
+    args = {"min_keep": merged["min_keep"], "gamma": merged["gamma"], "quest_only": merged["quest_only"],
+            "dynamic_budget": not merged["no_dynamic_budget"], "recompute": not merged["no_recompute"],
+            "fallback": not merged["no_fallback"]}
+    if policy.cache_disk_percent > 0:
+        args["probe_dir"] = merged["offload_dir"]
+    return args
+
+
 def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]:
     """Merge defaults < YAML < flags into the three frozen objects; bad values raise ConfigError."""
     given = {k: v for k, v in vars(args).items() if v is not None}
@@ -81,12 +94,24 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
         raise ConfigError("--cut-gen-len must be between 3 and --gen-len (2 warm-up steps are measured whole)")
     if not 0 < merged["keep_ratio"] <= 1:
         raise ConfigError("--keep-ratio must be in (0, 1]")
+    if merged["attn_sparsity"] < 1:
+        # FlexGen's sparse attention runs as the flexgen-topk KV policy (the same semantics,
+        # upstream's bugs fixed, on any tier), so the kernel is not applied a second time
+        if merged["kv_policy"] not in ("dense", "flexgen-topk"):
+            raise ConfigError(f"--attn-sparsity is FlexGen's top-k policy; it cannot be combined with "
+                              f"--kv-policy {merged['kv_policy']}")
+        merged["kv_policy"], merged["keep_ratio"] = "flexgen-topk", merged["attn_sparsity"]
+        if not 0 < merged["keep_ratio"] <= 1:
+            raise ConfigError("--attn-sparsity must be in (0, 1]")
+        merged["attn_sparsity"] = 1.0
     policy = Policy(w_gpu_percent=pct[0], w_cpu_percent=pct[1], cache_gpu_percent=pct[2],
                     cache_cpu_percent=pct[3], act_gpu_percent=pct[4], act_cpu_percent=pct[5],
                     **{k: merged[k] for k in _POLICY_FLAGS})
     policy_args = dict(merged.get("policy_args") or {})
     if merged["kv_policy"] != "dense":
         policy_args.setdefault("keep_ratio", merged["keep_ratio"])
+    if merged["kv_policy"] == "sparpr":
+        policy_args = _sparpr_args(merged, policy) | policy_args
     engine = EngineConfig(policy_args=policy_args, **{k: merged[k] for k in _ENGINE_FLAGS})
     run_fields = {f.name for f in dataclasses.fields(RunOptions)}
     run = RunOptions(**{k: merged[k] for k in run_fields if k != "percent"}, percent=tuple(pct))

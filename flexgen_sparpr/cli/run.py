@@ -87,6 +87,8 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
         "policy": dataclasses.asdict(policy), "engine": dataclasses.asdict(ecfg),
         "torch": torch.__version__,
     }
+    if hasattr(eng.kv_policy, "stats"):  # per-step statistics of policies that keep them (sparpr)
+        out["kv_policy_stats"] = eng.kv_policy.stats()
     if opts.output_json:
         report.write_json_atomic(opts.output_json, out)
     return out

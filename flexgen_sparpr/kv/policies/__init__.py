@@ -3,6 +3,7 @@ from .base import BudgetPolicy, token_budget
 from .flexgen_topk import FlexGenTopK
 from .h2o import H2O
 from .quest import Quest
+from .sparpr import SparPR
 from .streaming_llm import StreamingLLM
 
-__all__ = ["BudgetPolicy", "FlexGenTopK", "H2O", "Quest", "StreamingLLM", "token_budget"]
+__all__ = ["BudgetPolicy", "FlexGenTopK", "H2O", "Quest", "SparPR", "StreamingLLM", "token_budget"]

@@ -1,0 +1,293 @@
+"""SparPR: query-aware key-block selection, a measured dynamic budget with a floor, recovery of
+each span of selected blocks by copy or checkpoint recompute, and a dense fallback."""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ...runtime.costs import (CostModel, cost_ratio, dtype_name, keep_target, kv_rebuild_flops,
+                              merge_spans, plan_recovery, should_fall_back)
+from ...storage.tiers import Tier
+from ..block_table import BlockTable
+from ..policy import Selection, register
+from .base import BudgetPolicy, selection_from_tokens, token_budget
+
+
+@dataclass(eq=False)
+class _Summaries:
+    mean: torch.Tensor  # [num_blocks, B, Hkv, D] float32: each sealed block's mean key (valid tokens)
+    known: list[bool]
+    pads: torch.Tensor | None = None  # [B] left pads, once the prefill was seen
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no inf / nan
+
+
+class StepStats:
+    """What SparPR did at each decode step, summed over the step's layers and GPU batches
+    (a step = one context length; estimated bytes per link from the selection and homes)."""
+
+    KEYS = ("calls", "blocks_total", "blocks_selected", "blocks_copied", "blocks_recomputed", "spans",
+            "fallbacks", "tokens_read", "tokens_valid", "keep_target_sum", "est_sparse_s", "est_dense_s")
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def add(self, table: BlockTable, sel: Selection, rebuild: list[int], spans: int, n_valid: list[int],
+            target: float, rho: float, sparse_s: float, dense_s: float, fell_back: bool) -> None:
+        if not self.steps or self.steps[-1]["context"] != table.length:
+            self.steps.append({"context": table.length, **dict.fromkeys(self.KEYS, 0), "est_bytes": {}})
+        s, sealed = self.steps[-1], table.length // table.bs
+        s["rho"] = _finite(rho)  # copy / recompute cost of this step's offloaded blocks (last layer)
+        moved = [i for i in sel.blocks if i < sealed and table.homes[i] != Tier.COMPUTE]
+        read = sum(n_valid) if sel.mask is None else int(sel.mask[:, 0].sum())  # per sequence
+        for k, v in (("calls", 1), ("blocks_total", table.num_blocks), ("blocks_selected", len(sel.blocks)),
+                     ("blocks_copied", len(moved) - len(rebuild)), ("blocks_recomputed", len(rebuild)),
+                     ("spans", spans), ("fallbacks", int(fell_back)), ("tokens_read", read),
+                     ("tokens_valid", sum(n_valid)), ("keep_target_sum", target),
+                     ("est_sparse_s", sparse_s if math.isfinite(sparse_s) else 0.0),
+                     ("est_dense_s", dense_s if math.isfinite(dense_s) else 0.0)):
+            s[k] += v
+        for i in moved:
+            n = table.checkpoints.codec.nbytes if i in rebuild else table.codec.nbytes
+            links = (["disk->cpu"] if table.homes[i] == Tier.DISK else []) + \
+                (["cpu->compute"] if table.devices.is_cuda else [])
+            for link in links:
+                s["est_bytes"][link] = s["est_bytes"].get(link, 0) + n
+
+    def report(self) -> dict:
+        steps = [{**s, "effective_keep": s["tokens_read"] / max(1, s["tokens_valid"]),
+                  "keep_target": s["keep_target_sum"] / max(1, s["calls"])} for s in self.steps]
+        totals = {k: sum(s[k] for s in steps) for k in self.KEYS if k != "keep_target_sum"}
+        totals["effective_keep"] = totals["tokens_read"] / max(1, totals["tokens_valid"])
+        totals["est_bytes"] = {}
+        for s in steps:
+            for link, n in s["est_bytes"].items():
+                totals["est_bytes"][link] = totals["est_bytes"].get(link, 0) + n
+        return {"totals": totals, "steps": steps}
+
+
+def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """keys: [B, Hkv, n, bs, D]; valid: [B, n, bs] -> [n, B, Hkv, D] (zeros for an all-pad block)."""
+    w = valid[:, None, :, :, None].to(keys.dtype)  # w: [B, 1, n, bs, 1]
+    mean = (keys * w).sum(dim=3) / w.sum(dim=3).clamp(min=1)  # mean: [B, Hkv, n, D]
+    return mean.permute(2, 0, 1, 3)
+
+
+@register("sparpr")
+@dataclass(eq=False)
+class SparPR(BudgetPolicy):
+    """SparPR, "Runtime KV-Cache Recovery for Resource-Constrained LLM Inference on Consumer
+    Hardware" (arXiv 2610.18140, 2026). docs/sparpr.md has the design and its reasoning.
+
+    Selection. Every sealed block keeps its mean key per KV head on the compute device (via
+    `table.on_seal`, over its valid tokens), so scoring reads no offloaded block. A block's score
+    for a sequence is the sum over query heads h of q_h . summary[g(h)], g(h) = h // (H / Hkv):
+    under GQA each query head meets its own KV head's summary. Each sequence always reads its
+    sink block (the first holding a valid token), the last `recent_blocks` sealed blocks and the
+    open block. A block holds the whole batch, so the other blocks are chosen once per batch,
+    top-k: the sequences take turns adding their next-best block while every sequence's valid
+    tokens fit its budget (whole blocks; all KV heads read the same blocks, as in the paper).
+
+    Budget. A block's copy cost is codec.nbytes (K and V: the 2 is in it) over the measured
+    bandwidth of its home tier's link to compute; its recompute cost is its checkpoint's bytes
+    over that bandwidth plus B * bs * hidden * 2 kv_dim * 2 FLOP over the measured matmul FLOP/s.
+    rho = copy / recompute over the step's offloaded sealed blocks maps to the keep ratio
+    keep_ratio ** max(1, rho) (runtime/costs.py `keep_target`), bounded below by `min_keep` and
+    above by `keep_ratio`. Costs come from runtime/probe.py, refreshed from the engine's own
+    timed disk reads.
+
+    Recovery. Selected blocks merge into spans (adjacent ids, one home tier); each span is
+    copied or rebuilt from its checkpoints (Selection.recompute), whichever costs less. When the
+    sparse path's cost exceeds `gamma` x the dense path's (every block, copied), the step reads
+    everything. `quest_only` keeps the selection alone (no dynamic budget, recompute or
+    fallback); `stats()` reports every decode step.
+    """
+
+    min_keep: float = 0.1
+    gamma: float = 0.9
+    recent_blocks: int = 1
+    dynamic_budget: bool = True
+    recompute: bool = True
+    fallback: bool = True
+    quest_only: bool = False
+    costs: CostModel | None = None  # None: measured by the start-up probe
+    probe_dir: str | None = None  # folder whose disk bandwidth is probed (the offload dir)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.min_keep <= 1:
+            raise ValueError(f"min_keep must be in (0, 1] (got {self.min_keep})")
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1] (got {self.gamma})")
+        if self.recent_blocks < 0:
+            raise ValueError(f"recent_blocks must be >= 0 (got {self.recent_blocks})")
+        if self.quest_only:  # the selection stage alone: the three runtime decisions are off
+            self.dynamic_budget = self.recompute = self.fallback = False
+        self.needs_checkpoints = self.recompute
+        self._probed = False
+        self._sums: weakref.WeakKeyDictionary[BlockTable, _Summaries] = weakref.WeakKeyDictionary()
+        self.step_stats = StepStats()
+
+    # --- what every step reads ---
+    def floor(self, table: BlockTable) -> int:
+        return table.bs * (1 + self.recent_blocks) + table.length % table.bs
+
+    def mandatory(self, table: BlockTable, budget: int) -> tuple[int, int]:
+        bs, length = table.bs, table.length
+        pads = self.pads(table).tolist()
+        first = min(min(bs - p % bs, length - p) for p in pads)  # the sink block's valid tokens
+        last = min(self.recent_blocks * bs + length % bs, min(length - p for p in pads))
+        return first, last
+
+    # --- costs ---
+    def cost_model(self, table: BlockTable) -> CostModel:
+        """The given cost model, else the start-up probe's (measured once per machine, cached)."""
+        if self.costs is None or (self._probed and dtype_name(table.dtype) not in self.costs.matmul_flops):
+            from ...runtime.probe import probe
+            from ...weights.prepare import default_cache_dir
+            disk_dir = self.probe_dir or default_cache_dir()
+            data = probe(table.devices.compute, [table.dtype], disk_dir)
+            self.costs, self._probed = CostModel.from_probe(data, disk_dir), True
+        return self.costs
+
+    def block_costs(self, table: BlockTable, hidden: int) -> dict[Tier, tuple[float, float]]:
+        """Per home tier: (copy seconds, recompute seconds) of one sealed block."""
+        cm, ck = self.cost_model(table), table.checkpoints
+        _, b, hkv, bs, d = table.block_shape
+        ckpt_bytes = ck.codec.nbytes if ck is not None else b * bs * hidden * table.dtype.itemsize
+        flops = kv_rebuild_flops(b, bs, hidden, hkv * d)
+        return {t: (cm.copy_s(table.codec.nbytes, t, table.devices),
+                    cm.recompute_s(ckpt_bytes, flops, t, table.devices, table.dtype)) for t in set(table.homes)}
+
+    # --- summaries ---
+    def attach(self, table: BlockTable, layer: int) -> None:
+        if table in self._sums:  # attached twice (engine policy and observer): one hook
+            return
+        if not self.quest_only:
+            self.cost_model(table)  # start-up: probe (or read the cache) before the first step
+        _, b, hkv, bs, d = table.block_shape
+        z = torch.zeros(table.capacity // bs, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
+        sums = self._sums[table] = _Summaries(z, [False] * (table.capacity // bs))
+        ref = weakref.ref(sums)  # the table holds the hook; the hook must not hold the table
+
+        def on_seal(block: int, kv: torch.Tensor) -> None:
+            s = ref()
+            if s is None:
+                return
+            keys = kv[0].float()[:, :, None]  # keys: [B, Hkv, 1, bs, D]
+            if s.pads is None:  # mid-prefill: on_prefill redoes these blocks with the padding known
+                valid = torch.ones(b, 1, bs, dtype=torch.bool, device=keys.device)
+            else:
+                pos = block * bs + torch.arange(bs, device=keys.device)
+                valid = (pos[None, :] >= s.pads[:, None])[:, None]  # valid: [B, 1, bs]
+            s.mean[block] = masked_mean_keys(keys, valid)[0]
+            s.known[block] = True
+        table.on_seal.append(on_seal)
+
+    def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
+        super().on_prefill(table, layer, q, k, valid)
+        if table not in self._sums:
+            self.attach(table, layer)
+        s, bs = self._sums[table], table.bs
+        s.pads = self.pads(table)
+        sealed = table.length // bs
+        if sealed and table.length == k.shape[2]:  # a prefill into an empty table: exact means
+            keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
+            s.mean[:sealed] = masked_mean_keys(keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)))
+            s.known[:sealed] = [True] * sealed
+
+    def summaries(self, table: BlockTable, layer: int) -> torch.Tensor:
+        """[sealed, B, Hkv, D]; blocks sealed before this policy was attached are summarised once,
+        from the cache (the only time SparPR reads an offloaded block to score it)."""
+        if table not in self._sums:
+            self.attach(table, layer)
+        s, bs, sealed = self._sums[table], table.bs, table.length // table.bs
+        missing = [i for i in range(sealed) if not s.known[i]]
+        if missing:
+            kv, pos = table.gather(missing)
+            keys = kv[0].float().unflatten(2, (len(missing), bs))  # keys: [B, Hkv, m, bs, D]
+            valid = pos.view(len(missing), bs)[None] >= self.pads(table)[:, None, None]  # [B, m, bs]
+            s.mean[missing] = masked_mean_keys(keys, valid)
+            for i in missing:
+                s.known[i] = True
+        return s.mean[:sealed]
+
+    # --- the step ---
+    def plan(self, table: BlockTable, layer: int) -> Selection | None:
+        return None  # the selection needs the query
+
+    def target_keep(self, table: BlockTable, costs: dict[Tier, tuple[float, float]] | None) -> tuple[float, float]:
+        """(keep ratio of this step, rho) from the sealed offloaded blocks' costs."""
+        if costs is None:
+            return self.keep_ratio, math.nan
+        off = [costs[table.homes[i]] for i in range(table.length // table.bs) if table.homes[i] != Tier.COMPUTE]
+        rho = cost_ratio(sum(c for c, _ in off), sum(r for _, r in off))
+        return keep_target(rho, self.keep_ratio, self.min_keep), rho
+
+    def top_k(self, table: BlockTable, layer: int, q: torch.Tensor, budgets: list[int]) -> torch.Tensor:
+        """[B, L] bool: the cached tokens each sequence reads (the same for all its KV heads).
+
+        A block holds every sequence of the batch, so one set of blocks is chosen for the batch:
+        the sequences take turns (by rank) adding their next-best block while every sequence's
+        valid tokens still fit its budget. Each sequence reads the chosen blocks, its own sink,
+        the recent window and the open block; with one sequence this is plain top-k."""
+        b, h, _, d = q.shape
+        hkv, bs, length = table.block_shape[2], table.bs, table.length
+        sealed = length // bs
+        valid = self.valid_tokens(table)  # valid: [B, L]
+        counts = valid[:, :sealed * bs].view(b, sealed, bs).sum(dim=2)  # counts: [B, nb]
+        # sum_h q_h . s_g(h) = sum_g (sum of g's query heads) . s_g: one product per KV head
+        qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
+        score = torch.einsum("bgd,nbgd->bn", qg, self.summaries(table, layer))  # score: [B, nb]
+        ids = torch.arange(sealed, device=q.device)
+        sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
+        own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb] always read
+        cand = ~own.all(dim=0) & (counts > 0).any(dim=0)  # cand: [nb] (another's sink may be one)
+        ranked = score.masked_fill(~cand[None, :], -math.inf).argsort(dim=-1, descending=True)
+        ranked = ranked[:, :int(cand.sum())].T.tolist()  # [rank][sequence] -> block id
+        used = ((counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)).tolist()
+        cnt, picked = (counts * ~own).T.tolist(), {}  # what a block adds to each sequence's reads
+        for blk in (blk for row in ranked for blk in row):  # rank 0 of every sequence, then rank 1...
+            if blk not in picked and all(u + c <= m for u, c, m in zip(used, cnt[blk], budgets)):
+                picked[blk] = True
+                used = [u + c for u, c in zip(used, cnt[blk])]
+        pick = own.clone()
+        pick[:, list(picked)] = True
+        keep = torch.ones(b, length, dtype=torch.bool, device=q.device)  # the open block
+        keep[:, :sealed * bs] = pick.repeat_interleave(bs, dim=-1)
+        return keep & valid
+
+    def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
+        sealed, hkv = table.length // table.bs, table.block_shape[2]
+        hidden = table.checkpoints.block_shape[4] if table.checkpoints is not None else q.shape[1] * q.shape[3]
+        costs = None if self.quest_only else self.block_costs(table, hidden)
+        target, rho = self.target_keep(table, costs if self.dynamic_budget else None)
+        n_valid = self.valid_tokens(table).sum(dim=1).tolist()
+        budgets = [token_budget(target, n, self.floor(table)) for n in n_valid]
+        keep = self.top_k(table, layer, q, budgets)  # keep: [B, L]
+        sel = selection_from_tokens(table, keep[:, None, :].expand(-1, hkv, -1))  # mask: [B, Hkv, T]
+        rebuild, spans, sparse_s, dense_s, fell_back = [], [], math.nan, math.nan, False
+        if costs is not None:
+            copy = [costs[table.homes[i]][0] for i in range(sealed)]
+            can = self.recompute and table.checkpoints is not None
+            rec = [costs[t][1] if can and t != Tier.COMPUTE else math.inf for t in table.homes[:sealed]]
+            spans = merge_spans([i for i in sel.blocks if i < sealed], table.homes)
+            rebuild, sparse_s = plan_recovery(spans, copy, rec, self.cost_model(table).span_overhead_s(table.dtype))
+            dense_s = sum(copy)
+            if self.fallback and should_fall_back(sparse_s, dense_s, self.gamma):
+                sel, rebuild, fell_back = Selection.all(table), [], True
+        self.step_stats.add(table, sel, rebuild, spans=len(spans), n_valid=n_valid, target=target, rho=rho,
+                            sparse_s=sparse_s, dense_s=dense_s, fell_back=fell_back)
+        return Selection(sel.blocks, sel.mask, recompute=tuple(rebuild))
+
+    def stats(self) -> dict:
+        """JSON-able: the knobs, the cost model, totals and one record per decode step."""
+        config = {k: getattr(self, k) for k in ("keep_ratio", "min_keep", "gamma", "recent_blocks",
+                                                "dynamic_budget", "recompute", "fallback", "quest_only")}
+        return {"policy": self.name, "config": config,
+                "costs": self.costs.to_dict() if self.costs is not None else None, **self.step_stats.report()}

@@ -1,0 +1,135 @@
+"""A short start-up probe of the machine's speeds, cached per machine.
+
+Measures host <-> device copy bandwidth (CUDA only), the O_DIRECT read bandwidth of a folder
+(storage/disk.py `disk_bandwidth`), and per dtype the matmul FLOP/s and one small matmul's
+latency on the compute device. The answers are cached in
+`default_cache_dir()/probe-<hostname>-<device>.json` and extended when a new dtype or folder
+is asked for; `refresh=True` measures again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..storage.disk import disk_bandwidth
+from ..weights.prepare import default_cache_dir
+from .costs import dtype_name
+
+VERSION = 1
+COPY_BYTES = 64 << 20
+DISK_BYTES = 32 << 20
+MIN_TIMED_S = 0.05  # repeat a measurement until it has run this long (timer noise)
+
+
+def device_label(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", torch.cuda.get_device_name(idx))
+    return f"cuda{idx}-{name}"
+
+
+def cache_path(device: torch.device, cache_dir: Path | None = None) -> Path:
+    host = re.sub(r"[^A-Za-z0-9_.-]+", "_", platform.node() or "host")
+    return Path(cache_dir or default_cache_dir()) / f"probe-{host}-{device_label(device)}.json"
+
+
+def load(path: Path) -> dict | None:
+    """The cached probe, or None when missing, unreadable or from another format version."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == VERSION else None
+
+
+def save(path: Path, data: dict) -> None:
+    """Atomically (temp file, then rename): concurrent runs never read half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> float:
+    """Seconds per call of fn, after one warm-up call, repeated for at least MIN_TIMED_S."""
+    fn()
+    _sync(device)
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if dt >= MIN_TIMED_S and n >= 3:
+            return dt / n
+
+
+def measure_copy(device: torch.device, nbytes: int = COPY_BYTES) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s through pinned host memory."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device)
+    return nbytes / h2d, nbytes / d2h
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(FLOP/s of a square matmul, seconds of one small [16, 64] @ [64, 64] matmul call)."""
+    n = 4096 if device.type == "cuda" else 512
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    flops = 2 * n ** 3 / _timed(lambda: a @ b, device)
+    x, w = torch.randn(16, 64, device=device).to(dtype), torch.randn(64, 64, device=device).to(dtype)
+    return flops, _timed(lambda: x @ w, device)
+
+
+def probe(device: torch.device, dtypes: list[torch.dtype], disk_dir: str | Path,
+          refresh: bool = False, cache_dir: Path | None = None) -> dict:
+    """The machine's speeds for `device`, the given dtypes and the disk folder `disk_dir`,
+    measured once per machine and cached (see the module docstring)."""
+    path = cache_path(device, cache_dir)
+    data = None if refresh else load(path)
+    if data is None:
+        data = {"version": VERSION, "hostname": platform.node(), "device": device_label(device),
+                "torch": torch.__version__, "h2d_Bps": None, "d2h_Bps": None, "disk": {},
+                "matmul_flops": {}, "matmul_latency_s": {}}
+    changed = False
+    if device.type == "cuda" and data["h2d_Bps"] is None:
+        data["h2d_Bps"], data["d2h_Bps"] = measure_copy(device)
+        changed = True
+    key = str(Path(disk_dir).expanduser().resolve())
+    if key not in data["disk"]:
+        # out of inference mode: storage/disk.py keeps a per-thread staging buffer, and one made
+        # as an inference tensor would refuse later writes outside inference mode
+        with torch.inference_mode(False):
+            bw = disk_bandwidth(Path(key), nbytes=DISK_BYTES, direct=True, chunk_bytes=4 << 20)
+        data["disk"][key] = {"read_Bps": bw["read_GBps"] * 1e9, "write_Bps": bw["write_GBps"] * 1e9,
+                             "mode": bw["mode"]}
+        changed = True
+    for dt in dtypes:
+        if dtype_name(dt) not in data["matmul_flops"]:
+            flops, lat = measure_matmul(device, dt)
+            data["matmul_flops"][dtype_name(dt)], data["matmul_latency_s"][dtype_name(dt)] = flops, lat
+            changed = True
+    if changed:
+        data["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        save(path, data)
+    return data

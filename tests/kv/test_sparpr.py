@@ -1,0 +1,287 @@
+"""SparPR through the real engine and on hand-made block tables (the policy matrix in
+test_policies.py runs it too)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexgen_sparpr.cli.flags import build_parser
+from flexgen_sparpr.cli.options import resolve
+from flexgen_sparpr.engine import executor
+from flexgen_sparpr.engine.config import EngineConfig, Policy
+from flexgen_sparpr.engine.executor import Engine
+from flexgen_sparpr.kv.block_table import BlockTable
+from flexgen_sparpr.kv.policies import token_budget
+from flexgen_sparpr.kv.policies.sparpr import SparPR
+from flexgen_sparpr.runtime.costs import CostModel
+from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.tiers import Devices, Tier
+from flexgen_sparpr.weights.resolve import resolve_source
+
+PROMPTS = [list(range(3, 43)), list(range(50, 79))]  # 40 and 29 tokens: the second is left-padded
+GEN = 8
+CPU = Devices(torch.device("cpu"))
+
+
+def fixed(disk_Bps=1e9, flops=1e9, latency=0.0) -> CostModel:
+    """A cost model with given speeds, not refreshed from the engine's counters."""
+    return CostModel(disk_read_Bps=disk_Bps, matmul_flops={"float32": flops},
+                     matmul_latency_s={"float32": latency}, live=False)
+
+
+class CopyIsDear(CostModel):
+    """Copying an offloaded block costs an hour, rebuilding it a microsecond: all are rebuilt."""
+
+    def copy_s(self, nbytes, tier, devices):
+        return 0.0 if tier == Tier.COMPUTE else 3600.0
+
+    def recompute_s(self, *args, **kwargs):
+        return 1e-6
+
+
+def generate(model_dir, tmp_path, policy=None, on_disk=True):
+    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path))
+    with Engine(resolve_source(str(model_dir), ""), Policy(gpu_batch_size=2, cache_gpu_percent=0 if on_disk else 100),
+                cfg) as eng:
+        if policy is not None:
+            eng.set_kv_policy(policy)
+        return eng.generate(PROMPTS, GEN, keep_logits=True)
+
+
+def assert_same(got, ref):
+    assert got.tokens == ref.tokens
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+# --- through the engine ---
+def test_keep_one_equals_dense_with_the_probed_costs(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_SPARPR_CACHE", str(tmp_path / "cache"))  # probe afresh, not in ~/.cache
+    pol = SparPR(keep_ratio=1.0)
+    assert_same(generate(tiny_model_dir, tmp_path, pol), generate(tiny_model_dir, tmp_path))
+    assert pol.costs is not None and list((tmp_path / "cache").glob("probe-*.json"))
+    assert json.dumps(pol.stats(), allow_nan=False)
+
+
+def test_recomputed_kv_equals_stored_kv(tiny_model_dir, tmp_path, monkeypatch):
+    """Every offloaded block rebuilt from its checkpoint (copying made dear): the rebuilt K/V
+    equal the stored K/V, and the generation equals dense."""
+    pol = SparPR(keep_ratio=1.0, costs=CopyIsDear(disk_read_Bps=1.0, matmul_flops={"float32": 1.0}, live=False))
+    tables, checked = [], []
+    real_select, real_rebuild = pol.select, executor.rebuild_kv
+
+    def select(table, layer, q):
+        tables.append(table)
+        return real_select(table, layer, q)
+
+    def rebuild(f, arch, w, pads):
+        real_rebuild(f, arch, w, pads)
+        if f.hidden is not None:
+            stored, pos = tables[-1].gather(sorted(f.sel.recompute))
+            assert torch.equal(pos, f.pos[f.slots])
+            torch.testing.assert_close(f.kv[:, :, :, f.slots], stored, atol=1e-5, rtol=0)
+            checked.append(len(f.sel.recompute))
+    monkeypatch.setattr(pol, "select", select)
+    monkeypatch.setattr(executor, "rebuild_kv", rebuild)
+    assert_same(generate(tiny_model_dir, tmp_path, pol), generate(tiny_model_dir, tmp_path))
+    totals = pol.stats()["totals"]
+    assert checked and totals["blocks_recomputed"] == sum(checked) and totals["blocks_copied"] == 0
+    assert totals["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["copy", "recompute"])
+def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
+    """Cache on disk: each decode step moves exactly its selected sealed blocks' bytes (their
+    checkpoints' when rebuilt); scoring the blocks moves nothing."""
+    costs = CopyIsDear(disk_read_Bps=1.0, matmul_flops={"float32": 1.0}, live=False) if rebuild else fixed()
+    pol = SparPR(keep_ratio=0.3, costs=costs, fallback=False)
+    picked = []
+    real_select = pol.select
+    pol.select = lambda t, layer, q: picked.append((t, real_select(t, layer, q))) or picked[-1][1]
+    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path))
+    with Engine(resolve_source(str(tiny_opt_dir), ""), Policy(gpu_batch_size=2, cache_gpu_percent=0), cfg) as eng:
+        eng.set_kv_policy(pol)
+        st_ = eng.prefill(PROMPTS, GEN)
+        while len(st_.tokens) < GEN:
+            picked.clear()
+            before = eng.devices.counters.snapshot().get("disk->cpu", 0)
+            st_.max_new = len(st_.tokens) + 1
+            eng.decode(st_)
+            moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
+            want = 0
+            for t, sel in picked:
+                for b in sel.blocks:
+                    if b < t.length // t.bs and t.homes[b] == Tier.DISK:
+                        want += t.checkpoints.codec.nbytes if b in sel.recompute else t.codec.nbytes
+                assert len(sel.blocks) < t.num_blocks and bool(sel.recompute) == rebuild
+            assert moved == want > 0
+    steps = pol.stats()["steps"]
+    assert len(steps) == GEN - 1 and all(s["calls"] == 2 for s in steps)  # 2 layers x 1 GPU batch
+
+
+def test_quest_only_copies_at_the_ceiling_without_probing(tiny_llama_dir, tmp_path):
+    pol = SparPR(keep_ratio=0.5, quest_only=True)
+    assert not pol.needs_checkpoints and not (pol.dynamic_budget or pol.recompute or pol.fallback)
+    generate(tiny_llama_dir, tmp_path, pol)
+    totals = pol.stats()["totals"]
+    assert pol.costs is None and totals["blocks_recomputed"] == totals["fallbacks"] == 0
+    assert all(s["keep_target"] == 0.5 for s in pol.stats()["steps"])
+
+
+# --- on hand-made tables ---
+def disk_table(store: DiskStore, name: str, batch=2, hkv=2, d=4, bs=4, blocks=12) -> BlockTable:
+    return BlockTable(name=name, batch=batch, num_kv_heads=hkv, head_dim=d, block_size=bs, max_len=bs * blocks,
+                      dtype=torch.float32, homes=[Tier.DISK] * blocks, devices=CPU, disk=store)
+
+
+def fill(t: BlockTable, n: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    _, b, hkv, _, d = t.block_shape
+    k = torch.randn(b, hkv, n, d, generator=gen)
+    for job in t.append(k, torch.randn(b, hkv, n, d, generator=gen)):
+        job()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    with DiskStore(tmp_path_factory.mktemp("sparpr-disk")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def filled(store):
+    t = disk_table(store, "filled")
+    fill(t, 42, seed=5)  # 10 sealed blocks and 2 tokens in the open one
+    return t
+
+
+speeds = st.floats(1e-3, 1e15)
+
+
+@settings(max_examples=100, deadline=None)
+@given(disk=speeds, flops=speeds, latency=st.floats(0, 1), keep=st.floats(0.05, 1), floor=st.floats(0.01, 1))
+def test_budget_respects_floor_and_ceiling_under_any_costs(filled, disk, flops, latency, keep, floor):
+    t = filled
+    pol = SparPR(keep_ratio=keep, min_keep=floor, costs=fixed(disk, flops, latency), fallback=False)
+    target, _ = pol.target_keep(t, pol.block_costs(t, hidden=8))
+    assert min(floor, keep) <= target <= keep
+    sel = pol.select(t, 0, torch.randn(2, 2, 1, 4))  # hidden 8: a checkpoint is half a KV block
+    reads = sel.mask[:, 0].sum(dim=1).tolist()  # every KV head of a sequence reads the same tokens
+    for n_read in reads:
+        low = token_budget(min(floor, keep), t.length, pol.floor(t))
+        assert n_read <= token_budget(keep, t.length, pol.floor(t))
+        assert n_read > low - t.bs  # whole blocks only: the slack is under one block
+
+
+def test_dynamic_budget_shrinks_as_copying_gets_dearer(filled):
+    """A checkpoint is half a KV block here, so rho = copy / recompute tends to 2 as the disk
+    slows: the target tends to keep_ratio ** 2, never below min_keep."""
+    t, q = filled, torch.randn(2, 2, 1, 4)
+    got = []
+    for disk in (1e12, 1e3, 1e-3):
+        pol = SparPR(keep_ratio=0.5, min_keep=0.1, costs=fixed(disk_Bps=disk, flops=1e9), fallback=False)
+        target, rho = pol.target_keep(t, pol.block_costs(t, hidden=8))
+        assert target == pytest.approx(max(0.1, 0.5 ** max(1, rho)))
+        pol.select(t, 0, q)
+        got.append((rho, pol.stats()["steps"][0]["effective_keep"]))
+    assert got[0][0] < 1 < got[1][0] < got[2][0] == pytest.approx(2)
+    assert got[0][1] > got[2][1] and got[2][1] <= 0.25 + t.bs / t.length
+    pol = SparPR(keep_ratio=0.2, min_keep=0.1, costs=fixed(disk_Bps=1e-3), fallback=False)
+    assert pol.target_keep(t, pol.block_costs(t, hidden=8))[0] == 0.1  # 0.2 ** 2 is below the floor
+
+
+def test_fallback_exactly_when_sparse_costs_more_than_gamma_dense(store):
+    t = disk_table(store, "fallback")
+    fill(t, 42, seed=6)
+    q = torch.randn(2, 4, 1, 4)
+    base = dict(keep_ratio=0.4, costs=fixed(disk_Bps=t.codec.nbytes), dynamic_budget=False)  # 1 s a block
+    sparse = SparPR(**base, fallback=False).select(t, 0, q)
+    sealed = t.length // t.bs
+    ratio = len([b for b in sparse.blocks if b < sealed]) / sealed  # no checkpoints: every block copied
+    assert 0 < ratio < 1
+    for gamma, falls in ((ratio * (1 - 1e-9), True), (ratio * (1 + 1e-9), False), (1.0, False)):
+        pol = SparPR(**base, gamma=gamma)
+        sel = pol.select(t, 0, q)
+        assert (sel.blocks == list(range(t.num_blocks)) and sel.mask is None) == falls, gamma
+        assert pol.stats()["totals"]["fallbacks"] == int(falls)
+        assert sel.recompute == ()
+
+
+def test_gqa_scores_each_query_head_against_its_kv_heads_summary():
+    t = BlockTable(name="r", batch=1, num_kv_heads=2, head_dim=4, block_size=4, max_len=32, dtype=torch.float32,
+                   homes=[Tier.COMPUTE] * 8, devices=CPU)
+    fill(t, 26, seed=7)  # 6 sealed blocks, 2 open tokens
+    q = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(8))  # 2 query heads per KV head
+    pol = SparPR(keep_ratio=0.8, costs=fixed())
+    sel = pol.select(t, 0, q)
+    keys = t.gather()[0][0, 0]  # keys: [Hkv, L, D]
+    score = {b: sum(float(q[0, h, 0] @ keys[h // 2, b * 4:(b + 1) * 4].mean(0)) for h in range(4)) for b in range(6)}
+    budget = token_budget(0.8, 26, pol.floor(t))  # 21: sink 4 + recent 4 + open 2 + 2 more blocks
+    best = sorted((b for b in range(1, 5)), key=lambda b: -score[b])[:(budget - 10) // 4]
+    assert sel.blocks == sorted([0, *best, 5, 6]) and int(sel.mask[0, 0].sum()) == 10 + 4 * len(best)
+
+
+def test_mandatory_blocks_under_left_padding(store):
+    t = disk_table(store, "pads", batch=2)
+    fill(t, 30, seed=9)
+    pol = SparPR(keep_ratio=0.1, costs=fixed(), fallback=False)
+    pol.on_prefill(t, 0, None, torch.randn(2, 2, 30, 4), torch.arange(30)[None, :] >= torch.tensor([[0], [9]]))
+    sel = pol.select(t, 0, torch.randn(2, 4, 1, 4))
+    assert pol.mandatory(t, 0) == (3, 6)  # sink of row 1: positions 9..11; window: block 6 + 2 open
+    assert {0, 2, 6, 7} <= set(sel.blocks)
+
+
+@pytest.mark.parametrize("bad", [dict(min_keep=0), dict(min_keep=1.5), dict(gamma=0), dict(gamma=1.2),
+                                 dict(recent_blocks=-1), dict(keep_ratio=0)])
+def test_bad_knobs_are_refused(bad):
+    with pytest.raises(ValueError):
+        SparPR(**bad)
+
+
+def test_cli_passes_sparpr_flags_only_to_sparpr():
+    def engine_args(*argv):
+        return resolve(build_parser().parse_args(list(argv)))[2].policy_args
+    args = engine_args("--kv-policy", "sparpr", "--keep-ratio", "0.5", "--min-keep", "0.2", "--gamma", "0.8",
+                       "--no-fallback", "--quest-only", "--percent", "100", "0", "0", "0", "100", "0",
+                       "--offload-dir", "/somewhere")
+    assert args == dict(keep_ratio=0.5, min_keep=0.2, gamma=0.8, dynamic_budget=True, recompute=True,
+                        fallback=False, quest_only=True, probe_dir="/somewhere")
+    assert "probe_dir" not in engine_args("--kv-policy", "sparpr", "--no-recompute")
+    assert engine_args("--kv-policy", "quest", "--min-keep", "0.2") == dict(keep_ratio=1.0)
+    assert SparPR(**args).quest_only and not SparPR(**args).needs_checkpoints
+
+
+def test_batch_reads_one_shared_block_set_with_each_sequences_best_first():
+    """Blocks move for the whole batch: every sequence attends every chosen block (no moved
+    byte goes unread), and each sequence's best block is among them."""
+    t = BlockTable(name="b", batch=2, num_kv_heads=2, head_dim=4, block_size=4, max_len=64, dtype=torch.float32,
+                   homes=[Tier.COMPUTE] * 16, devices=CPU)
+    fill(t, 48, seed=10)  # 12 sealed blocks: sink 0, window 11, candidates 1..10
+    q = torch.randn(2, 2, 1, 4, generator=torch.Generator().manual_seed(11))
+    pol = SparPR(keep_ratio=0.5, costs=fixed())
+    sel = pol.select(t, 0, q)
+    keys = t.gather()[0][0]  # keys: [B, Hkv, L, D]
+    for s in range(2):
+        score = [sum(float(q[s, h, 0] @ keys[s, h, b * 4:(b + 1) * 4].mean(0)) for h in range(2)) for b in range(12)]
+        assert max(range(1, 11), key=lambda b: score[b]) in sel.blocks
+        assert int(sel.mask[s, 0].sum()) == 4 * len(sel.blocks) <= token_budget(0.5, 48, pol.floor(t))
+    assert torch.equal(sel.mask[0], sel.mask[1])
+
+
+def test_run_writes_the_policys_step_stats_to_output_json(tmp_path, monkeypatch):
+    from flexgen_sparpr.cli.main import main
+    monkeypatch.setenv("FLEXGEN_SPARPR_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out.json"
+    argv = ["run", "--model", "opt-125m", "--path", "_DUMMY_", "--prompt-len", "40", "--gen-len", "4",
+            "--gpu-batch-size", "2", "--warmup", "false", "--no-log", "--verbose", "0", "--block-size", "8",
+            "--percent", "100", "0", "0", "0", "100", "0", "--offload-dir", str(tmp_path / "off"),
+            "--kv-policy", "sparpr", "--keep-ratio", "0.5", "--output-json", str(out)]
+    assert main(argv) == 0
+    stats = json.loads(out.read_text())["kv_policy_stats"]
+    assert stats["config"]["keep_ratio"] == 0.5 and len(stats["steps"]) == 3  # decode steps
+    assert stats["totals"]["calls"] == 3 * 12 and stats["totals"]["est_bytes"]["disk->cpu"] > 0
+    assert stats["costs"]["disk_read_Bps"] > 0 and list((tmp_path / "cache").glob("probe-*.json"))

@@ -1,0 +1,135 @@
+"""SparPR's cost model (runtime/costs.py) and the start-up probe's cache (runtime/probe.py)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexgen_sparpr.runtime import probe as probe_mod
+from flexgen_sparpr.runtime.costs import (CostModel, cost_ratio, keep_target, kv_rebuild_flops, merge_spans,
+                                          plan_recovery, serial, should_fall_back)
+from flexgen_sparpr.storage.tiers import Devices, Tier
+
+CPU = Devices(torch.device("cpu"))
+ratios = st.one_of(st.floats(0, 1e6, allow_nan=False), st.just(math.inf), st.just(math.nan))
+fractions = st.floats(1e-4, 1.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ratio=ratios, ceiling=fractions, floor=fractions)
+def test_keep_target_stays_between_floor_and_ceiling(ratio, ceiling, floor):
+    r = keep_target(ratio, ceiling, floor)
+    assert min(floor, ceiling) <= r <= ceiling
+    if not ratio > 1:  # copying no dearer than rebuilding (or unknown): the ceiling
+        assert r == ceiling
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.floats(1, 1e3), b=st.floats(1, 1e3), ceiling=st.floats(0.01, 0.99))
+def test_keep_target_falls_as_copying_gets_dearer(a, b, ceiling):
+    lo, hi = sorted((a, b))
+    assert keep_target(hi, ceiling, 1e-9) <= keep_target(lo, ceiling, 1e-9)
+    assert keep_target(hi, 1.0, 0.1) == 1.0  # keep_ratio 1 reads what dense reads
+
+
+@settings(max_examples=300, deadline=None)
+@given(copy=st.floats(0, 1e3), rec=st.floats(0, 1e3))
+def test_cost_ratio(copy, rec):
+    r = cost_ratio(copy, rec)
+    assert r >= 0
+    if copy > 0 and rec > 0:
+        assert r == pytest.approx(copy / rec)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n=st.integers(1, 40))
+def test_merge_spans_is_exact(data, n):
+    homes = data.draw(st.lists(st.sampled_from(list(Tier)), min_size=n, max_size=n))
+    blocks = sorted(data.draw(st.sets(st.integers(0, n - 1))))
+    spans = merge_spans(blocks, homes)
+    assert [b for s in spans for b in s] == blocks  # every block once, in order
+    for s in spans:  # consecutive ids, one home
+        assert s == list(range(s[0], s[-1] + 1)) and len({homes[b] for b in s}) == 1
+    for x, y in zip(spans, spans[1:]):  # maximal: a gap or a change of home between spans
+        assert y[0] > x[-1] + 1 or homes[y[0]] != homes[x[-1]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(1, 20), overhead=st.floats(0, 10))
+def test_plan_recovery_takes_the_cheaper_way_per_span(data, n, overhead):
+    copy = data.draw(st.lists(st.floats(0, 100), min_size=n, max_size=n))
+    rec = data.draw(st.lists(st.one_of(st.floats(0, 100), st.just(math.inf)), min_size=n, max_size=n))
+    spans = merge_spans(list(range(n)), data.draw(st.lists(st.sampled_from([Tier.CPU, Tier.DISK]), min_size=n,
+                                                               max_size=n)))
+    rebuild, total = plan_recovery(spans, copy, rec, overhead)
+    want = 0.0
+    for s in spans:
+        c, r = sum(copy[b] for b in s), sum(rec[b] for b in s) + overhead
+        assert (s[0] in rebuild) == (r < c) and all((b in rebuild) == (s[0] in rebuild) for b in s)
+        want += min(c, r)
+    assert total == pytest.approx(want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sparse=st.floats(0, 1e3), dense=st.floats(0, 1e3), gamma=st.floats(0.01, 1))
+def test_fallback_exactly_when_sparse_exceeds_gamma_dense(sparse, dense, gamma):
+    assert should_fall_back(sparse, dense, gamma) == (sparse > gamma * dense)
+
+
+def test_block_costs_follow_the_formulas():
+    cm = CostModel(disk_read_Bps=2e9, h2d_Bps=8e9, matmul_flops={"float16": 1e12}, live=False)
+    cuda = Devices(torch.device("cpu"))
+    assert cm.copy_s(1 << 20, Tier.DISK, cuda) == (1 << 20) / 2e9  # CPU compute: no host->device hop
+    assert cm.copy_s(1 << 20, Tier.COMPUTE, cuda) == 0
+    assert serial(2e9, 8e9) == pytest.approx(1 / (1 / 2e9 + 1 / 8e9))
+    flops = kv_rebuild_flops(batch=4, block_len=64, hidden=4096, kv_dim=4096)
+    assert flops == 4 * 64 * 4096 * 2 * 4096 * 2
+    assert cm.recompute_s(1 << 19, flops, Tier.DISK, cuda, torch.float16) == pytest.approx(
+        (1 << 19) / 2e9 + flops / 1e12)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cm.flop_s(1, torch.bfloat16)
+    with pytest.raises(ValueError):
+        CostModel(disk_read_Bps=0)
+
+
+def test_live_bandwidth_comes_from_the_engines_own_reads():
+    dev = Devices(torch.device("cpu"))
+    cm = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9})
+    assert cm.bandwidth(Tier.DISK, dev) == 1e9  # nothing timed yet: the probe's number
+    dev.counters.add("disk", "cpu", 1000, 1e-3)
+    assert cm.bandwidth(Tier.DISK, dev) == pytest.approx(1e6)
+    cm.live = False
+    assert cm.bandwidth(Tier.DISK, dev) == 1e9
+
+
+def test_probe_cache_round_trips(tmp_path, monkeypatch):
+    cache, disk = tmp_path / "cache", tmp_path / "offload"
+    first = probe_mod.probe(torch.device("cpu"), [torch.float32], disk, cache_dir=cache)
+    path = probe_mod.cache_path(torch.device("cpu"), cache)
+    assert path.is_file() and json.loads(path.read_text()) == first
+    assert first["matmul_flops"]["float32"] > 0 and first["h2d_Bps"] is None
+    key = str(disk.resolve())
+    assert first["disk"][key]["read_Bps"] > 0
+    cm = CostModel.from_probe(first, disk)
+    assert cm.disk_read_Bps == first["disk"][key]["read_Bps"]
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again although cached")
+    monkeypatch.setattr(probe_mod, "disk_bandwidth", no_measuring)
+    monkeypatch.setattr(probe_mod, "measure_matmul", no_measuring)
+    assert probe_mod.probe(torch.device("cpu"), [torch.float32], disk, cache_dir=cache) == first
+
+    monkeypatch.setattr(probe_mod, "measure_matmul", lambda device, dtype: (5e9, 1e-5))
+    more = probe_mod.probe(torch.device("cpu"), [torch.bfloat16], disk, cache_dir=cache)  # extends the cache
+    assert more["matmul_flops"] == {"float32": first["matmul_flops"]["float32"], "bfloat16": 5e9}
+    assert probe_mod.load(path) == more
+
+    path.write_text("{not json")  # a broken cache is measured again, not trusted
+    monkeypatch.setattr(probe_mod, "disk_bandwidth", lambda d, **k: {"read_GBps": 1.0, "write_GBps": 1.0,
+                                                                      "mode": "o_direct"})
+    again = probe_mod.probe(torch.device("cpu"), [torch.float32], disk, cache_dir=cache)
+    assert again["disk"][key]["read_Bps"] == 1e9 and probe_mod.load(path) == again
