@@ -90,7 +90,7 @@ class Engine:
         try:
             self.weights = WeightStore(source, [l.names for l in self.layers], policy.weight_percents,
                                        self.devices, self.dtype, self.disk, policy.compress_weight,
-                                       policy.pin_weight, bar)
+                                       policy.pin_weight, bar, transpose=self._transpose_weights())
         except BaseException:
             self.close()
             raise
@@ -100,6 +100,11 @@ class Engine:
         self.tables: dict[tuple[int, int], BlockTable] = {}
         self._observers: tuple[KVPolicy, ...] = ()
         self._generation = 0
+
+    def _transpose_weights(self) -> bool:
+        """One sequence per batch on CPU: every decode product is a single row, which CPU BLAS
+        runs fastest against [in, out] weights (measured 1.6x); other shapes keep [out, in]."""
+        return not self.devices.is_cuda and self.policy.gpu_batch_size == 1
 
     def _layers(self) -> list[Layer]:
         a, sep = self.arch, self.policy.sep_layer

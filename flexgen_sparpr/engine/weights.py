@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.layers import Transposed
 from ..storage.codec import Int4Codec
 from ..storage.compress import CompressionConfig
 from ..storage.tiers import Devices, Tier, split_by_percent
@@ -30,8 +31,10 @@ class WeightStore:
 
     def __init__(self, source, layers: list[dict[str, str]], percents, devices: Devices,
                  dtype: torch.dtype, disk=None, compress: bool = False, pin: bool = True,
-                 progress=None):
+                 progress=None, transpose: bool = False):
         self.layers, self.devices, self.dtype = layers, devices, dtype
+        # projections (not embedding tables) of compute-resident layers, stored [in, out]
+        self.transpose = transpose
         self.stored: dict[str, StoredWeight] = {}
         self._files = []
         for names in layers:
@@ -50,6 +53,8 @@ class WeightStore:
             t = codec.encode(t.to(dev.compute) if home == Tier.COMPUTE else t)
         nbytes = t.numel() * t.element_size()
         if home == Tier.COMPUTE:
+            if self.transpose and codec is None and _is_projection(name):
+                return StoredWeight(home, tuple(t.shape), Transposed(t.T.contiguous().to(dev.compute)), nbytes)
             return StoredWeight(home, tuple(t.shape), t.to(dev.compute), nbytes, codec)
         if home == Tier.CPU:
             host = t.pin_memory() if (pin and dev.is_cuda) else t.contiguous()
@@ -79,6 +84,8 @@ class WeightStore:
             t = host
         else:
             t = w.data
+        if isinstance(t, Transposed):
+            return t
         if t.device != dev.compute:
             t = t.to(dev.compute, non_blocking=True)
             dev.counters.add("cpu", "compute", t.nbytes)
@@ -91,3 +98,8 @@ class WeightStore:
         for f in self._files:
             f.close()
         self._files.clear()
+
+
+def _is_projection(name: str) -> bool:
+    """A linear layer's weight (not an embedding or position table, not a norm)."""
+    return name.endswith("proj.weight") or name.endswith(("fc1.weight", "fc2.weight"))

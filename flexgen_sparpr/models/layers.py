@@ -5,6 +5,7 @@ All functions take plain tensors (weights included) so one code path serves ever
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., in]; w: [out, in] -> [..., out]."""
+class Transposed(NamedTuple):
+    """A projection weight stored as [in, out]: single-row products on CPU BLAS run ~1.6x
+    faster against this layout (the engine stores it so when its batch is one sequence)."""
+
+    t: torch.Tensor  # [in, out]
+
+
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., in]; w: [out, in] (or Transposed: [in, out]) -> [..., out]."""
+    if isinstance(w, Transposed):
+        y = x @ w.t
+        return y + b if b is not None else y
     rows = x.numel() // x.shape[-1]
     if x.device.type == "cpu" and rows <= 16:
         # decode-sized inputs: CPU BLAS is much faster as W @ x^T than as x @ W^T (measured
