@@ -9,11 +9,12 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+
+from flexgen_sparpr.utils.files import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,22 +78,6 @@ def machine_info() -> dict:
     except ImportError:
         pass
     return info
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write text to path via a temp file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_results(out_dir: Path, stem: str, payload: dict, markdown: str | None = None) -> list[Path]:

@@ -2,10 +2,6 @@
 plus the engine's --output-json."""
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from pathlib import Path
 
 GB = 1 << 30
 
@@ -51,17 +47,3 @@ def summary(model_bytes, cache_bytes, hidden_bytes, gpu_peak, projected, prefill
 def append_log(path: str, text: str) -> None:
     with open(path, "a") as f:
         f.write(text + "\n")
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write via a temp file in the same folder, so a crash never leaves half a file."""
-    p = Path(path).expanduser()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, p)
-    except BaseException:
-        os.unlink(tmp)
-        raise

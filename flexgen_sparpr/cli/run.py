@@ -11,6 +11,7 @@ from ..engine.config import ConfigError
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
 from ..engine.sampling import Sampler
+from ..utils.files import write_json_atomic
 from ..weights.resolve import DUMMY, resolve_source
 from . import report
 from .flags import build_parser
@@ -90,7 +91,7 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
     if hasattr(eng.kv_policy, "stats"):  # per-step statistics of policies that keep them (sparpr)
         out["kv_policy_stats"] = eng.kv_policy.stats()
     if opts.output_json:
-        report.write_json_atomic(opts.output_json, out)
+        write_json_atomic(opts.output_json, out)
     return out
 
 

@@ -9,16 +9,15 @@ is asked for; `refresh=True` measures again.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from ..storage.disk import disk_bandwidth
+from ..utils.files import write_json_atomic
 from ..weights.prepare import default_cache_dir
 from .costs import dtype_name
 
@@ -52,16 +51,7 @@ def load(path: Path) -> dict | None:
 
 def save(path: Path, data: dict) -> None:
     """Atomically (temp file, then rename): concurrent runs never read half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(path, data)
 
 
 def _sync(device: torch.device) -> None:
