@@ -19,6 +19,7 @@ from flexgen_sparpr.storage.codec import Int4Codec
 from flexgen_sparpr.storage.tiers import Devices
 from flexgen_sparpr.weights.resolve import resolve_source
 from flexgen_sparpr.weights.sources import DummySource
+from tests.hf_reference import hf_generate
 
 N_NEW = 8
 
@@ -53,15 +54,8 @@ def hf_greedy(model_dir, prompts, n=N_NEW):
     """(tokens [B][n], logits [n, B, V]) from HF generate with left padding."""
     key = (str(model_dir), tuple(map(tuple, prompts)), n)
     if key not in _HF_OUT:
-        model = hf_model(model_dir)
         pad = resolve_source(str(model_dir), "").spec.pad_id
-        plen = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (plen - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (plen - len(p)) + [1] * len(p) for p in prompts])
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
-        _HF_OUT[key] = (out.sequences[:, plen:].tolist(), torch.stack(out.logits).float())
+        _HF_OUT[key] = hf_generate(hf_model(model_dir), prompts, n, pad)
     return _HF_OUT[key]
 
 

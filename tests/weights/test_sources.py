@@ -14,6 +14,7 @@ from flexgen_sparpr.models import build_arch
 from flexgen_sparpr.models.spec import opt_spec
 from flexgen_sparpr.weights.resolve import SMOLLM2_SPEC, ModelNotFound, resolve_source
 from flexgen_sparpr.weights.sources import DummySource, HFDirSource, NumpyDirSource, dummy_shapes
+from tests.hf_reference import hf_generate
 
 PROMPTS = [[17, 201, 33], [5, 6, 7, 8, 9, 10, 11]]
 
@@ -21,13 +22,7 @@ PROMPTS = [[17, 201, 33], [5, 6, 7, 8, 9, 10, 11]]
 def hf_greedy(model_dir, prompts, n, pad):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    plen = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (plen - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (plen - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
-    return out.sequences[:, plen:].tolist(), torch.stack(out.logits).float()
+    return hf_generate(model, prompts, n, pad)
 
 
 def run(src, tmp_path, prompts=PROMPTS, n=6, policy=None, block_size=4):
