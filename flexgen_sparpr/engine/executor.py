@@ -100,6 +100,7 @@ class Engine:
         self.tables: dict[tuple[int, int], BlockTable] = {}
         self._observers: tuple[KVPolicy, ...] = ()
         self._generation = 0
+        self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
 
     def _transpose_weights(self) -> bool:
         """One sequence per batch on CPU: every decode product is a single row, which CPU BLAS
@@ -327,6 +328,8 @@ class Engine:
         if self.devices.is_cuda:
             torch.cuda.synchronize(self.devices.compute)
         st.step_times.append(time.perf_counter() - t0)
+        for hook in self.on_step:
+            hook(prefill, st)
 
     def set_kv_policy(self, policy: KVPolicy, attach: bool = True) -> None:
         """Swap the KV policy between runs (attach=False for one that observed the prefill)."""
