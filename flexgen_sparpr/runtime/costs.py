@@ -55,6 +55,12 @@ class CostModel:
         return cls(disk_read_Bps=disk["read_Bps"], h2d_Bps=probe.get("h2d_Bps"),
                    matmul_flops=dict(probe["matmul_flops"]), matmul_latency_s=dict(probe["matmul_latency_s"]))
 
+    @classmethod
+    def from_hardware(cls, hw, live: bool = True) -> "CostModel":
+        """From a hardware file (runtime/hardware.py `Hardware`) instead of the start-up probe."""
+        return cls(disk_read_Bps=hw.disk_read_bw, h2d_Bps=hw.h2d_bw if hw.is_cuda else None,
+                   matmul_flops=dict(hw.flops), matmul_latency_s=dict(hw.matmul_latency_s), live=live)
+
     def to_dict(self) -> dict:
         return {"disk_read_Bps": self.disk_read_Bps, "h2d_Bps": self.h2d_Bps,
                 "matmul_flops": dict(self.matmul_flops), "matmul_latency_s": dict(self.matmul_latency_s),

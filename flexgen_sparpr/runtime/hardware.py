@@ -32,7 +32,9 @@ _SCALARS = {
     "d2h_pageable_bw": ("d2h_pageable_GBps", GB),
     "disk_read_bw": ("disk_read_GBps", GB),
     "disk_write_bw": ("disk_write_GBps", GB),
+    "compute_memory_bw": ("compute_memory_GBps", GB),
 }
+_OPTIONAL = ("compute_memory_bw",)  # 0.0 when unknown
 _LINKS = ("h2d_bw", "d2h_bw", "h2d_pageable_bw", "d2h_pageable_bw")
 _DICTS = {"flops": ("flops_TFLOPS", TFLOPS), "cpu_flops": ("cpu_flops_TFLOPS", TFLOPS)}
 
@@ -58,6 +60,7 @@ class Hardware:
     source: str                  # "measured YYYY-MM-DD on <host>" or "public spec sheets: <which>"
     notes: str = ""              # why numbers are derated, what is assumed
     matmul_latency_s: dict[str, float] = field(default_factory=dict)  # one small matmul call
+    compute_memory_bw: float = 0.0  # bytes/s the compute device reads its own memory (0: unknown)
 
     def __post_init__(self):
         if self.compute not in COMPUTE_KINDS:
@@ -130,6 +133,8 @@ def hardware_from_dict(section: dict, where: str = "hardware file") -> Hardware:
                 # pageable copies default to the pinned figure; no link at all on a CPU-only box
                 pinned = section.get(key.replace("_pageable", "")) if "pageable" in key else None
                 v = pinned if (compute == "cuda" and pinned is not None) else 0.0
+            elif v is None and name in _OPTIONAL:
+                v = 0.0
             kw[name] = float(v) * scale
         for name, (key, scale) in _DICTS.items():
             d = section[key]
