@@ -21,6 +21,8 @@ DEFAULTS = {
     # SparPR (--kv-policy sparpr)
     "min_keep": 0.1, "gamma": 0.9, "no_dynamic_budget": False, "quest_only": False,
     "no_recompute": False, "no_fallback": False,
+    # hardware files and --policy auto (runtime/hardware.py, runtime/placement.py)
+    "hardware": None, "policy": None,
 }
 
 
@@ -106,8 +108,19 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "before the timed one, as FlexGen does (default true)")
 
 
+def add_hardware_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("hardware files and automatic placement")
+    g.add_argument("--hardware", help="hardware YAML file (`flexgen-sparpr profile --out FILE`, or "
+                   "configs/hardware/*.yaml): sparpr's cost model reads it instead of probing, and "
+                   "--policy auto plans with it (default: the config's hardware: section, else a probe)")
+    g.add_argument("--policy", choices=["auto"], help="auto: choose --percent and the batch split "
+                   "(--gpu-batch-size x --num-gpu-batches stays the total) from the hardware and the "
+                   "model with a cost model of the schedule (docs/hardware.md); not with --percent")
+
+
 def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run offloaded generation with FlexGen's flags.")
     add_flexgen_flags(p)
     add_engine_flags(p)
+    add_hardware_flags(p)
     return p

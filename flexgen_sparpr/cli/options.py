@@ -9,6 +9,8 @@ from pathlib import Path
 import yaml
 
 from ..engine.config import ConfigError, EngineConfig, Policy
+from ..runtime.costs import CostModel
+from ..runtime.hardware import Hardware, hardware_from_dict, load_hardware
 from .flags import DEFAULTS
 
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
@@ -42,6 +44,8 @@ class RunOptions:
     stop: str | None
     warmup: bool
     percent: tuple[int, ...]
+    policy: str | None = None          # "auto": cli/run.py replaces the placement (runtime/placement.py)
+    hardware: Hardware | None = None   # --hardware FILE or the config's hardware: section
 
 
 def load_yaml(path: str) -> dict:
@@ -57,15 +61,28 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def _sparpr_args(merged: dict, policy: Policy) -> dict:
-    """SparPR's knobs; its probe measures the disk tier's folder when the cache uses disk."""
+def _hardware(merged: dict, data: dict, config: str | None) -> Hardware | None:
+    """--hardware FILE, else the --config file's hardware: section (a path, or the section itself)."""
+    hw = merged.get("hardware")
+    if isinstance(hw, Hardware) or (hw is None and not data.get("hardware")):
+        return hw
+    if hw is None:
+        return hardware_from_dict(data["hardware"], where=f"--config {config}")
+    return load_hardware(hw)
+
+
+def _sparpr_args(merged: dict, policy: Policy, hw: Hardware | None = None) -> dict:
+    """SparPR's knobs; its cost model comes from the hardware file when there is one, else its
+    probe measures the disk tier's folder when the cache uses disk."""
     for flag in ("min_keep", "gamma"):
         if not 0 < merged[flag] <= 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be in (0, 1] (got {merged[flag]})")
     args = {"min_keep": merged["min_keep"], "gamma": merged["gamma"], "quest_only": merged["quest_only"],
             "dynamic_budget": not merged["no_dynamic_budget"], "recompute": not merged["no_recompute"],
             "fallback": not merged["no_fallback"]}
-    if policy.cache_disk_percent > 0:
+    if hw is not None:
+        args["costs"] = CostModel.from_hardware(hw)
+    elif policy.cache_disk_percent > 0:
         args["probe_dir"] = merged["offload_dir"]
     return args
 
@@ -74,6 +91,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
     """Merge defaults < YAML < flags into the three frozen objects; bad values raise ConfigError."""
     given = {k: v for k, v in vars(args).items() if v is not None}
     merged = dict(DEFAULTS)
+    data, from_config = {}, set()
     if given.get("config"):
         data = load_yaml(given["config"])
         for section in ("run", "policy", "engine"):
@@ -82,7 +100,13 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
             if unknown:
                 raise ConfigError(f"--config: unknown {section} keys: {', '.join(sorted(unknown))}")
             merged.update(values)
+            from_config |= set(values)
     merged.update(given)
+    merged["hardware"] = _hardware(merged, data, given.get("config"))
+    if merged["policy"] not in (None, "auto"):
+        raise ConfigError(f"--policy takes only 'auto' (got {merged['policy']!r})")
+    if merged["policy"] == "auto" and ("percent" in given or "percent" in from_config):
+        raise ConfigError("--policy auto chooses the placement itself: drop --percent (or the config's percent)")
     pct = merged["percent"]
     if len(pct) != 6:
         raise ConfigError(f"--percent takes six numbers, got {len(pct)}")
@@ -111,8 +135,37 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
     if merged["kv_policy"] != "dense":
         policy_args.setdefault("keep_ratio", merged["keep_ratio"])
     if merged["kv_policy"] == "sparpr":
-        policy_args = _sparpr_args(merged, policy) | policy_args
+        policy_args = _sparpr_args(merged, policy, merged["hardware"]) | policy_args
     engine = EngineConfig(policy_args=policy_args, **{k: merged[k] for k in _ENGINE_FLAGS})
     run_fields = {f.name for f in dataclasses.fields(RunOptions)}
     run = RunOptions(**{k: merged[k] for k in run_fields if k != "percent"}, percent=tuple(pct))
     return run, policy, engine
+
+
+def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, spec) -> tuple:
+    """--policy auto: the placement and batch split chosen by runtime/placement.py for the model
+    `spec` on the hardware file (else this machine, from the cached start-up probe). The total
+    batch stays gpu_batch_size x num_gpu_batches. Returns (policy, engine, plan, hardware)."""
+    from ..runtime.placement import NoPlacementFits, Workload, choose
+    from ..runtime.profile import hardware_from_probe
+
+    hw = opts.hardware
+    if hw is None:
+        device = engine.torch_device()
+        hw = hardware_from_probe(device, engine.torch_dtype(device), engine.offload_dir)
+    dtype = engine.dtype if engine.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
+    wl = Workload(spec, opts.prompt_len, opts.gen_len, policy.batch_size, dtype,
+                  policy.overlap, policy.compress_weight, policy.compress_cache)
+    try:
+        plan = choose(wl, hw)
+    except NoPlacementFits as e:
+        raise ConfigError(f"--policy auto: {e}") from None
+    pct = plan.percent
+    policy = dataclasses.replace(
+        policy, gpu_batch_size=plan.gpu_batch_size, num_gpu_batches=plan.num_gpu_batches,
+        w_gpu_percent=pct[0], w_cpu_percent=pct[1], cache_gpu_percent=pct[2], cache_cpu_percent=pct[3],
+        act_gpu_percent=pct[4], act_cpu_percent=pct[5])
+    if engine.kv_policy == "sparpr" and "costs" not in engine.policy_args:
+        args = {k: v for k, v in engine.policy_args.items() if k != "probe_dir"}
+        engine = dataclasses.replace(engine, policy_args=args | {"costs": CostModel.from_hardware(hw)})
+    return policy, engine, plan, hw

@@ -15,7 +15,7 @@ from ..utils.files import write_json_atomic
 from ..weights.resolve import DUMMY, resolve_source
 from . import report
 from .flags import build_parser
-from .options import resolve
+from .options import apply_auto_policy, resolve
 from .prompts import build_prompts, load_tokenizer
 
 
@@ -26,6 +26,9 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
     max_seq = opts.max_seq_len or (opts.prompt_len + opts.gen_len if is_dummy else None)
     src = resolve_source(opts.model, opts.path, max_seq, opts.seed)
     spec = src.spec
+    plan = None
+    if opts.policy == "auto":  # placement and batch split from the hardware file (runtime/placement.py)
+        policy, ecfg, plan, hw = apply_auto_policy(opts, policy, ecfg, spec)
     tok = load_tokenizer(src.tokenizer_dir) if not is_dummy else None
     prompts = build_prompts(opts, tok, policy.batch_size, spec.vocab)
     explicit = opts.prompt or opts.prompt_file or opts.prompt_ids_file
@@ -37,6 +40,8 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
     cache_b, hidden_b = spec.cache_bytes(n, plen + opts.gen_len), spec.hidden_bytes(n, plen + opts.gen_len)
     say(f"model size: {spec.model_bytes() / report.GB:.3f} GB, cache size: {cache_b / report.GB:.3f} GB, "
         f"hidden size (prefill): {hidden_b / report.GB:.3f} GB")
+    if plan is not None:
+        say(f"policy auto for {hw.name} ({hw.source}): {plan.describe(opts.gen_len)}")
     say("init weight...")
     tty = sys.stderr.isatty() and opts.verbose >= 1
     eng = Engine(src, policy, ecfg, progress=tty)
@@ -88,6 +93,9 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
         "policy": dataclasses.asdict(policy), "engine": dataclasses.asdict(ecfg),
         "torch": torch.__version__,
     }
+    if plan is not None:
+        out["auto_policy"] = {"hardware": hw.name, "hardware_source": hw.source, **dataclasses.asdict(plan),
+                              "predicted_per_token_s": plan.per_token_s(opts.gen_len)}
     if hasattr(eng.kv_policy, "stats"):  # per-step statistics of policies that keep them (sparpr)
         out["kv_policy_stats"] = eng.kv_policy.stats()
     if opts.output_json:

@@ -1,0 +1,189 @@
+"""`--policy auto`: choose the six --percent numbers and the batch split from a Hardware file.
+
+A small cost model of FlexGen's zig-zag schedule (docs/hardware.md gives its assumptions): per
+layer, the weights not on the compute tier cross the links once per step (shared by every GPU
+batch), the KV cache not on the compute tier is read once per decode step, and the new K/V are
+written home; links (host->device, device->host, disk read, disk write) and compute are separate
+resources, so with --overlap a layer costs the slowest of them, without it their sum. Compute is
+a roofline: max(FLOPs / matmul FLOP/s, bytes read from device memory / memory bandwidth). Every
+(weight, cache) percent pair on a grid and every activation tier and batch split is scored at once
+(numpy, no LP solver); a plan must fit each tier with a margin. Ties go to the plan keeping more
+on the compute tier, less on disk, and fewer GPU batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..models.spec import ModelSpec
+from .hardware import GiB, Hardware
+
+MEMORY_MARGIN = 0.10     # keep 10 % of every memory tier free (allocator slack, fragmentation)
+DISK_MARGIN = 0.05
+HOST_RESERVE = 1 * GiB   # the Python process, torch and the tokenizer, on the host
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+COMPRESSED_BYTES = 4.5 / 8  # 4-bit codes + a 16-bit scale and min per group of 64
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What runs: the model, lengths, the total batch (split into GPU batches) and dtype."""
+
+    spec: ModelSpec
+    prompt_len: int
+    gen_len: int
+    batch_size: int = 4
+    dtype: str = "float16"
+    overlap: bool = True
+    compress_weight: bool = False
+    compress_cache: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} (got {self.dtype})")
+        if min(self.prompt_len, self.gen_len, self.batch_size) < 1:
+            raise ValueError("prompt_len, gen_len and batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A chosen placement and its predicted times (seconds) and memory (bytes per tier)."""
+
+    percent: tuple[int, int, int, int, int, int]
+    gpu_batch_size: int
+    num_gpu_batches: int
+    prefill_s: float
+    decode_step_s: float          # one decode step of the whole batch
+    total_s: float                # prefill + (gen_len - 1) decode steps
+    bottleneck: str               # the slowest resource of a decode layer
+    memory: dict[str, float] = field(default_factory=dict)
+
+    def per_token_s(self, gen_len: int) -> float:
+        return self.total_s / gen_len
+
+    def describe(self, gen_len: int) -> str:
+        pct = " ".join(str(p) for p in self.percent)
+        return (f"--percent {pct} --gpu-batch-size {self.gpu_batch_size} --num-gpu-batches "
+                f"{self.num_gpu_batches}; predicted {self.per_token_s(gen_len):.4f} s/token "
+                f"(prefill {self.prefill_s:.3f} s, decode step {self.decode_step_s:.4f} s, "
+                f"bound by {self.bottleneck})")
+
+
+class NoPlacementFits(ValueError):
+    """No grid point fits the tiers' memory."""
+
+
+def _pairs(step: int, with_cpu: bool) -> np.ndarray:
+    """(compute %, cpu %) pairs on the grid; disk gets the rest."""
+    grid = range(0, 101, step)
+    return np.array([(g, c) for g in grid for c in (grid if with_cpu else [0]) if g + c <= 100], dtype=float)
+
+
+def _splits(batch: int) -> list[tuple[int, int]]:
+    return [(batch // n, n) for n in range(1, batch + 1) if batch % n == 0]
+
+
+def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
+    """The best feasible grid point per (activation tier, batch split), as dicts (percent,
+    split, times, memory); empty when nothing fits."""
+    s, L = wl.spec, wl.spec.num_layers
+    b = DTYPE_BYTES[wl.dtype]
+    wb = COMPRESSED_BYTES if wl.compress_weight else b
+    cb = COMPRESSED_BYTES if wl.compress_cache else b
+    cuda = hw.is_cuda
+    W = s.num_params() * wb                      # all weights, bytes
+    Wl = W / L                                   # embeddings and head spread over the layers
+    Pl = s.num_params() / L
+    B, p, g = wl.batch_size, wl.prompt_len, wl.gen_len
+    s_max, s_mean = p + g, p + g / 2
+    kv_tok = 2 * s.kv_dim * cb                   # K and V of one token, one layer
+    KV = B * s_max * kv_tok * L                  # the whole cache at its largest
+    flops_rate = hw.compute_flops(wl.dtype)
+    mem_bw = hw.compute_memory_bw
+
+    w = _pairs(step, cuda)[:, None, :]           # [Nw, 1, 2]
+    c = _pairs(step, cuda)[None, :, :]           # [1, Nc, 2]
+    wg, wc, cg, cc = w[..., 0] / 100, w[..., 1] / 100, c[..., 0] / 100, c[..., 1] / 100
+    wd, cd = 1 - wg - wc, 1 - cg - cc
+    off_w, off_c = (wc + wd, cc + cd) if cuda else (0 * wg, 0 * cg)  # shares crossing host->device
+
+    def layer_time(h2d, d2h, dread, dwrite, flops, dev_bytes):
+        comp = flops / flops_rate
+        if mem_bw > 0:
+            comp = np.maximum(comp, dev_bytes / mem_bw)
+        parts = {"compute": comp + 0 * h2d, "disk read": dread / hw.disk_read_bw,
+                 "disk write": dwrite / hw.disk_write_bw}
+        if cuda:
+            parts["host->device"] = h2d / hw.h2d_bw
+            parts["device->host"] = d2h / hw.d2h_bw
+        stack = np.stack(np.broadcast_arrays(*parts.values()))
+        total = stack.max(axis=0) if wl.overlap else stack.sum(axis=0)
+        return total, np.array(list(parts))[stack.argmax(axis=0)]
+
+    plans = []
+    for act_on_cpu in ((False, True) if cuda else (False,)):
+        act_hop = 2 * B * s.hidden * b if act_on_cpu else 0.0  # hidden out to the host and back
+        # decode layer: weights once per step, the cache read once, the new token's K/V written home
+        kv_read = B * s_mean * kv_tok
+        dec, bott = layer_time(h2d=off_w * Wl + off_c * kv_read + act_hop,
+                               d2h=off_c * B * kv_tok + act_hop,
+                               dread=wd * Wl + cd * kv_read, dwrite=cd * B * kv_tok,
+                               flops=2 * B * Pl + 4 * B * s_mean * s.hidden, dev_bytes=Wl + kv_read)
+        pre, _ = layer_time(h2d=off_w * Wl + act_hop * p, d2h=off_c * B * p * kv_tok + act_hop * p,
+                            dread=wd * Wl, dwrite=cd * B * p * kv_tok,
+                            flops=2 * B * p * Pl + 2 * B * p * p * s.hidden, dev_bytes=Wl + B * p * kv_tok)
+        total = L * pre + (g - 1) * L * dec
+        for gbs, ngb in _splits(B):
+            # working set on the compute device: streamed layers double-buffered, the KV of one
+            # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill
+            # activations (q, k, v, attention out, MLP hidden) and logits
+            work = (2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * s_max * kv_tok
+                    + gbs * p * (5 * s.hidden + s.ffn) * b + gbs * s.vocab * 4)
+            act = B * p * s.hidden * b                         # hidden states of every batch
+            staging = 2 * wd * Wl + 2 * cd * gbs * s_max * kv_tok  # disk reads land on the host first
+            host_used = wc * W + cc * KV + HOST_RESERVE + staging + (act if act_on_cpu else 0)
+            if cuda:
+                dev_used = wg * W + cg * KV + work + (0 if act_on_cpu else act)
+                fits = (dev_used <= hw.compute_memory * (1 - MEMORY_MARGIN)) & (
+                    host_used <= hw.cpu_memory * (1 - MEMORY_MARGIN))
+            else:  # the compute tier is host memory: one pool
+                dev_used = host_used + wg * W + cg * KV + work + act
+                fits = dev_used <= min(hw.cpu_memory, hw.compute_memory) * (1 - MEMORY_MARGIN)
+            disk_used = wd * W + cd * KV
+            fits = np.broadcast_to(fits & (disk_used <= hw.disk_free * (1 - DISK_MARGIN)), total.shape)
+            if not fits.any():
+                continue
+            gpu_share, cpu_share = np.broadcast_arrays(w[..., 0] + c[..., 0], w[..., 1] + c[..., 1])
+            t = np.where(fits, np.round(total, 9), np.inf)
+            i, j = np.unravel_index(np.lexsort((-cpu_share.ravel(), -gpu_share.ravel(), t.ravel()))[0], t.shape)
+            pw, pc = w[i, 0], c[0, j]
+            at = lambda a: float(np.broadcast_to(a, total.shape)[i, j])  # noqa: E731
+            plans.append({
+                "percent": (int(pw[0]), int(pw[1]), int(pc[0]), int(pc[1]),
+                            0 if act_on_cpu else 100, 100 if act_on_cpu else 0),
+                "split": (gbs, ngb), "total_s": at(total), "prefill_s": L * at(pre),
+                "decode_step_s": L * at(dec), "bottleneck": str(np.broadcast_to(bott, total.shape)[i, j]),
+                "memory": {"compute": at(dev_used), "cpu": at(host_used) if cuda else 0.0,  # cpu-only: one pool
+                           "disk": at(disk_used)}})
+    return plans
+
+
+def choose(wl: Workload, hw: Hardware, step: int = 5) -> Plan:
+    """The fastest feasible plan (ties: more on the compute tier, less on disk, fewer GPU
+    batches); NoPlacementFits when nothing fits."""
+    if not 1 <= step <= 50 or 100 % step:
+        raise ValueError(f"grid step must divide 100 (got {step})")
+    plans = candidates(wl, hw, step)
+    if not plans:
+        raise NoPlacementFits(f"no placement of {wl.spec.name} (batch {wl.batch_size}, {wl.prompt_len}+"
+                              f"{wl.gen_len} tokens, {wl.dtype}) fits {hw.name}'s memory and disk")
+
+    def key(pl):
+        pct = pl["percent"]
+        return (round(pl["total_s"], 9), -(pct[0] + pct[2]), -(pct[1] + pct[3]), pl["split"][1], -pct[4])
+
+    best = min(plans, key=key)
+    return Plan(percent=best["percent"], gpu_batch_size=best["split"][0], num_gpu_batches=best["split"][1],
+                prefill_s=best["prefill_s"], decode_step_s=best["decode_step_s"], total_s=best["total_s"],
+                bottleneck=best["bottleneck"], memory=best["memory"])
