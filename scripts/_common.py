@@ -97,3 +97,53 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int]]:
+    """batch random prompts of ctx ids in [4, vocab) (no pad/BOS/EOS), seeded by seed + ctx."""
+    import torch
+    gen = torch.Generator().manual_seed(seed + ctx)
+    return torch.randint(4, vocab, (batch, ctx), generator=gen).tolist()
+
+
+def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense", policy_args: dict | None = None,
+                block_size: int = 64, offload_dir: str, cache_gpu_percent: float = 0, seed: int = 0,
+                trace: bool = False, memory: bool = False) -> dict:
+    """One fresh engine on the CPU (float32), the KV cache's other share on the disk tier with
+    O_DIRECT, one greedy generation of random prompts: prefill, then gen_len - 1 decode steps.
+
+    Returns prefill/decode seconds, per-step seconds, the bytes moved per link during decode,
+    the engine's measured disk read bandwidth, the disk modes, tokens, the policy's stats, and
+    with `trace` the per-step trace (runtime/timemodel.py), with `memory` peak memory."""
+    import torch
+    from flexgen_sparpr.engine.config import EngineConfig, Policy
+    from flexgen_sparpr.engine.executor import Engine
+    from flexgen_sparpr.engine.memory import PeakMemory
+    from flexgen_sparpr.runtime.timemodel import TraceRecorder
+
+    prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
+    cfg = EngineConfig(device="cpu", dtype="float32", block_size=block_size, direct_io=True,
+                       offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {})
+    pol = Policy(gpu_batch_size=batch, cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=0)
+    peak = PeakMemory(torch.device("cpu"))
+    with peak if memory else _nothing(), Engine(src, pol, cfg) as eng:
+        rec = TraceRecorder(eng) if trace else None
+        st = eng.prefill(prompts, gen_len)
+        before = eng.devices.counters.snapshot()
+        res = eng.decode(st)
+        moved = {k: v - before.get(k, 0) for k, v in eng.devices.counters.snapshot().items()}
+        out = {"prefill_s": res.step_times[0], "decode_s": sum(res.step_times[1:]), "step_s": res.step_times[1:],
+               "bytes_moved": moved, "disk_read_Bps": eng.devices.counters.bandwidth("disk", "cpu"),
+               "disk_mode": sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else [],
+               "tokens": res.tokens,
+               "kv_policy_stats": eng.kv_policy.stats() if hasattr(eng.kv_policy, "stats") else None}
+        if rec is not None:
+            out["trace"] = rec.trace()
+    if memory:
+        out["memory"] = peak.report()
+    return out
+
+
+@contextmanager
+def _nothing():
+    yield

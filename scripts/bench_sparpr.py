@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+from _common import REPO, die, int_list, machine_info, md_table, run_offload, timer, write_results  # noqa: E402
 
 STEM = "bench"
 
@@ -75,27 +75,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_cell(src, args, ctx: int, policy: str) -> dict:
     """One fresh engine, one generation; returns timings, bytes and the policy's statistics."""
-    import torch
-    from flexgen_sparpr.engine.config import EngineConfig, Policy
-    from flexgen_sparpr.engine.executor import Engine
-
-    gen = torch.Generator().manual_seed(args.seed + ctx)
-    prompts = torch.randint(4, src.spec.vocab, (args.batch, ctx), generator=gen).tolist()
     pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
                                               probe_dir=args.offload_dir)
-    cfg = EngineConfig(device="cpu", dtype="float32", block_size=args.block_size, direct_io=True,
-                       offload_dir=args.offload_dir, kv_policy=policy, policy_args=pargs)
-    pol = Policy(gpu_batch_size=args.batch, cache_gpu_percent=args.cache_gpu_percent, cache_cpu_percent=0)
-    with Engine(src, pol, cfg) as eng:
-        st = eng.prefill(prompts, args.gen_len)
-        before = eng.devices.counters.snapshot()
-        res = eng.decode(st)
-        moved = {k: v - before.get(k, 0) for k, v in eng.devices.counters.snapshot().items()}
-        bw = eng.devices.counters.bandwidth("disk", "cpu")
-        modes = sorted({f.direct_mode for f in eng.disk.files.values()})
-        stats = eng.kv_policy.stats() if hasattr(eng.kv_policy, "stats") else None
-    steps = res.step_times[1:]
-    prefill, decode = res.step_times[0], sum(steps)
+    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
+                    block_size=args.block_size, offload_dir=args.offload_dir,
+                    cache_gpu_percent=args.cache_gpu_percent, seed=args.seed)
+    moved, bw, modes, stats = r["bytes_moved"], r["disk_read_Bps"], r["disk_mode"], r["kv_policy_stats"]
+    steps = r["step_s"]
+    prefill, decode = r["prefill_s"], r["decode_s"]
     read = moved.get("disk->cpu", 0)
     per_step = read / len(steps)
     return {"context": ctx, "policy": policy, "prefill_s": prefill, "decode_s": decode, "e2e_s": prefill + decode,
@@ -104,7 +91,7 @@ def run_cell(src, args, ctx: int, policy: str) -> dict:
             "step_s": steps, "disk_read_bytes": read, "bytes_per_token": read / (args.batch * len(steps)),
             "bytes_moved": moved, "disk_read_Bps": bw, "disk_mode": modes,
             "io_bound_ratio": statistics.median(steps) / (per_step / bw) if bw and per_step else None,
-            "tokens": res.tokens, "kv_policy_stats": stats}
+            "tokens": r["tokens"], "kv_policy_stats": stats}
 
 
 def compare(dense: dict, sparpr: dict) -> dict:
