@@ -1,0 +1,192 @@
+"""Run upstream FlexGen (flexgen==0.1.8) on the CPU with dummy weights: the measured peer.
+
+`run_upstream(...)` runs it in a subprocess (upstream keeps module globals, starts copy threads
+and may exhaust memory; a child isolates all of that) and returns its timings and tokens.
+`upstream_command(...)` gives the child's argv, for a caller that wants its own memory cap or
+timeout. In the child, `generate_upstream(...)` builds upstream's own ExecutionEnv, Policy and
+OptLM, warms up as upstream's benchmark does, and reads upstream's own timers.
+
+    python -m flexgen_sparpr.upstream.run --json --model opt-125m --batch 4 --prompt-len 512
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+DEFAULT_PERCENT = (100, 0, 100, 0, 100, 0)
+
+
+def _prompt_ids(batch: int, prompt_len: int, vocab: int, seed: int) -> np.ndarray:
+    """[batch, prompt_len] int: deterministic ids, never upstream's pad id (1) or BOS/EOS (0, 2)."""
+    return np.random.default_rng(seed).integers(3, vocab, size=(batch, prompt_len))
+
+
+def _policy(flex_opt, batch: int, percent, sparsity: float = 1.0):
+    """Upstream's Policy with its CLI defaults (one GPU batch, overlap, sep-layer, pinned weights)."""
+    from flexgen.compression import CompressionConfig
+    p = [float(x) for x in percent]
+    return flex_opt.Policy(batch, 1, p[0], p[1], p[2], p[3], p[4], p[5],
+                           True, True, True, False, sparsity,
+                           False, CompressionConfig(num_bits=4, group_size=64, group_dim=0, symmetric=False),
+                           False, CompressionConfig(num_bits=4, group_size=64, group_dim=2, symmetric=False))
+
+
+def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
+                      percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
+                      sparpr: dict | None = None, weights: str = "ones", seed: int = 0,
+                      warmup: bool = True) -> dict:
+    """In this process: patch upstream for the CPU, run one generation, return timings and the
+    generated ids ([batch][gen_len]). weights: "ones" (upstream's own _DUMMY_) or "engine" (this
+    engine's seeded dummy values). sparpr: keyword arguments of `apply_sparpr`, or None."""
+    from .patches import apply_cpu_patches
+    apply_cpu_patches()
+    from flexgen import flex_opt
+    from flexgen.opt_config import get_opt_config
+    from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
+    from flexgen.timer import timers
+    from flexgen.utils import ExecutionEnv, project_decode_latency
+
+    if len(percent) != 6:
+        raise ValueError(f"percent needs six numbers (got {list(percent)})")
+    if weights == "engine":
+        from .dummy import use_engine_dummy_weights
+        use_engine_dummy_weights(seed)
+    elif weights != "ones":
+        raise ValueError(f"weights must be 'ones' or 'engine' (got {weights!r})")
+    from .sparpr_hook import apply_sparpr, remove_sparpr
+    if sparpr:
+        apply_sparpr(**sparpr)
+    else:
+        remove_sparpr()
+
+    config = get_opt_config(model)
+    if offload_dir:
+        os.makedirs(offload_dir, exist_ok=True)
+    offload = tempfile.mkdtemp(prefix="flexgen-upstream-", dir=offload_dir)  # removed at the end
+    gpu, cpu, disk = TorchDevice("cuda:0"), TorchDevice("cpu"), TorchDisk(offload)
+    env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
+    try:
+        lm = flex_opt.OptLM(config, env, flex_opt.DUMMY_WEIGHT, _policy(flex_opt, batch, percent))
+        try:
+            if warmup:  # upstream's benchmark warms up with one 32-token step
+                lm.generate(_prompt_ids(batch, 32, config.vocab_size, seed + 1), max_new_tokens=1)
+            timers("generate").reset()
+            out = lm.generate(_prompt_ids(batch, prompt_len, config.vocab_size, seed),
+                              max_new_tokens=gen_len, cut_gen_len=cut_gen_len)
+            costs = list(timers("generate").costs)
+        finally:
+            lm.delete_all_weights()
+            lm.delete_all_weights = lambda: None  # upstream's __del__ would delete them twice
+    finally:
+        env.close_copy_threads()
+        shutil.rmtree(offload, ignore_errors=True)
+    prefill = costs[0]
+    decode = project_decode_latency(costs, prompt_len, gen_len) if cut_gen_len else sum(costs[1:])
+    steps = (cut_gen_len or gen_len)
+    return {
+        "ok": True, "prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode,
+        "decode_tok_s": batch * (gen_len - 1) / max(decode, 1e-10),
+        "tokens": np.asarray(out)[:, prompt_len:prompt_len + steps].tolist(),
+        "projected": bool(cut_gen_len),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "config": {"model": model, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
+                   "percent": list(percent), "cut_gen_len": cut_gen_len, "sparpr": sparpr,
+                   "weights": weights, "seed": seed, "upstream": "flexgen==0.1.8", "dtype": "float16"},
+    }
+
+
+def upstream_command(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
+                     percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
+                     sparpr: dict | None = None, weights: str = "ones", output: str | None = None) -> list[str]:
+    """argv of the child that runs `generate_upstream` and prints (or writes) its JSON."""
+    cmd = [sys.executable, "-m", "flexgen_sparpr.upstream.run", "--json", "--model", model,
+           "--batch", str(batch), "--prompt-len", str(prompt_len), "--gen-len", str(gen_len),
+           "--percent", *map(str, percent), "--weights", weights]
+    if offload_dir:
+        cmd += ["--offload-dir", offload_dir]
+    if cut_gen_len:
+        cmd += ["--cut-gen-len", str(cut_gen_len)]
+    if sparpr:
+        cmd += ["--sparpr", json.dumps(sparpr)]
+    if output:
+        cmd += ["--output", output]
+    return cmd
+
+
+def parse_child(returncode: int, stdout: str, stderr: str) -> dict:
+    """The child's result dict, or {"ok": False, "error": one line} when it failed."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                break
+    if returncode in (-9, 137):
+        return {"ok": False, "error": "killed (out of memory?)"}
+    tail = [x for x in stderr.strip().splitlines() if x.strip()]
+    return {"ok": False, "error": f"exit {returncode}: {tail[-1] if tail else 'no output'}"}
+
+
+def run_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
+                 percent=(100, 0, 100, 0, 100, 0), offload_dir: str | None = None,
+                 cut_gen_len: int | None = None, sparpr: dict | None = None) -> dict:
+    """Upstream FlexGen on this CPU with its own dummy weights, in a subprocess.
+
+    Returns {"ok": True, "prefill_s", "decode_s", "total_s", "decode_tok_s", "tokens": [[...]], ...}
+    (tokens: [batch][gen_len] generated ids) or {"ok": False, "error": "<one line>"}."""
+    cmd = upstream_command(model, batch, prompt_len, gen_len, percent, offload_dir, cut_gen_len, sparpr)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        return {"ok": False, "error": f"could not start upstream: {e}"}
+    return parse_child(proc.returncode, proc.stdout, proc.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="upstream FlexGen 0.1.8 on the CPU (dummy weights)")
+    ap.add_argument("--model", default="opt-125m")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=8)
+    ap.add_argument("--percent", type=int, nargs=6, default=list(DEFAULT_PERCENT))
+    ap.add_argument("--offload-dir")
+    ap.add_argument("--cut-gen-len", type=int)
+    ap.add_argument("--sparpr", help="JSON keyword arguments of apply_sparpr, e.g. '{\"keep_ratio\": 0.5}'")
+    ap.add_argument("--weights", choices=("ones", "engine"), default="ones")
+    ap.add_argument("--json", action="store_true", help="print one JSON line (the result dict)")
+    ap.add_argument("--output", help="also write the result JSON here (atomically)")
+    args = ap.parse_args(argv)
+    try:
+        sparpr = json.loads(args.sparpr) if args.sparpr else None
+        if sparpr is not None and not isinstance(sparpr, dict):
+            raise ValueError("--sparpr must be a JSON object")
+        result = generate_upstream(args.model, args.batch, args.prompt_len, args.gen_len, tuple(args.percent),
+                                   args.offload_dir, args.cut_gen_len, sparpr, weights=args.weights)
+    except (ValueError, ImportError, RuntimeError, MemoryError, AssertionError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        result, code = {"ok": False, "error": f"{type(e).__name__}: {msg}"}, 2
+    else:
+        code = 0
+    if args.output:
+        from ..utils.files import write_json_atomic
+        write_json_atomic(args.output, result)
+    if args.json:
+        print(json.dumps(result))
+    elif result["ok"]:
+        print(f"prefill {result['prefill_s']:.3f} s, decode {result['decode_s']:.3f} s, "
+              f"{result['decode_tok_s']:.2f} tok/s")
+    else:
+        print(f"error: {result['error']}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""SparPR's block selection inside upstream FlexGen's decode attention.
+
+`apply_sparpr(keep_ratio=..., min_keep=..., block_size=...)` wraps upstream's
+`TorchDevice._attention_value` — the attention over the KV cache that `mha_gen` runs at every
+decode step (dense and mixed-device paths alike). The cached positions are cut into blocks of
+`block_size`; each block is summarised by its mean key per head (this engine's
+`masked_mean_keys`), scored by sum over heads of q . summary, and each sequence attends only its
+top-scoring blocks within the budget (`token_budget`, the same rule as this engine's SparPR),
+plus its sink block, the last `recent_blocks` full blocks, the open block and the new token.
+The rest are masked out exactly as upstream masks padding, so keep_ratio 1.0 changes nothing.
+
+Upstream moves its whole KV cache to the compute device before attention, so the hook changes
+what attention reads, not what is copied: SparPR's copy-or-recompute recovery and its measured
+dynamic budget have nothing to act on there, and the keep ratio used is
+`keep_target(nan, keep_ratio, min_keep)` = keep_ratio.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kv.policies.base import token_budget
+from ..kv.policies.sparpr import masked_mean_keys
+from ..runtime.costs import keep_target
+
+
+@dataclass
+class SparPRConfig:
+    keep_ratio: float = 0.5
+    min_keep: float = 0.1
+    block_size: int = 64
+    recent_blocks: int = 1
+
+    def __post_init__(self):
+        if not 0 < self.keep_ratio <= 1:
+            raise ValueError(f"keep_ratio must be in (0, 1] (got {self.keep_ratio})")
+        if not 0 < self.min_keep <= 1:
+            raise ValueError(f"min_keep must be in (0, 1] (got {self.min_keep})")
+        if int(self.block_size) != self.block_size or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer (got {self.block_size})")
+        if self.recent_blocks < 0:
+            raise ValueError(f"recent_blocks must be >= 0 (got {self.recent_blocks})")
+
+
+@dataclass
+class HookStats:
+    """Summed over decode attention calls: cached positions read vs valid."""
+    calls: int = 0
+    tokens_read: int = 0
+    tokens_valid: int = 0
+    per_call: list = field(default_factory=list)  # (context length, read, valid) per call
+
+    def effective_keep(self) -> float:
+        return self.tokens_read / max(1, self.tokens_valid)
+
+
+_state: dict = {"config": None, "original": None, "stats": HookStats()}
+
+
+def sparpr_keep(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, n_head: int,
+                config: SparPRConfig) -> torch.Tensor:
+    """Positions one decode step attends, in upstream's layout.
+
+    q: [B*H, 1, D]; k: [B*H, D, S] (position S-1 is the new token); mask: [B, S] bool (False =
+    padding). Returns keep: [B, S] bool, a subset of mask that always holds the new token."""
+    b, s = mask.shape
+    d, bs = q.shape[-1], int(config.block_size)
+    n = s - 1  # cached positions; the new token is attended on top
+    sealed = n // bs
+    keep = mask.clone()
+    if sealed == 0:
+        return keep
+    valid = mask[:, :n]  # valid: [B, n]
+    blk_valid = valid[:, :sealed * bs].reshape(b, sealed, bs)  # blk_valid: [B, nb, bs]
+    keys = k[:, :, :sealed * bs].float().reshape(b, n_head, d, sealed, bs).permute(0, 1, 3, 4, 2)  # [B, H, nb, bs, D]
+    summary = masked_mean_keys(keys, blk_valid)  # summary: [nb, B, H, D]
+    score = torch.einsum("bhd,nbhd->bn", q.float().reshape(b, n_head, d), summary)  # score: [B, nb]
+
+    counts = blk_valid.sum(dim=2)  # counts: [B, nb]
+    ids = torch.arange(sealed, device=mask.device)
+    first = valid.long().argmax(dim=1)  # first valid position (left padding)
+    own = (ids[None, :] == (first // bs)[:, None]) | (ids >= sealed - config.recent_blocks)[None, :]  # [B, nb]
+    target = keep_target(math.nan, config.keep_ratio, config.min_keep)
+    floor = bs * (1 + config.recent_blocks) + n % bs
+    n_valid = valid.sum(dim=1).tolist()
+    used = ((counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)).tolist()
+    order = score.masked_fill(own | (counts == 0), -math.inf).argsort(dim=1, descending=True)  # [B, nb]
+    pick = own.clone()
+    for row in range(b):
+        room = token_budget(target, n_valid[row], floor) - used[row]
+        for blk in order[row].tolist():  # best first; a block is taken while it fits the budget
+            c = int(counts[row, blk])
+            if own[row, blk] or c == 0:
+                continue
+            if c <= room:
+                pick[row, blk] = True
+                room -= c
+    keep[:, :sealed * bs] &= pick.repeat_interleave(bs, dim=1)
+    return keep
+
+
+def _hooked(self, q, k, v, mask, b, src_s, tgt_s, n_head, head_dim):
+    """Upstream's `_attention_value` with SparPR's positions masked in (decode steps only)."""
+    config, original = _state["config"], _state["original"]
+    if config is None or tgt_s != 1:
+        return original(self, q, k, v, mask, b, src_s, tgt_s, n_head, head_dim)
+    keep = sparpr_keep(q, k, mask, n_head, config)  # keep: [B, S]
+    st = _state["stats"]
+    read, valid = int(keep[:, :-1].sum()), int(mask[:, :-1].sum())
+    st.calls, st.tokens_read, st.tokens_valid = st.calls + 1, st.tokens_read + read, st.tokens_valid + valid
+    st.per_call.append((src_s - 1, read, valid))
+    return original(self, q, k, v, keep, b, src_s, tgt_s, n_head, head_dim)
+
+
+def apply_sparpr(keep_ratio: float = 0.5, min_keep: float = 0.1, block_size: int = 64,
+                 recent_blocks: int = 1) -> SparPRConfig:
+    """Make upstream FlexGen's decode attention read only SparPR's selected blocks (this
+    process; call again to change the knobs, `remove_sparpr()` to undo). Works with or without
+    `apply_cpu_patches()`. keep_ratio 1.0 leaves upstream's outputs bit-identical."""
+    config = SparPRConfig(keep_ratio, min_keep, block_size, recent_blocks)
+    backend = importlib.import_module("flexgen.pytorch_backend")
+    if _state["original"] is None:
+        _state["original"] = backend.TorchDevice._attention_value
+        backend.TorchDevice._attention_value = _hooked
+    _state["config"] = config
+    _state["stats"] = HookStats()
+    return config
+
+
+def remove_sparpr() -> None:
+    """Restore upstream's own decode attention."""
+    if _state["original"] is not None:
+        importlib.import_module("flexgen.pytorch_backend").TorchDevice._attention_value = _state["original"]
+        _state["original"] = None
+    _state["config"] = None
+
+
+def sparpr_stats() -> HookStats:
+    """What the hook read since the last apply_sparpr."""
+    return _state["stats"]
