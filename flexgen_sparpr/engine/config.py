@@ -90,12 +90,16 @@ class EngineConfig:
     io_threads: int = 2
     kv_policy: str = "dense"
     policy_args: dict = field(default_factory=dict)
+    cold_codec: str = "raw"  # how CPU/disk-tier KV blocks are stored: raw, or dkv (anchor + low rank)
+    codec_args: dict = field(default_factory=dict)  # dkv: rank, residuals
 
     def __post_init__(self):
         if self.block_size < 1:
             raise ConfigError("--block-size must be >= 1")
         if self.dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype})")
+        if self.cold_codec not in ("raw", "dkv"):
+            raise ConfigError(f"--cold-codec must be raw or dkv (got {self.cold_codec})")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..kv.block_table import BlockTable
+from ..kv.dkv.codec import DKVCodec
 from ..kv.policy import KVPolicy, Selection, make_policy
 from ..models import build_arch
 from ..storage.disk import DiskStore
@@ -76,6 +77,10 @@ class Engine:
         if policy.cpu_cache_compute and cfg.kv_policy != "dense" and self.devices.is_cuda:
             raise ConfigError("--cpu-cache-compute attends CPU blocks in place and cannot apply a "
                               f"--kv-policy selection ({cfg.kv_policy}); use one or the other")
+        if (cfg.cold_codec != "raw" or cfg.kv_policy == "dkv") and (policy.compress_cache or cfg.kv_policy
+                                                                     == "dkv" and cfg.cold_codec != "raw"):
+            raise ConfigError("one KV codec at a time: --compress-cache, --kv-policy dkv and --cold-codec dkv "
+                              "each choose how blocks are stored")
         self.layers = self._layers()
         needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0
         self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None
@@ -163,13 +168,18 @@ class Engine:
         nb = -(-max_len // self.cfg.block_size)
         homes = block_homes(nb, self.policy.cache_percents)
         ckpt = any(p.needs_checkpoints for p in (self.kv_policy, *self._observers))
+        kv_shape = (2, self.policy.gpu_batch_size, self.spec.num_kv_heads, self.cfg.block_size, self.spec.head_dim)
+        codec, coded = self.kv_policy.codec(kv_shape, self.dtype), None
+        if codec is None and self.cfg.cold_codec == "dkv":  # cold blocks only: compute-tier ones stay raw
+            codec, coded = DKVCodec(kv_shape, self.dtype, **self.cfg.codec_args), (Tier.CPU, Tier.DISK)
         for i in range(self.spec.num_layers):
             for k in range(self.policy.num_gpu_batches):
                 common = dict(batch=self.policy.gpu_batch_size, block_size=self.cfg.block_size,
                               max_len=max_len, dtype=self.dtype, homes=homes, devices=self.devices,
                               disk=self.disk)
                 t = BlockTable(name=f"g{self._generation}-l{i}-b{k}", num_kv_heads=self.spec.num_kv_heads,
-                               head_dim=self.spec.head_dim, compress=self.policy.compress_cache, **common)
+                               head_dim=self.spec.head_dim, compress=self.policy.compress_cache,
+                               codec=codec, coded_tiers=coded, **common)
                 if ckpt:  # checkpoints live on the same tiers as the blocks they rebuild
                     t.checkpoints = BlockTable(name=f"g{self._generation}-l{i}-b{k}-ckpt", num_kv_heads=1,
                                                head_dim=self.spec.hidden, planes=1, **common)
@@ -191,7 +201,7 @@ class Engine:
     def _reads_in_place(self, t: BlockTable) -> bool:
         """Caches attended without a gather: resident and read whole, or split by home
         (--cpu-cache-compute on CUDA)."""
-        return (t.resident and self.kv_policy.reads_all) or \
+        return (t.resident and self.kv_policy.reads_all) or self.kv_policy.attends or \
             (self.policy.cpu_cache_compute and self.devices.is_cuda)
 
     def _gather_with_spare(self, t: BlockTable, sel: Selection) -> Fetched:
@@ -207,11 +217,14 @@ class Engine:
         ckpt_jobs = t.checkpoints.append(h[:, None]) if t.checkpoints is not None else []  # [B, 1, S, hidden]
         if prefill:
             valid = pads_valid(pos, pads)
-            o, jobs = prefill_attention(t, q, kk, vv, valid)
+            o = pol.prefill(t, layer_idx, q, kk, vv, valid)
+            o, jobs = prefill_attention(t, q, kk, vv, valid) if o is None else (o, t.append(kk, vv))
             if valid is None:
                 valid = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
             for observer in (pol, *self._observers):
                 observer.on_prefill(t, layer_idx, q, kk, valid)
+        elif pol.attends:
+            o, jobs = pol.attend(t, layer_idx, q, kk, vv, pads)
         else:
             if fetched is None and not self._reads_in_place(t):
                 sel = pol.plan(t, layer_idx)

@@ -4,6 +4,8 @@ Block b holds token positions [b*bs, (b+1)*bs) of every sequence in the batch as
 kv: [2, B, Hkv, bs, D] (K then V). With planes=1 the same table keeps other per-token state
 (SparPR's hidden-state checkpoints: [1, B, 1, bs, hidden]). Each block has a home tier fixed at creation; the block
 being filled lives on the compute device until it is full ("sealed"), then moves home.
+A codec (4-bit groups, or DKV's anchor + low-rank form) may encode the sealed blocks of some
+tiers: those are kept as rows of codec.nbytes bytes, the other tiers' blocks raw.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from ..storage.codec import Int4Codec, RawCodec
 class BlockTable:
     def __init__(self, *, name: str, batch: int, num_kv_heads: int, head_dim: int, block_size: int,
                  max_len: int, dtype: torch.dtype, homes: list[Tier], devices: Devices,
-                 disk=None, compress: bool = False, planes: int = 2):
+                 disk=None, compress: bool = False, planes: int = 2, codec=None,
+                 coded_tiers: tuple[Tier, ...] | None = None):
         self.bs, self.devices, self.dtype = block_size, devices, dtype
         self.block_shape = (planes, batch, num_kv_heads, block_size, head_dim)
         self.checkpoints: "BlockTable | None" = None  # hidden-state checkpoints, when kept
@@ -27,7 +30,12 @@ class BlockTable:
         self.homes = [devices.effective(t) for t in homes]
         if len(self.homes) * block_size < max_len:
             raise ValueError("fewer block homes than blocks")
-        self.codec = Int4Codec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
+        self.raw = RawCodec(self.block_shape, dtype)
+        if codec is None:
+            codec = Int4Codec(self.block_shape, dtype) if compress else self.raw
+        self.codec = codec  # how the coded tiers' blocks are stored (what a copy from them moves)
+        # tiers whose sealed blocks are stored encoded (default: every tier, when the codec encodes)
+        self.coded = frozenset() if not codec.compressed else frozenset(coded_tiers or tuple(Tier))
         self.slot = [self.homes[:b].count(h) for b, h in enumerate(self.homes)]
         self.length = 0
         self.on_seal: list[Callable[[int, torch.Tensor], None]] = []  # policy hooks: (block, kv)
@@ -38,7 +46,7 @@ class BlockTable:
         for tier in (Tier.COMPUTE, Tier.CPU):
             if not n[tier]:
                 continue
-            if compress:
+            if tier in self.coded:
                 shape = (n[tier], self.codec.nbytes)
                 self._rows[tier] = (torch.empty(shape, dtype=torch.uint8, device=dev) if tier == Tier.COMPUTE
                                     else devices.empty_host(shape, torch.uint8))
@@ -49,11 +57,15 @@ class BlockTable:
         if n[Tier.DISK]:
             if disk is None:
                 raise ValueError("KV blocks placed on disk but no --offload-dir store was given")
-            self._disk = disk.new_file(f"kv-{name}", n[Tier.DISK], self.codec.nbytes)
+            self._disk = disk.new_file(f"kv-{name}", n[Tier.DISK], self.codec_of(Tier.DISK).nbytes)
         self._tail = torch.zeros(self.block_shape, dtype=dtype, device=dev)
-        self.resident = not compress and all(t == Tier.COMPUTE for t in self.homes)
+        self.resident = Tier.COMPUTE not in self.coded and all(t == Tier.COMPUTE for t in self.homes)
 
     # --- shape facts ---
+    def codec_of(self, tier: Tier):
+        """The codec of the blocks homed on a tier."""
+        return self.codec if tier in self.coded else self.raw
+
     @property
     def num_blocks(self) -> int:
         return -(-self.length // self.bs)
@@ -94,21 +106,21 @@ class BlockTable:
         for hook in self.on_seal:
             hook(b, kv)
         home = self.homes[b]
-        if home == Tier.COMPUTE and not self.codec.compressed:
+        if home == Tier.COMPUTE and home not in self.coded:
             return None
         blk = kv.clone()  # the tail is reused at once; the store reads a private copy
         return lambda: self._store(b, blk)
 
     def _store(self, b: int, blk: torch.Tensor) -> None:
         home, slot, dev = self.homes[b], self.slot[b], self.devices
-        data = self.codec.encode(blk) if self.codec.compressed else blk
+        data = self.codec.encode(blk) if home in self.coded else blk
         if home == Tier.DISK:
             host = data.cpu()
             if dev.is_cuda:
                 dev.counters.add("compute", "cpu", host.nbytes)
             self._disk.write(slot, host)
             dev.counters.add("cpu", "disk", host.nbytes)
-        elif self.codec.compressed:
+        elif home in self.coded:
             self._rows[home][slot].copy_(data)
             if home == Tier.CPU:
                 dev.counters.add("compute", "cpu", data.nbytes)
@@ -122,15 +134,15 @@ class BlockTable:
         """Copy sealed block b into out: [planes, B, Hkv, bs, D] on compute."""
         home, slot, dev = self.homes[b], self.slot[b], self.devices
         if home == Tier.DISK:
-            host = dev.empty_host((self.codec.nbytes,), torch.uint8)
+            host = dev.empty_host((self.codec_of(home).nbytes,), torch.uint8)
             t0 = time.perf_counter()
             self._disk.read(slot, host)
             dev.counters.add("disk", "cpu", host.nbytes, time.perf_counter() - t0)
             data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
             if dev.is_cuda:
                 dev.counters.add("cpu", "compute", host.nbytes)
-            out.copy_(self.codec.decode(data) if self.codec.compressed else data.view(self.dtype).view(out.shape))
-        elif self.codec.compressed:
+            out.copy_(self.codec.decode(data) if home in self.coded else data.view(self.dtype).view(out.shape))
+        elif home in self.coded:
             row = self._rows[home][slot]
             if home == Tier.CPU:
                 row = row.to(dev.compute, non_blocking=True)
@@ -163,7 +175,7 @@ class BlockTable:
             dst = out[:, :, :, t:t + n]
             if n < self.bs:  # the partial tail block is still on compute
                 dst.copy_(self._writable(b)[:, :, :, :n])
-            elif self.homes[b] == Tier.COMPUTE and not self.codec.compressed:
+            elif self.homes[b] == Tier.COMPUTE and Tier.COMPUTE not in self.coded:
                 dst.copy_(self._in_arena(b))
             elif dst.is_contiguous():
                 self._load(b, dst)
@@ -175,6 +187,29 @@ class BlockTable:
         pos = torch.cat([torch.arange(b * self.bs, b * self.bs + n, device=dev) for b, n in zip(blocks, lens)]) \
             if blocks else torch.empty(0, dtype=torch.long, device=dev)
         return out[:, :, :, :total], pos
+
+    def rows(self, blocks: list[int]) -> torch.Tensor:
+        """Encoded rows of sealed blocks on coded tiers, not decoded: [n, codec.nbytes] uint8 on
+        compute (for policies that attend the encoded form, e.g. DKV)."""
+        dev, nb = self.devices, self.codec.nbytes
+        out = torch.empty((len(blocks), nb), dtype=torch.uint8, device=dev.compute)
+        for i, b in enumerate(blocks):
+            home, slot = self.homes[b], self.slot[b]
+            if home not in self.coded or self.block_len(b) < self.bs:
+                raise ValueError(f"block {b} is not a sealed encoded block")
+            if home == Tier.DISK:
+                host = dev.empty_host((nb,), torch.uint8)
+                t0 = time.perf_counter()
+                self._disk.read(slot, host)
+                dev.counters.add("disk", "cpu", nb, time.perf_counter() - t0)
+                out[i].copy_(host, non_blocking=True)
+                if dev.is_cuda:
+                    dev.counters.add("cpu", "compute", nb)
+            else:
+                out[i].copy_(self._rows[home][slot], non_blocking=True)
+                if home == Tier.CPU:
+                    dev.counters.add("cpu", "compute", nb)
+        return out
 
     # --- rewinding (one prefill, several decodes) ---
     def mark(self):
@@ -193,7 +228,7 @@ class BlockTable:
     def nbytes_on(self, tier: Tier) -> int:
         """Bytes of the sealed blocks homed on a tier (for reports)."""
         sealed = self.length // self.bs
-        return sum(self.codec.nbytes for b in range(sealed) if self.homes[b] == tier)
+        return self.codec_of(tier).nbytes * sum(1 for b in range(sealed) if self.homes[b] == tier)
 
     def close(self) -> None:
         if self.checkpoints is not None:

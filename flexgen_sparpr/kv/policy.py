@@ -50,6 +50,24 @@ class KVPolicy:
 
     name = "base"
     needs_checkpoints = False  # True: the engine keeps each block's K/V-projection input
+    attends = False  # True: the policy computes decode attention itself (`attend`), e.g. DKV
+
+    def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype):
+        """How the engine stores this policy's sealed blocks on every tier; None: the engine's
+        choice (raw, or --compress-cache / --cold-codec)."""
+        return None
+
+    def prefill(self, table: BlockTable, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                valid: torch.Tensor | None) -> torch.Tensor | None:
+        """Prefill attention computed by the policy (e.g. block-sparse), o: [B, H, S, D]; None:
+        the engine's dense causal attention. q: [B, H, S, D]; k, v: [B, Hkv, S, D]; valid: [B, S]."""
+        return None
+
+    def attend(self, table: BlockTable, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               pads: torch.Tensor | None):
+        """Only when `attends`: append the new token k, v: [B, Hkv, 1, D] and attend q: [B, H, 1, D]
+        over the whole cache; returns (o: [B, H, 1, D], store jobs). pads: [B] left pads or None."""
+        raise NotImplementedError
 
     def attach(self, table: BlockTable, layer: int) -> None:
         """Called once per new block table (hook `table.on_seal` here to keep block summaries)."""

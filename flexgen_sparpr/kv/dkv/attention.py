@@ -1,0 +1,64 @@
+"""DKV decode attention over encoded blocks: scores and values in low-rank space, never
+decompressing K; partial attentions carry their log-sum-exp so they merge exactly.
+
+For KV head g with key columns Kg and value columns Vg of the joint basis W (docs/dkv.md):
+    q . k_t = q . a[Kg] + C_t . (W[Kg]^T q)          (project q once: r numbers per head)
+    sum_t p_t v_t = (sum_t p_t) a[Vg] + (sum_t p_t C_t) @ W[Vg]^T
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codec import DKVParts
+
+
+def pick(parts: DKVParts, idx: torch.Tensor) -> DKVParts:
+    """Per-sequence blocks: parts with leading [n] (block) over B -> leading [B, K] for
+    idx: [B, K] block numbers (sequence b takes block idx[b, j] of its own row)."""
+    ar = torch.arange(idx.shape[0], device=idx.device)[:, None]  # ar: [B, 1]
+    return DKVParts(*(getattr(parts, f)[idx, ar] for f in DKVParts.__dataclass_fields__))
+
+
+def _kv_split(x: torch.Tensor, hkv: int, d: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a joint F axis (K heads, then V heads) at `dim` into K and V, each [..., Hkv, D, ...]."""
+    shp = x.shape
+    x = x.reshape(*shp[:dim], 2, hkv, d, *shp[dim + 1:])
+    return x.select(dim, 0), x.select(dim, 1)
+
+
+def lowrank_attention(q: torch.Tensor, p: DKVParts, usable: torch.Tensor):
+    """Attention over K blocks per sequence in low-rank form.
+
+    q: [B, H, 1, D]; p: parts with leading [B, K]; usable: [B, K, bs] bool (valid tokens that are
+    not residual rows). Returns out: [B, H, 1, D] float32 and lse: [B, H, 1] (-inf if empty)."""
+    b, h, _, d = q.shape
+    hkv = p.anchor.shape[-1] // (2 * d)
+    qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+    a_k, a_v = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_k, a_v: [B, K, Hkv, D]
+    w_k, w_v = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_k, w_v: [B, K, Hkv, D, r]
+    coeffs = p.coeffs.float()  # coeffs: [B, K, bs, r]
+    proj = torch.einsum("bgqd,bkgdr->bkgqr", qg, w_k)  # proj: [B, K, Hkv, G, r]
+    base = torch.einsum("bgqd,bkgd->bgqk", qg, a_k)  # base: [B, Hkv, G, K]
+    scores = torch.einsum("bktr,bkgqr->bgqkt", coeffs, proj) + base[..., None]  # [B, Hkv, G, K, bs]
+    scores = (scores / math.sqrt(d)).masked_fill(~usable[:, None, None], float("-inf"))
+    flat = scores.flatten(-2)  # flat: [B, Hkv, G, K*bs]
+    lse = torch.logsumexp(flat, dim=-1)  # lse: [B, Hkv, G]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w = torch.exp(scores - safe[..., None, None])  # w: [B, Hkv, G, K, bs]
+    wc = torch.einsum("bgqkt,bktr->bgqkr", w, coeffs)  # wc: [B, Hkv, G, K, r]
+    out = torch.einsum("bgqkr,bkgdr->bgqd", wc, w_v) + torch.einsum("bgqk,bkgd->bgqd", w.sum(-1), a_v)
+    return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
+
+
+def residual_kv(p: DKVParts, blocks: torch.Tensor, bs: int, d: int):
+    """Exact residual tokens of n blocks. p: parts with leading [n]; blocks: [n] block ids.
+    Returns k, v: [B, Hkv, n*m, D] and pos: [B, n*m] cache positions."""
+    n, b, m, f = p.res_rows.shape
+    hkv = f // (2 * d)
+    rows = p.res_rows.permute(1, 0, 2, 3).reshape(b, n * m, 2, hkv, d)  # rows: [B, n*m, 2, Hkv, D]
+    pos = (blocks[:, None, None] * bs + p.res_idx.long()).permute(1, 0, 2).reshape(b, n * m)
+    k, v = rows.permute(2, 0, 3, 1, 4)  # k, v: [B, Hkv, n*m, D]
+    return k, v, pos
+

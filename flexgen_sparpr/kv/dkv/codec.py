@@ -1,0 +1,122 @@
+"""DKV's block codec: one KV block as an exact anchor token, a rank-r joint K|V truncated-SVD
+delta, and exact residual tokens (DKV, seed 001; docs/dkv.md).
+
+A block kv: [2, B, Hkv, bs, D] is, per sequence, a matrix X: [bs, F] with F = 2 * Hkv * D
+(the K of every KV head, then the V of every KV head: one basis serves both). With a the anchor
+row (the row nearest the block's mean), X - a ~= C @ W^T, C: [bs, r] coefficients, W: [F, r] the
+top-r right singular vectors. The m rows this reconstructs worst are kept exact (residuals).
+
+Bytes of one encoded block (the `nbytes` formula; e = the dtype's size, 4-byte indices):
+    B * (F + F * r + bs * r + m * F) * e  [padded to 8]  +  B * (m + 1) * 4
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DKVParts:
+    """Views into encoded rows; every field has the rows' leading dims `...`."""
+
+    anchor: torch.Tensor  # [..., B, F]
+    basis: torch.Tensor  # [..., B, F, r]
+    coeffs: torch.Tensor  # [..., B, bs, r]
+    res_rows: torch.Tensor  # [..., B, m, F]
+    res_idx: torch.Tensor  # [..., B, m] int32 token index within the block (ascending)
+    anchor_idx: torch.Tensor  # [..., B] int32
+
+
+def _align(n: int, to: int = 8) -> int:
+    return -(-n // to) * to
+
+
+class DKVCodec:
+    """Encodes a KV block into one flat uint8 row of fixed size `nbytes` (see the module doc)."""
+
+    compressed = True
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int = 32, residuals: int = 16):
+        planes, b, hkv, bs, d = shape
+        if planes != 2:
+            raise ValueError("DKV encodes K and V together (planes = 2)")
+        if rank < 1 or residuals < 0:
+            raise ValueError(f"DKV needs rank >= 1 and residuals >= 0 (got {rank}, {residuals})")
+        self.shape, self.dtype = tuple(shape), dtype
+        self.batch, self.hkv, self.bs, self.head_dim = b, hkv, bs, d
+        self.width = 2 * hkv * d  # F
+        self.rank = min(rank, bs, self.width)  # more directions than rows or columns adds nothing
+        self.residuals = min(residuals, bs)
+        f, r, m, e = self.width, self.rank, self.residuals, torch.empty((), dtype=dtype).element_size()
+        counts = [("anchor", (b, f)), ("basis", (b, f, r)), ("coeffs", (b, bs, r)), ("res_rows", (b, m, f))]
+        self._layout, off = [], 0
+        for name, shp in counts:
+            self._layout.append((name, shp, dtype, off))
+            off += torch.Size(shp).numel() * e
+        off = _align(off)
+        for name, shp in (("res_idx", (b, m)), ("anchor_idx", (b,))):
+            self._layout.append((name, shp, torch.int32, off))
+            off += torch.Size(shp).numel() * 4
+        self.nbytes = off
+
+    @staticmethod
+    def formula(b: int, hkv: int, bs: int, d: int, rank: int, residuals: int, itemsize: int) -> int:
+        """The module doc's byte count, for reports and tests."""
+        f = 2 * hkv * d
+        r, m = min(rank, bs, f), min(residuals, bs)
+        return _align(b * (f + f * r + bs * r + m * f) * itemsize) + b * (m + 1) * 4
+
+    def dense_nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+    # --- layout ---
+    def to_rows(self, kv: torch.Tensor) -> torch.Tensor:
+        """kv: [2, B, Hkv, bs, D] -> X: [B, bs, F] (K heads, then V heads)."""
+        return kv.permute(1, 3, 0, 2, 4).reshape(self.batch, self.bs, self.width)
+
+    def from_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """X: [B, bs, F] -> kv: [2, B, Hkv, bs, D]."""
+        return x.view(self.batch, self.bs, 2, self.hkv, self.head_dim).permute(2, 0, 3, 1, 4)
+
+    def parts(self, rows: torch.Tensor) -> DKVParts:
+        """rows: [..., nbytes] uint8 -> typed views (no copy)."""
+        lead = rows.shape[:-1]
+        out = {}
+        for name, shp, dt, off in self._layout:
+            n = torch.Size(shp).numel() * torch.empty((), dtype=dt).element_size()
+            out[name] = rows[..., off:off + n].view(dt).view(*lead, *shp)
+        return DKVParts(**out)
+
+    # --- encode / decode ---
+    def encode(self, kv: torch.Tensor) -> torch.Tensor:
+        """kv: [2, B, Hkv, bs, D] -> [nbytes] uint8 on kv's device."""
+        x = self.to_rows(kv).float()  # x: [B, bs, F]
+        b, bs = self.batch, self.bs
+        ar = torch.arange(b, device=x.device)
+        anchor_idx = (x - x.mean(dim=1, keepdim=True)).square().sum(-1).argmin(dim=1)  # [B]
+        anchor = x[ar, anchor_idx]  # anchor: [B, F]
+        delta = x - anchor[:, None]  # delta: [B, bs, F]
+        _, _, vh = torch.linalg.svd(delta, full_matrices=False)  # vh: [B, min(bs, F), F]
+        basis = vh[:, :self.rank].mT  # basis: [B, F, r]
+        coeffs = delta @ basis  # coeffs: [B, bs, r]
+        err = (delta - coeffs @ basis.mT).square().sum(-1)  # err: [B, bs] per-row squared error
+        res_idx = err.topk(self.residuals, dim=1).indices.sort(dim=1).values  # [B, m] worst rows
+        res_rows = x[ar[:, None], res_idx]  # res_rows: [B, m, F]
+        row = torch.empty(self.nbytes, dtype=torch.uint8, device=kv.device)
+        p = self.parts(row)
+        p.anchor.copy_(anchor)
+        p.basis.copy_(basis)
+        p.coeffs.copy_(coeffs)
+        p.res_rows.copy_(res_rows)
+        p.res_idx.copy_(res_idx)
+        p.anchor_idx.copy_(anchor_idx)
+        return row
+
+    def decode(self, row: torch.Tensor) -> torch.Tensor:
+        """[nbytes] uint8 -> kv: [2, B, Hkv, bs, D] (low-rank reconstruction, residual rows exact)."""
+        p = self.parts(row)
+        x = p.anchor.float()[:, None] + p.coeffs.float() @ p.basis.float().mT  # x: [B, bs, F]
+        idx = p.res_idx.long()
+        x.scatter_(1, idx[..., None].expand(-1, -1, self.width), p.res_rows.float())
+        return self.from_rows(x.to(self.dtype)).contiguous()

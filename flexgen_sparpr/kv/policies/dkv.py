@@ -1,0 +1,170 @@
+"""DKV: anchor + low-rank differential compression of cold KV blocks, low-rank decode scoring,
+log-sum-exp merge of partial attentions (seed 001; docs/dkv.md)."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ...models.layers import attention_with_lse, merge_attention
+from ..block_table import BlockTable
+from ..dkv.attention import lowrank_attention, pick, residual_kv
+from ..dkv.codec import DKVCodec
+from ..dkv.prefill import block_sparse_prefill
+from ..policy import KVPolicy, register
+from .sparpr import masked_mean_keys
+
+
+@dataclass(eq=False)
+class _State:
+    """Per table: exact mean keys of sealed blocks (routing) and the exact recent blocks."""
+
+    mean: torch.Tensor  # [num_blocks, B, Hkv, D] float32
+    ring: dict = field(default_factory=dict)  # block -> kv [2, B, Hkv, bs, D], the newest sealed
+    pads: torch.Tensor | None = None  # [B]
+
+
+@register("dkv")
+@dataclass(eq=False)
+class DKV(KVPolicy):
+    """DKV, "Anchor + Low-Rank Differential KV-Cache Compression for Scalable Long-Context
+    Inference" (seed 001). Every sealed block is stored encoded (kv/dkv/codec.py: anchor, rank-r
+    joint K|V SVD delta, `residuals` exact rows) on its home tier; the last `recent_blocks`
+    sealed blocks and the open block stay exact. A decode step attends
+
+      window:    the exact recent blocks, the open block and the new token,
+      residuals: every cold block's exact residual rows,
+      low-rank:  the `topk` cold blocks (per sequence) whose exact mean key scores highest,
+                 scored and summed in low-rank space (kv/dkv/attention.py), residual rows masked,
+
+    and merges the three by log-sum-exp. `topk` = 0 routes every cold block. With
+    `sparse_prefill` the prefill is block-sparse (kv/dkv/prefill.py)."""
+
+    rank: int = 32
+    residuals: int = 16
+    topk: int = 8
+    recent_blocks: int = 1
+    sparse_prefill: bool = False
+    prefill_topk: int = 8
+
+    attends = True  # the engine hands this policy the whole decode attention
+
+    def __post_init__(self):
+        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk"):
+            if getattr(self, name) < (1 if name == "rank" else 0):
+                raise ValueError(f"dkv {name} must be >= {1 if name == 'rank' else 0} (got {getattr(self, name)})")
+        self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
+        self.counts = {"steps": 0, "cold_blocks": 0, "routed_blocks": 0, "residual_tokens": 0,
+                       "window_tokens": 0, "window_misses": 0}
+
+    def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> DKVCodec:
+        """How the engine stores this policy's sealed blocks (on every tier)."""
+        return DKVCodec(block_shape, dtype, self.rank, self.residuals)
+
+    # --- state ---
+    def attach(self, table: BlockTable, layer: int) -> None:
+        if table in self._state:
+            return
+        _, b, hkv, bs, d = table.block_shape
+        mean = torch.zeros(table.capacity // bs, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
+        st = self._state[table] = _State(mean)
+        ref, keep = weakref.ref(st), self.recent_blocks + 1  # one spare survives a rewind
+
+        def on_seal(block: int, kv: torch.Tensor) -> None:
+            s = ref()
+            if s is None:
+                return
+            pos = block * bs + torch.arange(bs, device=kv.device)
+            pads = s.pads if s.pads is not None else torch.zeros(b, dtype=torch.long, device=kv.device)
+            valid = (pos[None, :] >= pads[:, None])[:, None]  # valid: [B, 1, bs]
+            s.mean[block] = masked_mean_keys(kv[0].float()[:, :, None], valid)[0]
+            s.ring[block] = kv.clone()
+            for old in sorted(s.ring)[:-keep]:
+                del s.ring[old]
+        table.on_seal.append(on_seal)
+
+    def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
+        self.attach(table, layer)
+        st, bs = self._state[table], table.bs
+        st.pads = (~valid).sum(dim=1).to(table.devices.compute)  # pads: [B]
+        sealed = table.length // bs
+        if sealed and table.length == k.shape[2]:  # means over valid tokens only, now that pads are known
+            keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
+            st.mean[:sealed] = masked_mean_keys(keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)))
+
+    def _pads(self, table: BlockTable, pads: torch.Tensor | None) -> torch.Tensor:
+        if pads is not None:
+            return pads
+        return torch.zeros(table.block_shape[1], dtype=torch.long, device=table.devices.compute)
+
+    # --- prefill ---
+    def prefill(self, table: BlockTable, layer: int, q, k, v, valid) -> torch.Tensor | None:
+        """Block-sparse prefill attention when enabled and worthwhile, else None (dense causal).
+        q: [B, H, S, D]; k, v: [B, Hkv, S, D]; valid: [B, S] or None."""
+        if not self.sparse_prefill or q.shape[2] <= (self.prefill_topk + 2) * table.bs:
+            return None
+        return block_sparse_prefill(q, k, v, valid, table.bs, self.prefill_topk)
+
+    # --- decode ---
+    def _window(self, table: BlockTable, st: _State, blocks: list[int]):
+        """Exact KV of the recent sealed blocks and the open block: kv [2, B, Hkv, T, D], pos [T]."""
+        parts, pos = [], []
+        for b in blocks:
+            kv = st.ring.get(b)
+            if kv is None:  # sealed before a rewind dropped it from the ring: its decoded form
+                kv, _ = table.gather([b])
+                self.counts["window_misses"] += 1
+            parts.append(kv)
+            pos.append(torch.arange(b * table.bs, (b + 1) * table.bs, device=kv.device))
+        if table.length % table.bs:
+            kv, p = table.gather([table.num_blocks - 1])
+            parts.append(kv)
+            pos.append(p)
+        return torch.cat(parts, dim=3), torch.cat(pos)
+
+    def attend(self, table: BlockTable, layer: int, q, k, v, pads):
+        """One decode step. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D] the new token; pads: [B] or None.
+        Returns (o: [B, H, 1, D], store jobs)."""
+        self.attach(table, layer)
+        jobs = table.append(k, v)  # seals a block when full (ring and mean updated by the hook)
+        st, bs, d = self._state[table], table.bs, q.shape[3]
+        pads = self._pads(table, pads)
+        sealed = table.length // bs
+        recent = list(range(max(0, sealed - self.recent_blocks), sealed))
+        kv, pos = self._window(table, st, recent)
+        parts = [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None])]
+        cold = list(range(sealed - len(recent)))
+        if cold:
+            for job in jobs:  # a block sealed by this very append must be encoded before it is read
+                job()
+            jobs = []
+            codec: DKVCodec = table.codec
+            p = codec.parts(table.rows(cold))  # leading [n]
+            ids = torch.tensor(cold, device=q.device)
+            rk, rv, rpos = residual_kv(p, ids, bs, d)  # rk, rv: [B, Hkv, n*m, D]; rpos: [B, n*m]
+            if rk.shape[2]:
+                parts.append(attention_with_lse(q, rk, rv, rpos >= pads[:, None]))
+            b, h = q.shape[:2]
+            hkv = kv.shape[2]
+            qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
+            score = torch.einsum("bgd,nbgd->bn", qg, st.mean[:len(cold)])  # score: [B, n]
+            kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
+            route = score.topk(kk, dim=1).indices  # route: [B, K] indices into cold
+            sub = pick(p, route)  # leading [B, K]
+            tok = (ids[route][..., None] * bs + torch.arange(bs, device=q.device))  # tok: [B, K, bs]
+            usable = tok >= pads[:, None, None]
+            usable.scatter_(2, sub.res_idx.long(), False)  # residual rows are attended exactly
+            parts.append(lowrank_attention(q, sub, usable))
+            self.counts["routed_blocks"] += kk
+            self.counts["residual_tokens"] += rk.shape[2]
+            self.counts["cold_blocks"] += len(cold)
+        self.counts["steps"] += 1
+        self.counts["window_tokens"] += pos.shape[0]
+        return merge_attention(parts).to(q.dtype), jobs
+
+    def stats(self) -> dict:
+        """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
+        config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
+                                                "sparse_prefill", "prefill_topk")}
+        return {"policy": self.name, "config": config, "totals": dict(self.counts)}

@@ -1,0 +1,235 @@
+"""DKV: the block codec, low-rank attention, the log-sum-exp merge, block-sparse prefill, the
+policy in the engine and DKV as SparPR's cold-block codec. (The policy matrix in
+test_policies.py runs DKV at full rank with every row exact against dense.)"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexgen_sparpr.engine.config import ConfigError, EngineConfig, Policy
+from flexgen_sparpr.engine.executor import Engine
+from flexgen_sparpr.kv.dkv.attention import lowrank_attention, pick, residual_kv
+from flexgen_sparpr.kv.dkv.codec import DKVCodec
+from flexgen_sparpr.kv.dkv.prefill import block_sparse_prefill
+from flexgen_sparpr.kv.policies.dkv import DKV
+from flexgen_sparpr.models.layers import attention_with_lse, causal_attention, merge_attention
+from flexgen_sparpr.storage.tiers import Tier
+from flexgen_sparpr.weights.resolve import resolve_source
+
+SHAPE = (2, 2, 3, 16, 8)  # [planes, B, Hkv, bs, D]
+
+
+def lowrank_kv(c: DKVCodec, kv: torch.Tensor):
+    """Encode and give (row, the pure low-rank reconstruction without residual rows)."""
+    row = c.encode(kv)
+    p = c.parts(row)
+    x = p.anchor[:, None] + p.coeffs @ p.basis.mT  # x: [B, bs, F]
+    return row, c.from_rows(x)
+
+
+# --- codec ---
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rank,res", [(4, 3), (32, 16), (1, 0), (100, 100)])
+def test_bytes_match_the_formula(dtype, rank, res):
+    c = DKVCodec(SHAPE, dtype, rank, res)
+    row = c.encode(torch.randn(SHAPE).to(dtype))
+    assert row.dtype == torch.uint8 and row.numel() == c.nbytes
+    assert c.nbytes == DKVCodec.formula(2, 3, 16, 8, rank, res, torch.empty((), dtype=dtype).element_size())
+
+
+def test_full_rank_is_lossless():
+    kv = torch.randn(SHAPE)
+    c = DKVCodec(SHAPE, torch.float32, rank=10 ** 6, residuals=0)
+    torch.testing.assert_close(c.decode(c.encode(kv)), kv, atol=1e-5, rtol=0)
+
+
+def test_residuals_are_the_worst_reconstructed_rows_and_exact():
+    torch.manual_seed(1)
+    kv = torch.randn(SHAPE)
+    c = DKVCodec(SHAPE, torch.float32, rank=3, residuals=4)
+    row, approx = lowrank_kv(c, kv)
+    err = (c.to_rows(approx) - c.to_rows(kv)).square().sum(-1)  # err: [B, bs]
+    p = c.parts(row)
+    for b in range(SHAPE[1]):
+        assert set(p.res_idx[b].tolist()) == set(err[b].topk(4).indices.tolist())
+    dec = c.to_rows(c.decode(row))
+    for b in range(SHAPE[1]):
+        idx = p.res_idx[b].long()
+        assert torch.equal(dec[b, idx], c.to_rows(kv)[b, idx])
+        torch.testing.assert_close(dec[b, p.anchor_idx[b].long()], c.to_rows(kv)[b, p.anchor_idx[b].long()],
+                                   atol=1e-5, rtol=0)
+
+
+def test_compression_ratio_at_defaults_for_smollm2_and_opt_shapes():
+    """The seed's block (256 tokens, rank 32) with 16 residual rows: >= 3x smaller than dense."""
+    for hkv, d in ((3, 64), (32, 128), (12, 64)):  # SmolLM2-135M, OPT-6.7B, OPT-125m
+        c = DKVCodec((2, 1, hkv, 256, d), torch.float16, 32, 16)
+        assert c.dense_nbytes() / c.nbytes >= 3.0
+
+
+# --- attention in low-rank space ---
+def test_lowrank_scores_equal_scores_against_decompressed_keys():
+    torch.manual_seed(2)
+    n, b, h = 3, SHAPE[1], 6
+    c = DKVCodec(SHAPE, torch.float32, rank=5, residuals=2)
+    blocks = [torch.randn(SHAPE) for _ in range(n)]
+    rows, approx = zip(*(lowrank_kv(c, kv) for kv in blocks))
+    parts = c.parts(torch.stack(rows))  # leading [n]
+    q = torch.randn(b, h, 1, SHAPE[4])
+    route = torch.tensor([[2, 0], [1, 2]])  # route: [B, K] per-sequence blocks
+    usable = torch.rand(b, 2, SHAPE[3]) > 0.3  # usable: [B, K, bs]
+    out, lse = lowrank_attention(q, pick(parts, route), usable)
+    # the same attention over decompressed keys and values, sequence by sequence
+    for i in range(b):
+        k = torch.cat([approx[j][0, i] for j in route[i].tolist()], dim=1)[None]  # k: [1, Hkv, K*bs, D]
+        v = torch.cat([approx[j][1, i] for j in route[i].tolist()], dim=1)[None]
+        o_ref, lse_ref = attention_with_lse(q[i:i + 1], k, v, usable[i].flatten()[None])
+        torch.testing.assert_close(out[i:i + 1], o_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[i:i + 1], lse_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_residual_kv_positions_and_rows():
+    c = DKVCodec(SHAPE, torch.float32, rank=2, residuals=3)
+    kv = [torch.randn(SHAPE) for _ in range(2)]
+    parts = c.parts(torch.stack([c.encode(x) for x in kv]))
+    ids = torch.tensor([4, 7])
+    k, v, pos = residual_kv(parts, ids, SHAPE[3], SHAPE[4])
+    for b in range(SHAPE[1]):
+        for j, p in enumerate(pos[b].tolist()):
+            blk = kv[[4, 7].index(p // SHAPE[3])]
+            assert torch.equal(k[b, :, j], blk[0, b, :, p % SHAPE[3]])
+            assert torch.equal(v[b, :, j], blk[1, b, :, p % SHAPE[3]])
+
+
+def test_lse_merge_equals_attention_over_the_union():
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 1, 8)
+    k, v = torch.randn(2, 2, 30, 8), torch.randn(2, 2, 30, 8)
+    valid = torch.rand(2, 30) > 0.2
+    full, _ = attention_with_lse(q, k, v, valid)
+    cuts = [(0, 7), (7, 19), (19, 30)]
+    parts = [attention_with_lse(q, k[:, :, a:b], v[:, :, a:b], valid[:, a:b]) for a, b in cuts]
+    torch.testing.assert_close(merge_attention(parts), full, atol=1e-6, rtol=1e-5)
+
+
+# --- block-sparse prefill ---
+def test_block_sparse_prefill_with_room_for_all_is_causal():
+    torch.manual_seed(4)
+    q, k, v = torch.randn(2, 4, 45, 8), torch.randn(2, 2, 45, 8), torch.randn(2, 2, 45, 8)
+    valid = torch.ones(2, 45, dtype=torch.bool)
+    valid[1, :5] = False
+    ref = causal_attention(q, k, v, valid)
+    torch.testing.assert_close(block_sparse_prefill(q, k, v, valid, bs=8, topk=8), ref, atol=1e-5, rtol=0)
+
+
+def test_block_sparse_prefill_reads_sink_local_and_topk_blocks():
+    """Brute force: the same attention with an explicit mask of the blocks each query block reads."""
+    torch.manual_seed(5)
+    b, h, s, d, bs, topk = 1, 2, 64, 8, 8, 2
+    q, k, v = torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    out = block_sparse_prefill(q, k, v, None, bs, topk)
+    nb = s // bs
+    qm, km = q.view(b, h, nb, bs, d).mean(3), k.view(b, h, nb, bs, d).mean(3)  # [b, h, nb, d]
+    mask = torch.zeros(s, s, dtype=torch.bool)
+    for i in range(nb):
+        score = torch.einsum("hd,hjd->j", qm[0, :, i], km[0])  # each head meets its own keys
+        keep = {0, *range(max(1, i - 1), i + 1)}
+        cands = list(range(1, max(1, i - 1)))
+        if len(cands) > topk:
+            keep |= {cands[j] for j in score[cands].topk(topk).indices.tolist()}
+        else:
+            keep |= set(cands)
+        assert len(keep) <= topk + 3
+        for j in keep:
+            mask[i * bs:(i + 1) * bs, j * bs:(j + 1) * bs] = True
+    mask &= torch.ones(s, s, dtype=torch.bool).tril()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+# --- in the engine ---
+PROMPTS = [list(range(3, 43)), list(range(50, 79))]
+
+
+def engine(model_dir, tmp_path, **kw):
+    policy = Policy(gpu_batch_size=2, cache_gpu_percent=kw.pop("gpu", 100))
+    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path), **kw)
+    return Engine(resolve_source(str(model_dir), ""), policy, cfg)
+
+
+def test_state_is_compressed_and_bounded(tiny_llama_dir, tmp_path):
+    with engine(tiny_llama_dir, tmp_path, kv_policy="dkv",
+                policy_args={"rank": 2, "residuals": 1, "recent_blocks": 1, "topk": 1}) as eng:
+        st = eng.prefill(PROMPTS, 12)
+        eng.decode(st)
+        pol: DKV = eng.kv_policy
+        for t in eng.tables.values():
+            sealed = t.length // t.bs
+            assert t.nbytes_on(Tier.COMPUTE) == sealed * t.codec.nbytes < sealed * t.raw.nbytes
+            assert len(pol._state[t].ring) <= 2
+        c = pol.counts
+        assert c["steps"] and c["routed_blocks"] == c["steps"] * 1  # topk 1: one routed block a step
+
+
+def test_decode_reads_the_encoded_rows_from_disk(tiny_opt_dir, tmp_path):
+    with engine(tiny_opt_dir, tmp_path, kv_policy="dkv", gpu=0,
+                policy_args={"rank": 2, "residuals": 1, "recent_blocks": 1}) as eng:
+        st = eng.prefill(PROMPTS, 2)
+        t = eng.tables[(0, 0)]
+        before = eng.devices.counters.snapshot().get("disk->cpu", 0)
+        st.max_new = len(st.tokens) + 1
+        eng.decode(st)
+        moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
+        cold = t.length // t.bs - 1  # the sealed blocks outside the exact recent window
+        assert moved == len(eng.tables) * cold * t.codec.nbytes
+
+
+def test_snapshot_replay(tiny_llama_dir, tmp_path):
+    with engine(tiny_llama_dir, tmp_path, kv_policy="dkv", policy_args={"rank": 2, "residuals": 1}) as eng:
+        snap = eng.snapshot(eng.prefill(PROMPTS, 10))
+        first, again = (eng.decode(eng.restore(snap)).tokens for _ in range(2))
+        assert first == again
+
+
+def test_sparse_prefill_changes_prefill_only_when_long(tiny_llama_dir, tmp_path):
+    args = {"rank": 10 ** 6, "residuals": 10 ** 6, "topk": 0, "sparse_prefill": True, "prefill_topk": 1}
+    with engine(tiny_llama_dir, tmp_path, kv_policy="dkv", policy_args=args) as eng:
+        sparse = eng.generate(PROMPTS, 4, keep_logits=True)
+    with engine(tiny_llama_dir, tmp_path, kv_policy="dense") as eng:
+        dense = eng.generate(PROMPTS, 4, keep_logits=True)
+    assert not torch.allclose(sparse.logits[0], dense.logits[0], atol=1e-4)  # 40 tokens > 3 blocks of 8
+
+
+@pytest.mark.parametrize("kw", [{"kv_policy": "dkv", "cold_codec": "dkv"}, {"kv_policy": "dkv", "compress": True},
+                                {"kv_policy": "sparpr", "cold_codec": "dkv", "compress": True}])
+def test_one_codec_at_a_time(tiny_opt_dir, tmp_path, kw):
+    kw = dict(kw)
+    compress = kw.pop("compress", False)
+    with pytest.raises(ConfigError, match="one KV codec"):
+        Engine(resolve_source(str(tiny_opt_dir), ""), Policy(gpu_batch_size=2, compress_cache=compress),
+               EngineConfig(device="cpu", block_size=8, **kw))
+
+
+def test_sparpr_with_dkv_cold_codec(tiny_llama_dir, tmp_path):
+    """Cold blocks stored in DKV form: lossless at full rank (same tokens as dense), and the bytes
+    read from disk per block are the codec's, not the raw block's."""
+    sp = {"keep_ratio": 1.0, "quest_only": True}
+    with engine(tiny_llama_dir, tmp_path, kv_policy="dense", gpu=0) as eng:
+        ref = eng.generate(PROMPTS, 6).tokens
+    with engine(tiny_llama_dir, tmp_path, kv_policy="sparpr", gpu=0, policy_args=sp, cold_codec="dkv",
+                codec_args={"rank": 10 ** 6, "residuals": 0}) as eng:
+        assert eng.generate(PROMPTS, 6).tokens == ref
+    with engine(tiny_llama_dir, tmp_path, kv_policy="sparpr", gpu=0, policy_args=sp, cold_codec="dkv",
+                codec_args={"rank": 2, "residuals": 1}) as eng:
+        st = eng.prefill(PROMPTS, 2)
+        t = eng.tables[(0, 0)]
+        assert t.codec.nbytes < t.raw.nbytes and t.codec_of(Tier.DISK) is t.codec
+        before = eng.devices.counters.snapshot().get("disk->cpu", 0)
+        st.max_new = len(st.tokens) + 1
+        eng.decode(st)
+        moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
+        assert moved == len(eng.tables) * (t.length // t.bs) * t.codec.nbytes
+        assert math.isfinite(moved)
