@@ -21,6 +21,9 @@ DEFAULTS = {
     # SparPR (--kv-policy sparpr)
     "min_keep": 0.1, "gamma": 0.9, "no_dynamic_budget": False, "quest_only": False,
     "no_recompute": False, "no_fallback": False,
+    # DKV (--kv-policy dkv, or --cold-codec dkv under another policy)
+    "cold_codec": "raw", "dkv_block": 256, "dkv_rank": 32, "dkv_residuals": 16, "dkv_topk": 8,
+    "dkv_recent": 1, "dkv_sparse_prefill": False,
     # hardware files and --policy auto (runtime/hardware.py, runtime/placement.py)
     "hardware": None, "policy": None,
 }
@@ -118,9 +121,28 @@ def add_hardware_flags(p: argparse.ArgumentParser) -> None:
                    "model with a cost model of the schedule (docs/hardware.md); not with --percent")
 
 
+def add_dkv_flags(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    g = p.add_argument_group("DKV: anchor + low-rank compressed KV blocks (docs/dkv.md)")
+    g.add_argument("--cold-codec", choices=["raw", "dkv"], help="how KV blocks on the CPU and disk tiers "
+                   "are stored: raw, or DKV form (with --kv-policy sparpr: fewer bytes per copy) (default raw)")
+    g.add_argument("--dkv-block", type=int, help=f"tokens per DKV block; with DKV in use this is the KV "
+                   f"block size unless --block-size is given (default {d['dkv_block']})")
+    g.add_argument("--dkv-rank", type=int, help=f"rank of the joint K|V SVD delta (default {d['dkv_rank']})")
+    g.add_argument("--dkv-residuals", type=int, help=f"exact residual tokens per block, the worst-"
+                   f"reconstructed rows (default {d['dkv_residuals']})")
+    g.add_argument("--dkv-topk", type=int, help=f"dkv: compressed blocks each query attends in low-rank "
+                   f"form; 0 = all (default {d['dkv_topk']})")
+    g.add_argument("--dkv-recent", type=int, help=f"dkv: sealed blocks kept exact besides the open one "
+                   f"(default {d['dkv_recent']})")
+    g.add_argument("--dkv-sparse-prefill", action="store_true", default=None,
+                   help="dkv: block-sparse prefill attention (sink, local and top-k blocks per query block)")
+
+
 def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run offloaded generation with FlexGen's flags.")
     add_flexgen_flags(p)
     add_engine_flags(p)
     add_hardware_flags(p)
+    add_dkv_flags(p)
     return p

@@ -15,7 +15,8 @@ from .flags import DEFAULTS
 
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
                  "cpu_cache_compute", "attn_sparsity", "compress_weight", "compress_cache")
-_ENGINE_FLAGS = ("device", "dtype", "block_size", "offload_dir", "direct_io", "io_threads", "kv_policy")
+_ENGINE_FLAGS = ("device", "dtype", "block_size", "offload_dir", "direct_io", "io_threads", "kv_policy",
+                 "cold_codec")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,27 @@ def _sparpr_args(merged: dict, policy: Policy, hw: Hardware | None = None) -> di
     return args
 
 
+def _dkv_args(merged: dict, given: dict, from_config: set, policy_args: dict) -> dict:
+    """DKV's knobs: the policy's (--kv-policy dkv) or the cold codec's; sets the KV block size
+    to --dkv-block unless --block-size was asked for. Returns the codec args."""
+    dkv_policy, cold = merged["kv_policy"] == "dkv", merged["cold_codec"] == "dkv"
+    if not (dkv_policy or cold):
+        return {}
+    for flag, least in (("dkv_block", 1), ("dkv_rank", 1), ("dkv_residuals", 0), ("dkv_topk", 0), ("dkv_recent", 0)):
+        if merged[flag] < least:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= {least} (got {merged[flag]})")
+    asked = lambda k: k in given or k in from_config  # noqa: E731
+    if asked("block_size") and asked("dkv_block") and merged["block_size"] != merged["dkv_block"]:
+        raise ConfigError("--block-size and --dkv-block disagree; DKV compresses whole KV blocks (give one)")
+    if not asked("block_size"):
+        merged["block_size"] = merged["dkv_block"]
+    codec = {"rank": merged["dkv_rank"], "residuals": merged["dkv_residuals"]}
+    if dkv_policy:
+        policy_args.update(codec, topk=merged["dkv_topk"], recent_blocks=merged["dkv_recent"],
+                           sparse_prefill=merged["dkv_sparse_prefill"])
+    return codec if cold and not dkv_policy else {}
+
+
 def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]:
     """Merge defaults < YAML < flags into the three frozen objects; bad values raise ConfigError."""
     given = {k: v for k, v in vars(args).items() if v is not None}
@@ -132,11 +154,13 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
                     cache_cpu_percent=pct[3], act_gpu_percent=pct[4], act_cpu_percent=pct[5],
                     **{k: merged[k] for k in _POLICY_FLAGS})
     policy_args = dict(merged.get("policy_args") or {})
-    if merged["kv_policy"] != "dense":
+    codec_args = _dkv_args(merged, given, from_config, policy_args)
+    if merged["kv_policy"] not in ("dense", "dkv"):
         policy_args.setdefault("keep_ratio", merged["keep_ratio"])
     if merged["kv_policy"] == "sparpr":
         policy_args = _sparpr_args(merged, policy, merged["hardware"]) | policy_args
-    engine = EngineConfig(policy_args=policy_args, **{k: merged[k] for k in _ENGINE_FLAGS})
+    engine = EngineConfig(policy_args=policy_args, codec_args=codec_args,
+                          **{k: merged[k] for k in _ENGINE_FLAGS})
     run_fields = {f.name for f in dataclasses.fields(RunOptions)}
     run = RunOptions(**{k: merged[k] for k in run_fields if k != "percent"}, percent=tuple(pct))
     return run, policy, engine
