@@ -150,10 +150,12 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=str(REPO / "results/needle"))
     args = ap.parse_args(argv)
-    names = [p for p in args.policies.split(",") if p] or sorted(n for n in POLICIES if n != "dense")
+    # policies that store their own cache form (DKV) cannot share the dense prefill: scripts/bench_dkv.py
+    shared = sorted(n for n in POLICIES if n != "dense" and not POLICIES[n].attends)
+    names = [p for p in args.policies.split(",") if p] or shared
     for n in names:
-        if n not in POLICIES:
-            die(f"unknown policy {n!r} (known: {', '.join(sorted(POLICIES))})")
+        if n not in shared:
+            die(f"policy {n!r} cannot observe a shared dense prefill (these can: {', '.join(shared)})")
     args.policy_names = names
     args.trials_by_len = {n: args.trials for n in args.lengths}
     for item in filter(None, args.trials_at.split(",")):

@@ -57,6 +57,7 @@ class DKV(KVPolicy):
         self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
         self.counts = {"steps": 0, "cold_blocks": 0, "routed_blocks": 0, "residual_tokens": 0,
                        "window_tokens": 0, "window_misses": 0}
+        self._bytes: tuple[int, int] | None = None  # (dense, encoded) bytes of one block
 
     def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> DKVCodec:
         """How the engine stores this policy's sealed blocks (on every tier)."""
@@ -66,6 +67,7 @@ class DKV(KVPolicy):
     def attach(self, table: BlockTable, layer: int) -> None:
         if table in self._state:
             return
+        self._bytes = (table.raw.nbytes, table.codec.nbytes)
         _, b, hkv, bs, d = table.block_shape
         mean = torch.zeros(table.capacity // bs, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
         st = self._state[table] = _State(mean)
@@ -126,6 +128,9 @@ class DKV(KVPolicy):
     def attend(self, table: BlockTable, layer: int, q, k, v, pads):
         """One decode step. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D] the new token; pads: [B] or None.
         Returns (o: [B, H, 1, D], store jobs)."""
+        if not isinstance(table.codec, DKVCodec):
+            raise ValueError("the dkv policy attends tables the engine built with its codec "
+                             "(it cannot take over a cache prefilled under another policy)")
         self.attach(table, layer)
         jobs = table.append(k, v)  # seals a block when full (ring and mean updated by the hook)
         st, bs, d = self._state[table], table.bs, q.shape[3]
@@ -167,4 +172,6 @@ class DKV(KVPolicy):
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
         config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
                                                 "sparse_prefill", "prefill_topk")}
-        return {"policy": self.name, "config": config, "totals": dict(self.counts)}
+        blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],
+                  "ratio": self._bytes[0] / self._bytes[1]} if self._bytes else None
+        return {"policy": self.name, "config": config, "block_bytes": blocks, "totals": dict(self.counts)}
