@@ -13,7 +13,13 @@ from ..dkv.attention import lowrank_attention, pick, residual_kv
 from ..dkv.codec import DKVCodec
 from ..dkv.prefill import block_sparse_prefill
 from ..policy import KVPolicy, register
-from .sparpr import masked_mean_keys
+
+
+def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """keys: [B, Hkv, n, bs, D]; valid: [B, n, bs] -> [n, B, Hkv, D] mean valid key per block."""
+    w = valid[:, None, :, :, None].to(keys.dtype)  # w: [B, 1, n, bs, 1]
+    mean = (keys * w).sum(dim=3) / w.sum(dim=3).clamp(min=1)  # mean: [B, Hkv, n, D]
+    return mean.permute(2, 0, 1, 3)
 
 
 @dataclass(eq=False)
