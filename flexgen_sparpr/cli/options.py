@@ -63,13 +63,17 @@ def load_yaml(path: str) -> dict:
 
 
 def _hardware(merged: dict, data: dict, config: str | None) -> Hardware | None:
-    """--hardware FILE, else the --config file's hardware: section (a path, or the section itself)."""
+    """--hardware FILE, else the --config file's hardware: section (the section itself) or its
+    `hardware: PATH` key (relative to the config file's folder)."""
     hw = merged.get("hardware")
     if isinstance(hw, Hardware) or (hw is None and not data.get("hardware")):
         return hw
     if hw is None:
         return hardware_from_dict(data["hardware"], where=f"--config {config}")
-    return load_hardware(hw)
+    path = Path(hw).expanduser()
+    if config and not path.is_absolute():
+        path = Path(config).expanduser().parent / path
+    return load_hardware(path)
 
 
 def _sparpr_args(merged: dict, policy: Policy, hw: Hardware | None = None) -> dict:
@@ -124,7 +128,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
             merged.update(values)
             from_config |= set(values)
     merged.update(given)
-    merged["hardware"] = _hardware(merged, data, given.get("config"))
+    merged["hardware"] = _hardware(merged, data, None if "hardware" in given else given.get("config"))
     if merged["policy"] not in (None, "auto"):
         raise ConfigError(f"--policy takes only 'auto' (got {merged['policy']!r})")
     if merged["policy"] == "auto" and ("percent" in given or "percent" in from_config):

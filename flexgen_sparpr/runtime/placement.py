@@ -12,6 +12,7 @@ on the compute tier, less on disk, and fewer GPU batches.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,11 +20,13 @@ import numpy as np
 from ..models.spec import ModelSpec
 from .hardware import GiB, Hardware
 
-MEMORY_MARGIN = 0.10     # keep 10 % of every memory tier free (allocator slack, fragmentation)
+DEVICE_MARGIN = 0.05     # of the compute device's usable memory: allocator slack, fragmentation
+HOST_MARGIN = 0.10       # of host memory: the OS, page cache, pinned-allocation rounding
 DISK_MARGIN = 0.05
 HOST_RESERVE = 1 * GiB   # the Python process, torch and the tokenizer, on the host
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 COMPRESSED_BYTES = 4.5 / 8  # 4-bit codes + a 16-bit scale and min per group of 64
+CALLS_PER_LAYER = 6      # q, k, v, out, fc1, fc2: the matmul calls one GPU batch makes per layer
 
 
 @dataclass(frozen=True)
@@ -105,13 +108,17 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
     w = _pairs(step, cuda)[:, None, :]           # [Nw, 1, 2]
     c = _pairs(step, cuda)[None, :, :]           # [1, Nc, 2]
     wg, wc, cg, cc = w[..., 0] / 100, w[..., 1] / 100, c[..., 0] / 100, c[..., 1] / 100
-    wd, cd = 1 - wg - wc, 1 - cg - cc
+    wd, cd = (100 - w[..., 0] - w[..., 1]) / 100, (100 - c[..., 0] - c[..., 1]) / 100
+    call_s = CALLS_PER_LAYER * hw.matmul_latency_s.get(wl.dtype, 0.0)
     off_w, off_c = (wc + wd, cc + cd) if cuda else (0 * wg, 0 * cg)  # shares crossing host->device
 
-    def layer_time(h2d, d2h, dread, dwrite, flops, dev_bytes):
+    def layer_time(h2d, d2h, dread, dwrite, flops, dev_bytes, ngb):
+        # roofline per GPU batch (each one re-reads the layer's weights from device memory),
+        # plus the fixed cost of its matmul calls
         comp = flops / flops_rate
         if mem_bw > 0:
             comp = np.maximum(comp, dev_bytes / mem_bw)
+        comp = comp + ngb * call_s
         parts = {"compute": comp + 0 * h2d, "disk read": dread / hw.disk_read_bw,
                  "disk write": dwrite / hw.disk_write_bw}
         if cuda:
@@ -122,50 +129,51 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
         return total, np.array(list(parts))[stack.argmax(axis=0)]
 
     plans = []
-    for act_on_cpu in ((False, True) if cuda else (False,)):
+    for (gbs, ngb), act_on_cpu in itertools.product(_splits(B), (False, True) if cuda else (False,)):
         act_hop = 2 * B * s.hidden * b if act_on_cpu else 0.0  # hidden out to the host and back
-        # decode layer: weights once per step, the cache read once, the new token's K/V written home
+        # decode layer: weights cross once per step (shared by the GPU batches), the cache is read
+        # once, the new token's K/V are written home
         kv_read = B * s_mean * kv_tok
         dec, bott = layer_time(h2d=off_w * Wl + off_c * kv_read + act_hop,
                                d2h=off_c * B * kv_tok + act_hop,
                                dread=wd * Wl + cd * kv_read, dwrite=cd * B * kv_tok,
-                               flops=2 * B * Pl + 4 * B * s_mean * s.hidden, dev_bytes=Wl + kv_read)
+                               flops=2 * B * Pl + 4 * B * s_mean * s.hidden, dev_bytes=ngb * Wl + kv_read, ngb=ngb)
         pre, _ = layer_time(h2d=off_w * Wl + act_hop * p, d2h=off_c * B * p * kv_tok + act_hop * p,
                             dread=wd * Wl, dwrite=cd * B * p * kv_tok,
-                            flops=2 * B * p * Pl + 2 * B * p * p * s.hidden, dev_bytes=Wl + B * p * kv_tok)
+                            flops=2 * B * p * Pl + 2 * B * p * p * s.hidden,
+                            dev_bytes=ngb * Wl + B * p * kv_tok, ngb=ngb)
         total = L * pre + (g - 1) * L * dec
-        for gbs, ngb in _splits(B):
-            # working set on the compute device: streamed layers double-buffered, the KV of one
-            # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill
-            # activations (q, k, v, attention out, MLP hidden) and logits
-            work = (2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * s_max * kv_tok
-                    + gbs * p * (5 * s.hidden + s.ffn) * b + gbs * s.vocab * 4)
-            act = B * p * s.hidden * b                         # hidden states of every batch
-            staging = 2 * wd * Wl + 2 * cd * gbs * s_max * kv_tok  # disk reads land on the host first
-            host_used = wc * W + cc * KV + HOST_RESERVE + staging + (act if act_on_cpu else 0)
-            if cuda:
-                dev_used = wg * W + cg * KV + work + (0 if act_on_cpu else act)
-                fits = (dev_used <= hw.compute_memory * (1 - MEMORY_MARGIN)) & (
-                    host_used <= hw.cpu_memory * (1 - MEMORY_MARGIN))
-            else:  # the compute tier is host memory: one pool
-                dev_used = host_used + wg * W + cg * KV + work + act
-                fits = dev_used <= min(hw.cpu_memory, hw.compute_memory) * (1 - MEMORY_MARGIN)
-            disk_used = wd * W + cd * KV
-            fits = np.broadcast_to(fits & (disk_used <= hw.disk_free * (1 - DISK_MARGIN)), total.shape)
-            if not fits.any():
-                continue
-            gpu_share, cpu_share = np.broadcast_arrays(w[..., 0] + c[..., 0], w[..., 1] + c[..., 1])
-            t = np.where(fits, np.round(total, 9), np.inf)
-            i, j = np.unravel_index(np.lexsort((-cpu_share.ravel(), -gpu_share.ravel(), t.ravel()))[0], t.shape)
-            pw, pc = w[i, 0], c[0, j]
-            at = lambda a: float(np.broadcast_to(a, total.shape)[i, j])  # noqa: E731
-            plans.append({
-                "percent": (int(pw[0]), int(pw[1]), int(pc[0]), int(pc[1]),
-                            0 if act_on_cpu else 100, 100 if act_on_cpu else 0),
-                "split": (gbs, ngb), "total_s": at(total), "prefill_s": L * at(pre),
-                "decode_step_s": L * at(dec), "bottleneck": str(np.broadcast_to(bott, total.shape)[i, j]),
-                "memory": {"compute": at(dev_used), "cpu": at(host_used) if cuda else 0.0,  # cpu-only: one pool
-                           "disk": at(disk_used)}})
+        # working set on the compute device: streamed layers double-buffered, the KV of one
+        # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill
+        # activations (q, k, v, attention out, MLP hidden) and logits
+        work = (2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * s_max * kv_tok
+                + gbs * p * (5 * s.hidden + s.ffn) * b + gbs * s.vocab * 4)
+        act = B * p * s.hidden * b                         # hidden states of every batch
+        staging = 2 * wd * Wl + 2 * cd * gbs * s_max * kv_tok  # disk reads land on the host first
+        host_used = wc * W + cc * KV + HOST_RESERVE + staging + (act if act_on_cpu else 0)
+        if cuda:
+            dev_used = wg * W + cg * KV + work + (0 if act_on_cpu else act)
+            fits = (dev_used <= hw.compute_memory * (1 - DEVICE_MARGIN)) & (
+                host_used <= hw.cpu_memory * (1 - HOST_MARGIN))
+        else:  # the compute tier is host memory: one pool
+            dev_used = host_used + wg * W + cg * KV + work + act
+            fits = dev_used <= min(hw.cpu_memory, hw.compute_memory) * (1 - HOST_MARGIN)
+        disk_used = wd * W + cd * KV
+        fits = np.broadcast_to(fits & (disk_used <= hw.disk_free * (1 - DISK_MARGIN)), total.shape)
+        if not fits.any():
+            continue
+        gpu_share, cpu_share = np.broadcast_arrays(w[..., 0] + c[..., 0], w[..., 1] + c[..., 1])
+        t = np.where(fits, np.round(total, 9), np.inf)
+        i, j = np.unravel_index(np.lexsort((-cpu_share.ravel(), -gpu_share.ravel(), t.ravel()))[0], t.shape)
+        pw, pc = w[i, 0], c[0, j]
+        at = lambda a: float(np.broadcast_to(a, total.shape)[i, j])  # noqa: E731
+        plans.append({
+            "percent": (int(pw[0]), int(pw[1]), int(pc[0]), int(pc[1]),
+                        0 if act_on_cpu else 100, 100 if act_on_cpu else 0),
+            "split": (gbs, ngb), "total_s": at(total), "prefill_s": L * at(pre),
+            "decode_step_s": L * at(dec), "bottleneck": str(np.broadcast_to(bott, total.shape)[i, j]),
+            "memory": {"compute": at(dev_used), "cpu": at(host_used) if cuda else 0.0,  # cpu-only: one pool
+                       "disk": at(disk_used)}})
     return plans
 
 
