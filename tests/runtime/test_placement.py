@@ -1,0 +1,80 @@
+"""--policy auto's placement search (runtime/placement.py): memory caps, monotonicity, ties."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from flexgen_sparpr.models.spec import opt_spec
+from flexgen_sparpr.runtime.hardware import GiB, load_hardware
+from flexgen_sparpr.runtime.placement import NoPlacementFits, Workload, choose
+
+from tests.runtime.test_hardware import gpu_box
+
+HW_DIR = Path(__file__).parents[2] / "configs" / "hardware"
+OPT67 = Workload(opt_spec("opt-6.7b"), prompt_len=512, gen_len=32, batch_size=4)
+
+
+def test_8gb_gpu_never_holds_all_of_opt_6_7b():
+    plan = choose(OPT67, load_hardware(HW_DIR / "rtx3070ti-laptop-8gb.yaml"))
+    assert plan.percent[0] < 100 and plan.percent[0] + plan.percent[1] <= 100
+    assert plan.memory["compute"] <= 7.5 * GiB
+    assert plan.gpu_batch_size * plan.num_gpu_batches == 4
+
+
+def test_a100_keeps_everything_on_the_gpu():
+    plan = choose(OPT67, load_hardware(HW_DIR / "a100-80gb.yaml"))
+    assert plan.percent == (100, 0, 100, 0, 100, 0)
+    assert (plan.gpu_batch_size, plan.num_gpu_batches) == (4, 1)
+    assert plan.bottleneck == "compute"
+
+
+def test_fp32_on_a_20gib_cpu_box_spills_weights_to_disk():
+    hw = gpu_box(compute="cpu", h2d_bw=0.0, d2h_bw=0.0, h2d_pageable_bw=0.0, d2h_pageable_bw=0.0,
+                 compute_memory=20 * GiB, cpu_memory=20 * GiB)
+    plan = choose(dataclasses.replace(OPT67, dtype="float32"), hw)  # 25 GiB of fp32 weights
+    assert plan.percent[0] < 100 and plan.percent[1] == 0 and plan.percent[3] == 0  # no separate cpu tier
+    assert plan.memory["disk"] > 0
+    half = choose(dataclasses.replace(OPT67, dtype="bfloat16"), hw)  # 12.4 GiB: fits
+    assert half.percent[0] == 100 and half.memory["disk"] == 0
+
+
+@pytest.mark.parametrize("host_gib", [16, 64])
+def test_more_gpu_memory_never_predicts_slower(host_gib):
+    times = [choose(OPT67, gpu_box(compute_memory=g * GiB, cpu_memory=host_gib * GiB)).total_s
+             for g in (2, 4, 6, 8, 12, 16, 24, 40)]
+    assert all(a >= b for a, b in zip(times, times[1:]))
+    assert times[0] > times[-1]
+
+
+def test_faster_link_never_predicts_slower():
+    slow = choose(OPT67, gpu_box(h2d_bw=4e9, d2h_bw=4e9))
+    fast = choose(OPT67, gpu_box(h2d_bw=24e9, d2h_bw=24e9))
+    assert fast.total_s <= slow.total_s
+
+
+def test_plan_respects_every_tier():
+    hw = gpu_box(compute_memory=6 * GiB, cpu_memory=8 * GiB, disk_free=40 * GiB)
+    plan = choose(dataclasses.replace(OPT67, prompt_len=1920, gen_len=128), hw)
+    assert plan.memory["compute"] <= hw.compute_memory
+    assert plan.memory["cpu"] <= hw.cpu_memory
+    assert 0 < plan.memory["disk"] <= hw.disk_free
+    assert sum(plan.percent[:2]) < 100  # 6 + 8 GiB cannot hold 12.4 GiB of weights and the cache
+
+
+def test_nothing_fits_says_so():
+    with pytest.raises(NoPlacementFits, match="fits"):
+        choose(OPT67, gpu_box(compute_memory=0.5 * GiB, cpu_memory=2 * GiB, disk_free=1 * GiB))
+
+
+def test_overlap_off_sums_the_resources():
+    hw = gpu_box()
+    on = choose(OPT67, hw)
+    off = choose(dataclasses.replace(OPT67, overlap=False), hw)
+    assert off.total_s > on.total_s
+
+
+def test_grid_step_is_checked():
+    with pytest.raises(ValueError, match="divide 100"):
+        choose(OPT67, gpu_box(), step=7)
