@@ -1,0 +1,329 @@
+"""Measured latency reproduction on this machine, and the validated time model (issue #6, parts 3-4).
+
+One run, per context length (OPT with dummy weights, batch 4, the KV cache on the disk tier with
+the page cache bypassed):
+
+  upstream  upstream FlexGen 0.1.8, patched for the CPU (flexgen_sparpr/upstream), KV on disk
+  dense     this engine, every KV block read each step
+  sparpr    this engine, SparPR (keep ceiling --keep-ratio, floor --min-keep, gamma --gamma)
+  hf        HF transformers + accelerate offload (device_map from max_memory under the cap):
+            the stand-in for the systems that hold the KV cache on the compute device
+
+The compute tier here is host memory, so its cap (--cap-gib) is imposed, not physical: HF's
+weights get max_memory = cap - (its KV cache + activations) and accelerate offloads the rest to
+disk; when the KV cache and activations alone exceed the cap the run is reported as OOM without
+running (it would have to hold them on the device). The engine's peak RSS is measured and shown
+beside the cap.
+
+The time model (flexgen_sparpr/runtime/timemodel.py) is calibrated once on a separate pair of
+runs at --calib-context, then predicts every measured run from its own trace and from the
+analytic trace; the error per run is reported. Then it predicts OPT-6.7B at batch 4 on each
+--predict-hardware file (results/latency_modeled_<name>.md). Writes results/latency_measured.
+{json,md,png}; this machine's hardware file goes beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, die, int_list, load_average, machine_info, timer, write_results  # noqa: E402
+from _latency_report import modeled_markdown, measured_markdown, plot  # noqa: E402
+
+SYSTEMS = ("upstream", "dense", "sparpr", "hf")
+PREDICT_HW = ("configs/hardware/rtx3070ti-laptop-8gb.yaml", "configs/hardware/t4-flexgen.yaml")
+GiB = 1 << 30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--model", default="opt-125m", help="an OPT size name (default: opt-125m)")
+    ap.add_argument("--contexts", default="1024,2048,4096,8192", help="prompt lengths (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
+    ap.add_argument("--gen-len", type=int, default=8, help="new tokens per sequence, >= 2 (default: 8)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of %(default)s")
+    ap.add_argument("--keep-ratio", type=float, default=0.25, help="SparPR's ceiling (default: 0.25)")
+    ap.add_argument("--min-keep", type=float, default=0.1, help="SparPR's floor (default: 0.1)")
+    ap.add_argument("--gamma", type=float, default=0.9, help="SparPR's dense-fallback threshold (default: 0.9)")
+    ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64)")
+    ap.add_argument("--cap-gib", type=float, default=1.0, help="compute-tier memory cap in GiB (default: 1.0)")
+    ap.add_argument("--calib-context", type=int, default=512, help="context of the calibration pair (default: 512)")
+    ap.add_argument("--hardware", help="this machine's hardware file (default: measure it, quick profile)")
+    ap.add_argument("--predict-hardware", default=",".join(PREDICT_HW), help="hardware files to predict OPT-6.7B on")
+    ap.add_argument("--predict-gen-len", type=int, default=32, help="gen_len of the modeled runs (default: 32)")
+    ap.add_argument("--offload-dir", default="~/flexgen_offload_dir", help="disk tier folder (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and prompts (default: 0)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: context 128, gen_len 2, calibration at 64, the cached probe as hardware")
+    ap.add_argument("--out", default=str(REPO / "results"), help="output folder (default: results)")
+    args = ap.parse_args(argv)
+    if args.quick:  # a smoke test of every path, well under a minute on 2 cores
+        args.contexts, args.gen_len, args.calib_context = "128", 2, 64
+    try:
+        args.contexts = int_list(args.contexts)
+    except ValueError:
+        die(f"--contexts must be a comma-separated list of positive integers (got {args.contexts!r})")
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad or not args.systems:
+        die(f"--systems must be a subset of {','.join(SYSTEMS)} (got {bad or 'nothing'})")
+    if args.batch < 1 or args.block_size < 1 or args.calib_context < 1:
+        die("--batch, --block-size and --calib-context must be >= 1")
+    if args.gen_len < 2 or args.predict_gen_len < 2:
+        die("--gen-len and --predict-gen-len must be >= 2 (decode excludes the prefill's token)")
+    for flag in ("keep_ratio", "min_keep", "gamma"):
+        if not 0 < getattr(args, flag) <= 1:
+            die(f"--{flag.replace('_', '-')} must be in (0, 1] (got {getattr(args, flag)})")
+    if not args.cap_gib > 0:
+        die(f"--cap-gib must be > 0 (got {args.cap_gib})")
+    if args.threads is not None and args.threads < 1:
+        die(f"--threads must be >= 1 (got {args.threads})")
+    if not args.model.lower().removeprefix("facebook/").startswith("opt-"):
+        die(f"--model must be an OPT size such as opt-125m (got {args.model!r})")
+    args.predict_hardware = [p.strip() for p in args.predict_hardware.split(",") if p.strip()]
+    for p in args.predict_hardware + ([args.hardware] if args.hardware else []):
+        if not (REPO / p).is_file() and not Path(p).expanduser().is_file():
+            die(f"hardware file not found: {p}")
+    return args
+
+
+def _hw_path(p: str) -> Path:
+    return REPO / p if (REPO / p).is_file() else Path(p).expanduser()
+
+
+# --- the measured systems ---
+def run_engine(src, args, ctx: int, policy: str) -> dict:
+    from _common import run_offload
+    pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep,
+                                              gamma=args.gamma, probe_dir=args.offload_dir)
+    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
+                    block_size=args.block_size, offload_dir=args.offload_dir, seed=args.seed,
+                    trace=True, memory=True)
+    tot = (r["kv_policy_stats"] or {}).get("totals", {})
+    return {"ok": True, "prefill_s": r["prefill_s"], "decode_s": r["decode_s"], "bytes_moved": r["bytes_moved"],
+            "disk_read_Bps": r["disk_read_Bps"], "disk_mode": r["disk_mode"],
+            "peak_rss_bytes": r["memory"]["host_rss_peak_bytes"], "effective_keep": tot.get("effective_keep"),
+            "blocks_recomputed": tot.get("blocks_recomputed"), "fallbacks": tot.get("fallbacks"),
+            "trace": r["trace"]}
+
+
+def run_upstream_cell(args, ctx: int) -> dict:
+    try:
+        from flexgen_sparpr.upstream.run import run_upstream
+    except ImportError as e:
+        return {"ok": False, "error": f"not available ({e})"}
+    r = run_upstream(model=args.model, batch=args.batch, prompt_len=ctx, gen_len=args.gen_len,
+                     percent=(100, 0, 0, 0, 100, 0), offload_dir=args.offload_dir)
+    if r.get("ok"):
+        r.pop("tokens", None)
+    return r
+
+
+def hf_need(spec, batch: int, ctx: int, gen_len: int) -> dict:
+    """float32 bytes HF must hold on the compute tier beside its weights: the KV cache at the
+    end of generation and the prefill's widest activations (SDPA: no [S, S] score matrix kept)."""
+    n = ctx + gen_len
+    kv = 2 * batch * n * spec.num_layers * spec.kv_dim * 4
+    act = batch * ctx * (spec.hidden * 4 + spec.ffn) * 4
+    return {"weights": spec.num_params() * 4, "kv": kv, "activations": act}
+
+
+def run_hf(src, args, ctx: int, cap: float) -> dict:
+    """HF OPT with random weights and accelerate's offload under the cap (see the docstring)."""
+    import tempfile
+    import time
+
+    import torch
+    from accelerate import dispatch_model, infer_auto_device_map
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from _common import random_prompts
+    from flexgen_sparpr.engine.memory import PeakMemory
+
+    spec = src.spec
+    need = hf_need(spec, args.batch, ctx, args.gen_len)
+    room = cap - need["kv"] - need["activations"]
+    if room <= 0:
+        return {"ok": False, "oom": True, "need": need,
+                "error": f"OOM: KV cache + activations {(need['kv'] + need['activations']) / GiB:.2f} GiB "
+                         f"exceed the {cap / GiB:.2f} GiB compute-tier cap"}
+    cfg = OPTConfig(hidden_size=spec.hidden, num_attention_heads=spec.num_heads, num_hidden_layers=spec.num_layers,
+                    ffn_dim=spec.ffn, vocab_size=spec.vocab, max_position_embeddings=ctx + args.gen_len,
+                    word_embed_proj_dim=spec.embed_dim, do_layer_norm_before=spec.pre_norm)
+    torch.manual_seed(args.seed)
+    model = OPTForCausalLM(cfg).eval()
+    dmap = infer_auto_device_map(model, max_memory={"cpu": int(room), "disk": 1 << 42},
+                                 no_split_module_classes=["OPTDecoderLayer"])
+    on_disk = sum(1 for v in dmap.values() if v == "disk")
+    ids = torch.tensor(random_prompts(spec.vocab, args.batch, ctx, args.seed))
+    with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp, PeakMemory(torch.device("cpu")) as peak:
+        model = dispatch_model(model, dmap, main_device="cpu", offload_dir=tmp)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True)
+            prefill = time.perf_counter() - t0
+            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            for _ in range(args.gen_len - 1):  # greedy decode, the same loop as generate without its checks
+                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            decode = time.perf_counter() - t0
+    return {"ok": True, "prefill_s": prefill, "decode_s": decode, "need": need, "weights_room": room,
+            "modules_on_disk": on_disk, "peak_rss_bytes": peak.report()["host_rss_peak_bytes"]}
+
+
+# --- the model against the measurements ---
+def this_machine(args):
+    from flexgen_sparpr.runtime.hardware import load_hardware
+    if args.hardware:
+        return load_hardware(_hw_path(args.hardware))
+    import torch
+    from flexgen_sparpr.runtime.profile import hardware_from_probe, measure
+    if args.quick:
+        return hardware_from_probe(torch.device("cpu"), torch.float32, args.offload_dir)
+    return measure(torch.device("cpu"), args.offload_dir, quick=True)
+
+
+def validate(cell: dict, spec, args, hw, cal) -> dict:
+    """Model vs measurement for one engine run: from its recorded trace and from the analytic one."""
+    from flexgen_sparpr.runtime.timemodel import LINKS, Placement, analytic_trace, predict
+    tr = cell["trace"]
+    pl = Placement(cache=(0, 0, 100), block_size=args.block_size, dtype_bytes=4,
+                   checkpoints=cell["policy"] == "sparpr")
+    keep = cell.get("effective_keep") or 1.0
+    an = analytic_trace(spec, args.batch, cell["context"], args.gen_len, pl, keep=keep)
+    p_rec, p_an = predict(tr, hw, "float32", cal), predict(an, hw, "float32", cal)
+    meas = cell["prefill_s"] + cell["decode_s"]
+    sums = lambda t, link: sum(s.bytes.get(link, 0) for s in t)  # noqa: E731
+    return {"measured_s": meas, "model_trace_s": p_rec["total_s"], "model_analytic_s": p_an["total_s"],
+            "err_trace": p_rec["total_s"] / meas - 1, "err_analytic": p_an["total_s"] / meas - 1,
+            "err_prefill": p_rec["prefill_s"] / cell["prefill_s"] - 1,
+            "err_decode": p_rec["decode_s"] / cell["decode_s"] - 1,
+            "decode_io_bound_steps": p_rec["decode_io_bound_steps"],
+            "analytic_over_trace_bytes": {k: (sums(an, k) / sums(tr, k) if sums(tr, k) else None) for k in LINKS},
+            "analytic_over_trace_flops": sum(sum(s.flops.values()) for s in an) /
+            sum(sum(s.flops.values()) for s in tr)}
+
+
+# --- the modeled laptop ---
+def model_hardware(path: str, args, cal_cpu) -> dict:
+    """OPT-6.7B, batch 4, on one hardware file: FlexGen dense (placement from runtime/placement.py),
+    SparPR at keep 0.5 and 0.1 (the paper's two settings) on the same placement, all-on-device."""
+    from flexgen_sparpr.models.spec import opt_spec
+    from flexgen_sparpr.runtime.hardware import load_hardware
+    from flexgen_sparpr.runtime.placement import NoPlacementFits, Workload, choose
+    from flexgen_sparpr.runtime.timemodel import (Calibration, Placement, analytic_trace, device_bytes_needed,
+                                                  predict)
+    hw, spec = load_hardware(_hw_path(path)), opt_spec("opt-6.7b")
+    dtype = "float16" if hw.is_cuda else "float32"
+    nbytes = 2 if hw.is_cuda else 4
+    assumed = Calibration(source="the file's effective figures as given (already derated), no per-layer overhead")
+    derated = Calibration(io_eff=min(1.0, cal_cpu.io_eff),
+                          source=f"as given, links at this machine's fitted io_eff {cal_cpu.io_eff:.2f}")
+    rows = []
+    for ctx in args.contexts_model:
+        row = {"context": ctx}
+        need = device_bytes_needed(spec, args.batch, ctx + args.predict_gen_len, nbytes)
+        row["all_on_device_need_bytes"] = need["total"]
+        if need["total"] > hw.compute_memory:
+            row["all_on_device"] = None
+        else:
+            tr = analytic_trace(spec, args.batch, ctx, args.predict_gen_len,
+                                Placement(block_size=args.block_size, dtype_bytes=nbytes, is_cuda=hw.is_cuda))
+            row["all_on_device"] = predict(tr, hw, dtype, assumed)["total_s"]
+        try:
+            plan = choose(Workload(spec, ctx, args.predict_gen_len, args.batch, dtype), hw)
+        except NoPlacementFits as e:
+            row["placement"], row["error"] = None, str(e)
+            rows.append(row)
+            continue
+        row["placement"] = list(plan.percent)
+        for name, keep in (("dense", 1.0), ("sparpr_keep0.5", 0.5), ("sparpr_keep0.1", 0.1)):
+            pl = Placement.from_percent(plan.percent, block_size=args.block_size, dtype_bytes=nbytes,
+                                        is_cuda=hw.is_cuda, checkpoints=keep < 1)
+            tr = analytic_trace(spec, args.batch, ctx, args.predict_gen_len, pl, keep=keep)
+            p, d = predict(tr, hw, dtype, assumed), predict(tr, hw, dtype, derated)
+            row[name] = {"total_s": p["total_s"], "prefill_s": p["prefill_s"], "decode_s": p["decode_s"],
+                         "io_s": p["io_s"], "compute_s": p["compute_s"], "derated_total_s": d["total_s"],
+                         "bytes_per_step": sum(tr[-1].bytes.values())}
+        rows.append(row)
+    return {"hardware": hw.to_yaml_dict(), "path": path, "calibration": assumed.to_dict(),
+            "derated_calibration": derated.to_dict(), "gen_len": args.predict_gen_len, "batch": args.batch,
+            "dtype": dtype, "rows": rows}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from flexgen_sparpr.runtime.hardware import save_hardware
+    from flexgen_sparpr.runtime.timemodel import calibrate
+    from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.offload_dir = str(Path(args.offload_dir).expanduser())
+    Path(args.offload_dir).mkdir(parents=True, exist_ok=True)
+    args.contexts_model = (1024, 2048, 4096, 8192)
+    out = Path(args.out)
+    max_seq = max(args.contexts + [args.calib_context]) + args.gen_len
+    try:
+        src = resolve_source(args.model, "_DUMMY_", max_seq_len=max_seq, seed=args.seed)
+    except (ModelNotFound, ValueError) as exc:
+        die(str(exc))
+    cap = args.cap_gib * GiB
+    payload = {"config": {k: v for k, v in vars(args).items()}, "machine": machine_info(), "cells": []}
+    with timer() as total:
+        hw = this_machine(args)
+        print(f"this machine: disk read {hw.disk_read_bw / 1e9:.2f} GB/s, float32 "
+              f"{hw.compute_flops('float32') / 1e9:.1f} GFLOP/s", flush=True)
+        calib = [run_engine(src, args, args.calib_context, p) for p in ("dense", "sparpr")]
+        cal = calibrate([c["trace"] for c in calib], hw, "float32",
+                        source=f"dense + SparPR runs at context {args.calib_context} (not validated against)")
+        print(f"calibration: {cal}", flush=True)
+        for ctx in args.contexts:
+            for system in args.systems:
+                load = load_average()
+                try:
+                    if system in ("dense", "sparpr"):
+                        cell = run_engine(src, args, ctx, system)
+                    elif system == "upstream":
+                        cell = run_upstream_cell(args, ctx)
+                    else:
+                        cell = run_hf(src, args, ctx, cap)
+                except ValueError as exc:  # e.g. an unwritable --offload-dir
+                    die(str(exc))
+                cell.update(context=ctx, system=system, policy=system, load_average_before=load)
+                if cell.get("ok"):
+                    cell["e2e_s"] = cell["prefill_s"] + cell["decode_s"]
+                    cell["throughput_tok_s"] = args.batch * args.gen_len / cell["e2e_s"]
+                if "trace" in cell:
+                    cell["model"] = validate(cell, src.spec, args, hw, cal)
+                    cell["trace"] = [s.to_dict() for s in cell["trace"]]
+                msg = f"e2e {cell['e2e_s']:.1f} s" if cell.get("ok") else cell.get("error")
+                print(f"ctx {ctx} {system}: {msg}", flush=True)
+                payload["cells"].append(cell)
+        payload["modeled"] = [model_hardware(p, args, cal) for p in args.predict_hardware]
+    payload.update(wall_s=total(), cap_bytes=cap, calibration=cal.to_dict(), hardware=hw.to_yaml_dict(),
+                   calibration_runs=[{k: v for k, v in c.items() if k != "trace"} for c in calib],
+                   load_average_end=load_average())
+    save_hardware(hw, out / "latency_hardware_this_machine.yaml")
+    written = write_results(out, "latency_measured", payload, measured_markdown(payload))
+    written.append(plot(payload, out / "latency_measured.png"))
+    for m in payload["modeled"]:
+        stem = "latency_modeled_" + Path(m["path"]).stem.split("-")[0]
+        written += write_results(out, stem, m, modeled_markdown(m, payload))
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
