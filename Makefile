@@ -10,11 +10,14 @@ setup: $(STAMP)
 
 # torch is pinned to the CPU wheel that lies on this project's machines (a bare `torch`
 # would pull a multi-GB CUDA build); on a CUDA box install the CUDA torch first.
+# Upstream FlexGen (flexgen==0.1.8, the measured peer of flexgen_sparpr/upstream) goes in without
+# its deps: those it imports are in requirements.txt; pulp only serves its unused cost model.
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q --no-deps flexgen==0.1.8
 	touch $(STAMP)
 
 prepare: setup

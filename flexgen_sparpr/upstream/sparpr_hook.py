@@ -3,9 +3,9 @@
 `apply_sparpr(keep_ratio=..., min_keep=..., block_size=...)` wraps upstream's
 `TorchDevice._attention_value` — the attention over the KV cache that `mha_gen` runs at every
 decode step (dense and mixed-device paths alike). The cached positions are cut into blocks of
-`block_size`; each block is summarised by its mean key per head (this engine's
-`masked_mean_keys`), scored by sum over heads of q . summary, and each sequence attends only its
-top-scoring blocks within the budget (`token_budget`, the same rule as this engine's SparPR),
+`block_size`; each block is summarised by its mean valid key per head, scored by the sum over
+heads of q . summary (as this engine's SparPR does), and each sequence attends only its
+top-scoring blocks within the budget (`token_budget` and `keep_target`, this engine's rules),
 plus its sink block, the last `recent_blocks` full blocks, the open block and the new token.
 The rest are masked out exactly as upstream masks padding, so keep_ratio 1.0 changes nothing.
 
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kv.policies.base import token_budget
-from ..kv.policies.sparpr import masked_mean_keys
 from ..runtime.costs import keep_target
 
 
@@ -76,8 +75,9 @@ def sparpr_keep(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, n_head: in
     valid = mask[:, :n]  # valid: [B, n]
     blk_valid = valid[:, :sealed * bs].reshape(b, sealed, bs)  # blk_valid: [B, nb, bs]
     keys = k[:, :, :sealed * bs].float().reshape(b, n_head, d, sealed, bs).permute(0, 1, 3, 4, 2)  # [B, H, nb, bs, D]
-    summary = masked_mean_keys(keys, blk_valid)  # summary: [nb, B, H, D]
-    score = torch.einsum("bhd,nbhd->bn", q.float().reshape(b, n_head, d), summary)  # score: [B, nb]
+    w = blk_valid[:, None, :, :, None].float()  # w: [B, 1, nb, bs, 1]
+    summary = (keys * w).sum(dim=3) / w.sum(dim=3).clamp(min=1)  # summary: [B, H, nb, D] mean valid key
+    score = torch.einsum("bhd,bhnd->bn", q.float().reshape(b, n_head, d), summary)  # score: [B, nb]
 
     counts = blk_valid.sum(dim=2)  # counts: [B, nb]
     ids = torch.arange(sealed, device=mask.device)
