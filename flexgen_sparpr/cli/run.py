@@ -80,6 +80,9 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
     if not opts.no_log:
         report.append_log(opts.log_file if opts.log_file != "auto" else report.flexgen_log_name(opts, policy), log)
     say(log)
+    if plan is not None:
+        say(f"policy auto: predicted {plan.per_token_s(opts.gen_len):.4f} s/token, measured "
+            f"{total_lat / opts.gen_len:.4f} s/token")
     say(f"peak host rss: {mem_report['host_rss_peak_bytes'] / report.GB:.3f} GB\t"
         f"bytes moved: " + (", ".join(f"{k} {v / report.GB:.3f} GB" for k, v in sorted(moved.items())) or "none"))
     out = {

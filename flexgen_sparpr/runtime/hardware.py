@@ -20,6 +20,7 @@ GiB = 1 << 30
 GB = 1e9
 TFLOPS = 1e12
 COMPUTE_KINDS = ("cuda", "cpu")
+DTYPE_NAMES = ("float16", "bfloat16", "float32")
 
 # dataclass field -> (YAML key, scale from the file's unit to the dataclass's)
 _SCALARS = {
@@ -79,6 +80,10 @@ class Hardware:
             if not isinstance(d, dict) or not d or not all(
                     isinstance(v, (int, float)) and v > 0 for v in d.values()):
                 raise ConfigError(f"hardware {self.name!r}: {key} must map dtype names to numbers > 0")
+            unknown = set(d) - set(DTYPE_NAMES)
+            if unknown:
+                raise ConfigError(f"hardware {self.name!r}: {key} has unknown dtypes {sorted(unknown)} "
+                                  f"(use {', '.join(DTYPE_NAMES)})")
 
     @property
     def is_cuda(self) -> bool:

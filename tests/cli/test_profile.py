@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flexgen_sparpr.cli.flags import build_parser
 from flexgen_sparpr.cli.main import main
@@ -38,6 +39,8 @@ def test_profile_quick_writes_a_loadable_cpu_file(tmp_path, capsys):
 @pytest.mark.parametrize("argv, fragment", [
     (["--device", "tpu"], "--device must be"),
     (["--offload-dir", __file__], "not a folder"),
+    pytest.param(["--device", "cuda"], "no CUDA device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="this machine has CUDA, so --device cuda is not an error")),
 ])
 def test_profile_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, fragment):
     assert main(["profile", "--quick", "--out", str(tmp_path / "x.yaml"), *argv]) == 2
@@ -92,13 +95,24 @@ def test_policy_auto_replaces_placement_and_split():
     assert eng.policy_args["costs"].h2d_Bps == 10e9
 
 
+def test_policy_auto_without_a_file_uses_the_cached_probe(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_SPARPR_CACHE", str(tmp_path / "cache"))
+    run, pol, eng = _opts("--policy", "auto", "--device", "cpu", "--offload-dir", str(tmp_path / "off"),
+                          "--prompt-len", "64", "--gen-len", "4")
+    pol, eng, plan, hw = apply_auto_policy(run, pol, eng, opt_spec("opt-125m"))
+    assert hw.source.startswith("start-up probe") and hw.compute == "cpu" and "float32" in hw.flops
+    assert list((tmp_path / "cache").glob("probe-*.json"))  # measured once, cached for the next run
+    assert plan.percent == (100, 0, 100, 0, 100, 0)  # 250 MB of weights fit any host
+
+
 def test_policy_auto_run_prints_and_records_the_plan(tmp_path, capsys, tiny_opt_dir):
     out = tmp_path / "o.json"
     argv = ["run", "--model", str(tiny_opt_dir), "--path", str(tiny_opt_dir), "--prompt-len", "16", "--gen-len", "3",
             "--warmup", "false", "--no-log", "--verbose", "1", "--policy", "auto",
             "--hardware", str(CONFIGS / "hardware" / "cpu-only.yaml"), "--output-json", str(out)]
     assert main(argv) == 0
-    assert "policy auto for cpu-only" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "policy auto for cpu-only" in printed and "policy auto: predicted" in printed
     data = json.loads(out.read_text())
     assert data["auto_policy"]["percent"] == [data["policy"][k] for k in (
         "w_gpu_percent", "w_cpu_percent", "cache_gpu_percent", "cache_cpu_percent", "act_gpu_percent",

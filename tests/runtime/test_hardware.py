@@ -59,6 +59,7 @@ def test_pageable_links_default_to_pinned(tmp_path):
     (lambda d: d.update(flops_TFLOPS={}), "flops_TFLOPS must map dtype names"),
     (lambda d: d.update(disk_write_GBps="fast"), "must be numbers"),
     (lambda d: d.update(pcie_lanes=8), "unknown hardware keys: pcie_lanes"),
+    (lambda d: d.update(flops_TFLOPS={"fp16": 20}), "unknown dtypes"),
 ])
 def test_bad_values_raise_one_line(tmp_path, edit, fragment):
     save_hardware(gpu_box(), tmp_path / "hw.yaml")
