@@ -130,7 +130,7 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
 
     plans = []
     for (gbs, ngb), act_on_cpu in itertools.product(_splits(B), (False, True) if cuda else (False,)):
-        act_hop = 2 * B * s.hidden * b if act_on_cpu else 0.0  # hidden out to the host and back
+        act_hop = B * s.hidden * b if act_on_cpu else 0.0  # hidden states in from and out to the host
         # decode layer: weights cross once per step (shared by the GPU batches), the cache is read
         # once, the new token's K/V are written home
         kv_read = B * s_mean * kv_tok

@@ -78,3 +78,17 @@ def test_overlap_off_sums_the_resources():
 def test_grid_step_is_checked():
     with pytest.raises(ValueError, match="divide 100"):
         choose(OPT67, gpu_box(), step=7)
+
+
+@pytest.mark.parametrize("path", sorted((HW_DIR.parent / "policies").glob("opt-6.7b-*.yaml")), ids=lambda p: p.stem)
+def test_shipped_policies_are_what_auto_picks(path):
+    """The policy files say their percents come from --policy auto: keep them in step with the model."""
+    from flexgen_sparpr.cli.flags import build_parser
+    from flexgen_sparpr.cli.options import resolve
+
+    run, pol, eng = resolve(build_parser().parse_args(["--config", str(path)]))
+    hw = run.hardware
+    dtype = eng.dtype if eng.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
+    plan = choose(Workload(opt_spec("opt-6.7b"), run.prompt_len, run.gen_len, pol.batch_size, dtype), hw)
+    assert plan.percent == run.percent
+    assert (plan.gpu_batch_size, plan.num_gpu_batches) == (pol.gpu_batch_size, pol.num_gpu_batches)
