@@ -60,12 +60,15 @@ def measured_markdown(pl: dict) -> str:
         for s in systems:
             c = _cell(cells, ctx, s) or {}
             row.append(_f(c["peak_rss_bytes"] / GiB, 2) if c.get("peak_rss_bytes") else "n/a")
+        dn = (_cell(cells, ctx, "dense") or {}).get("tier_need_bytes")
+        row.append(_f(dn / GiB, 2) if dn else "n/a")
         hf = _cell(cells, ctx, "hf") or {}
         need = hf.get("need")
         row.append(_f((need["kv"] + need["activations"]) / GiB, 2) if need else "n/a")
         row.append(hf.get("modules_on_disk", "n/a") if hf.get("ok") else ("OOM" if hf.get("oom") else "n/a"))
         mem_rows.append(row)
-    mem_head = ["context"] + [f"{s} peak RSS GiB" for s in systems] + ["HF KV + act. GiB", "HF modules on disk"]
+    mem_head = ["context"] + [f"{s} peak RSS GiB" for s in systems] + [
+        "dense compute-tier need GiB", "HF KV + act. GiB", "HF modules on disk"]
     val_rows, errs = [], []
     for c in cells:
         if "model" not in c:
@@ -94,7 +97,9 @@ def measured_markdown(pl: dict) -> str:
         f"- Compute-tier cap {cfg['cap_gib']} GiB, imposed (the compute tier is host memory here). HF gets "
         "accelerate's device_map with max_memory = cap - (KV cache + activations) and offloads the other layers "
         "to disk; when KV + activations alone exceed the cap it is reported OOM without running. Peak RSS is "
-        "the whole process (Python, torch, the dummy weights) and is shown, not enforced.",
+        "the whole process (Python, torch, the dummy weights) and is shown, not enforced; this engine's "
+        "compute-tier need is counted: weights + two layers' gathered KV + the prefill's activations (its KV "
+        "cache is on disk), under the same rule as HF.",
         f"- SparPR: keep ceiling {cfg['keep_ratio']}, floor {cfg['min_keep']}, gamma {cfg['gamma']}.",
         f"- Time model calibrated once ({cal['source']}): prefill_eff {cal['prefill_eff']:.3g}, decode_eff "
         f"{cal['decode_eff']:.3g} (of the hardware file's {hw['flops_TFLOPS'].get('float32')} TFLOPS float32), "
