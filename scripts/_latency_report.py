@@ -30,7 +30,9 @@ def _e2e(c):
         return "not run"
     if c.get("ok"):
         return _f(c["e2e_s"])
-    return "OOM" if c.get("oom") else "failed: " + str(c.get("error", "?"))[:60].replace("|", "/")
+    if c.get("oom"):
+        return "OOM"
+    return ("timeout: " if c.get("timeout") else "failed: ") + str(c.get("error", "?"))[:60].replace("|", "/")
 
 
 def measured_markdown(pl: dict) -> str:

@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gamma", type=float, default=0.9, help="SparPR's dense-fallback threshold (default: 0.9)")
     ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64)")
     ap.add_argument("--cap-gib", type=float, default=1.0, help="compute-tier memory cap in GiB (default: 1.0)")
+    ap.add_argument("--upstream-timeout", type=float, default=480,
+                    help="seconds before upstream FlexGen is stopped; longer contexts are then skipped (default: 480)")
     ap.add_argument("--calib-context", type=int, default=512, help="context of the calibration pair (default: 512)")
     ap.add_argument("--hardware", help="this machine's hardware file (default: measure it, quick profile)")
     ap.add_argument("--predict-hardware", default=",".join(PREDICT_HW), help="hardware files to predict OPT-6.7B on")
@@ -82,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("keep_ratio", "min_keep", "gamma"):
         if not 0 < getattr(args, flag) <= 1:
             die(f"--{flag.replace('_', '-')} must be in (0, 1] (got {getattr(args, flag)})")
+    if not args.upstream_timeout > 0:
+        die(f"--upstream-timeout must be > 0 (got {args.upstream_timeout})")
     if not args.cap_gib > 0:
         die(f"--cap-gib must be > 0 (got {args.cap_gib})")
     if args.threads is not None and args.threads < 1:
@@ -121,12 +125,23 @@ def run_engine(src, args, ctx: int, policy: str) -> dict:
 
 
 def run_upstream_cell(args, ctx: int) -> dict:
+    """Upstream FlexGen in a child process, killed after --upstream-timeout seconds (reported as
+    a timeout, as the paper reports FlexGen's 8k run)."""
+    import subprocess
+    import tempfile
     try:
-        from flexgen_sparpr.upstream.run import run_upstream
+        from flexgen_sparpr.upstream.run import parse_child, upstream_command
     except ImportError as e:
         return {"ok": False, "error": f"not available ({e})"}
-    r = run_upstream(model=args.model, batch=args.batch, prompt_len=ctx, gen_len=args.gen_len,
-                     percent=(100, 0, 0, 0, 100, 0), offload_dir=args.offload_dir)
+    # a folder of its own, removed here: a child killed at the timeout cannot clean up after itself
+    with tempfile.TemporaryDirectory(dir=args.offload_dir, prefix="upstream-") as folder:
+        cmd = upstream_command(model=args.model, batch=args.batch, prompt_len=ctx, gen_len=args.gen_len,
+                               percent=(100, 0, 0, 0, 100, 0), offload_dir=folder)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.upstream_timeout)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "timeout": True, "error": f"timed out after {args.upstream_timeout:.0f} s"}
+    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
     if r.get("ok"):
         r.pop("tokens", None)
     return r
@@ -293,14 +308,18 @@ def main(argv=None) -> int:
         cal = calibrate([c["trace"] for c in calib], hw, "float32",
                         source=f"dense + SparPR runs at context {args.calib_context} (not validated against)")
         print(f"calibration: {cal}", flush=True)
-        for ctx in args.contexts:
+        timed_out = None
+        for ctx in sorted(args.contexts):
             for system in args.systems:
                 load = load_average()
                 try:
                     if system in ("dense", "sparpr"):
                         cell = run_engine(src, args, ctx, system)
+                    elif system == "upstream" and timed_out:  # a longer context would only take longer
+                        cell = {"ok": False, "timeout": True, "error": f"skipped: timed out at {timed_out}"}
                     elif system == "upstream":
                         cell = run_upstream_cell(args, ctx)
+                        timed_out = ctx if cell.get("timeout") else timed_out
                     else:
                         cell = run_hf(src, args, ctx, cap)
                 except ValueError as exc:  # e.g. an unwritable --offload-dir
