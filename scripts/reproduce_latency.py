@@ -117,7 +117,8 @@ def run_engine(src, args, ctx: int, policy: str) -> dict:
     # one prefetched, and the prefill's activations (the KV cache itself is on disk)
     layer_kv = 2 * args.batch * n * spec.kv_dim * 4 * (tot.get("effective_keep") or 1.0)
     tier = spec.num_params() * 4 + 2 * layer_kv + hf_need(spec, args.batch, ctx, args.gen_len)["activations"]
-    return {"ok": True, "tier_need_bytes": tier, "prefill_s": r["prefill_s"], "decode_s": r["decode_s"], "bytes_moved": r["bytes_moved"],
+    return {"ok": True, "tier_need_bytes": tier, "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
+            "bytes_moved": r["bytes_moved"],
             "disk_read_Bps": r["disk_read_Bps"], "disk_mode": r["disk_mode"],
             "peak_rss_bytes": r["memory"]["host_rss_peak_bytes"], "effective_keep": tot.get("effective_keep"),
             "blocks_recomputed": tot.get("blocks_recomputed"), "fallbacks": tot.get("fallbacks"),

@@ -16,7 +16,8 @@ overhead is a fixed per-layer cost (kernel launches, Python). Efficiencies and o
 `Calibration` constants, fitted once per machine (`calibrate`) and then frozen.
 
 Not counted: layer norms, softmax and element-wise ops (O(hidden) per token, < 1 % of the
-FLOPs here), SparPR's block scoring (one [Hkv, D] x [D, blocks] product per layer).
+FLOPs here), SparPR's block scoring (one [Hkv, D] x [D, blocks] product per layer); the analytic
+trace assumes one GPU batch per step and FlexGen's sep_layer for activation traffic.
 """
 from __future__ import annotations
 
@@ -108,12 +109,13 @@ class Placement:
     dtype_bytes: int = 4
     is_cuda: bool = False
     checkpoints: bool = False  # SparPR keeps hidden-state checkpoints beside the KV blocks
+    act_cpu: bool = False  # activations parked on the CPU between layers (--percent ... 0 100)
 
     @classmethod
     def from_percent(cls, percent, **kw) -> "Placement":
         """From FlexGen's six --percent numbers (weights gpu/cpu, cache gpu/cpu, act gpu/cpu)."""
-        wg, wc, cg, cc = percent[:4]
-        return cls(weights=(wg, wc, 100 - wg - wc), cache=(cg, cc, 100 - cg - cc), **kw)
+        wg, wc, cg, cc, ag = percent[:5]
+        return cls(weights=(wg, wc, 100 - wg - wc), cache=(cg, cc, 100 - cg - cc), act_cpu=ag == 0, **kw)
 
 
 def layer_weight_bytes(spec: ModelSpec, dtype_bytes: int) -> list[int]:
@@ -175,6 +177,16 @@ def kv_link_bytes(spec: ModelSpec, batch: int, pl: Placement, max_len: int, cont
     return {k: v * spec.num_layers for k, v in out.items()}
 
 
+def act_link_bytes(spec: ModelSpec, batch: int, pl: Placement, new_tokens: int) -> dict[str, int]:
+    """Activations parked on the CPU cross both ways around every layer (embed, attention and
+    MLP apart: FlexGen's sep_layer, and the head), only where the CPU is not compute."""
+    out = dict.fromkeys(LINKS, 0)
+    if pl.act_cpu and pl.is_cuda:
+        n = (2 * spec.num_layers + 1) * batch * new_tokens * spec.hidden * pl.dtype_bytes
+        out["compute->cpu"] = out["cpu->compute"] = n
+    return out
+
+
 def analytic_trace(spec: ModelSpec, batch: int, prompt_len: int, gen_len: int, pl: Placement,
                    keep: float = 1.0, rebuilt_blocks: float = 0) -> list[StepTrace]:
     """The trace a run would produce, without running it: step 0 the prefill, then gen_len - 1
@@ -185,11 +197,12 @@ def analytic_trace(spec: ModelSpec, batch: int, prompt_len: int, gen_len: int, p
     for i in range(gen_len):
         ctx, n = (0, prompt_len) if i == 0 else (prompt_len + i - 1, 1)
         kvb = kv_link_bytes(spec, batch, pl, max_len, ctx, n, keep if i else 1.0, rebuilt_blocks if i else 0)
+        act = act_link_bytes(spec, batch, pl, n)
         pairs = prefill_pairs(n) if i == 0 else _read_tokens(ctx, keep, pl.block_size) + 1
         rebuilt = rebuilt_blocks * pl.block_size if i else 0
         attended = n if i == 0 else pairs
         out.append(StepTrace("prefill" if i == 0 else "decode", ctx, n, batch, spec.num_layers,
-                             bytes={k: int(round(wb[k] + kvb[k])) for k in LINKS},
+                             bytes={k: int(round(wb[k] + kvb[k] + act[k])) for k in LINKS},
                              flops=step_flops(spec, batch, n, pairs, rebuilt),
                              mem_bytes=step_mem_bytes(spec, batch, attended, pl.dtype_bytes)))
     return out
@@ -347,6 +360,6 @@ def device_bytes_needed(spec: ModelSpec, batch: int, context: int, dtype_bytes: 
     (what a system that holds everything on the device needs; no allocator slack counted)."""
     w = spec.num_params() * dtype_bytes
     kv = 2 * batch * context * spec.num_layers * spec.kv_dim * dtype_bytes
-    # the widest prefill tensors: MLP input/output and one layer's attention scores
-    act = batch * context * (spec.hidden + spec.ffn) * dtype_bytes + batch * spec.num_heads * context * context * dtype_bytes
+    act = batch * context * (spec.hidden + spec.ffn) * dtype_bytes
+    act += batch * spec.num_heads * context * context * dtype_bytes  # eager attention's [B, H, S, S] scores
     return {"weights": w, "kv": kv, "activations": act, "total": w + kv + act}

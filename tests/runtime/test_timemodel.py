@@ -61,6 +61,16 @@ def test_weight_link_bytes_follow_the_placement():
     assert on_disk["disk->cpu"] == layer and on_disk["cpu->compute"] == 0  # CPU box: cpu is compute
 
 
+def test_parked_activations_cross_around_every_layer_on_cuda():
+    pl = Placement.from_percent((100, 0, 100, 0, 0, 100), dtype_bytes=2, is_cuda=True)
+    assert pl.act_cpu and pl.weights == (100, 0, 0) and pl.cache == (100, 0, 0)
+    step = analytic_trace(TINY, 2, 5, 2, pl)[1]  # one decode token
+    n = (2 * TINY.num_layers + 1) * 2 * 1 * TINY.hidden * 2  # embed, attn and mlp apart, head
+    assert step.bytes == {"disk->cpu": 0, "cpu->compute": n, "compute->cpu": n, "cpu->disk": 0}
+    cpu_box = analytic_trace(TINY, 2, 5, 2, Placement.from_percent((100, 0, 100, 0, 0, 100), is_cuda=False))
+    assert sum(cpu_box[1].bytes.values()) == 0
+
+
 def test_overlap_model_takes_the_slower_side_plus_head_and_overhead():
     h = hw()
     cal = Calibration(prefill_eff=0.5, decode_eff=0.25, io_eff=0.5, layer_overhead_s=1e-3)
