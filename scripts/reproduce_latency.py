@@ -63,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--offload-dir", default="~/flexgen_offload_dir", help="disk tier folder (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and prompts (default: 0)")
+    ap.add_argument("--from-json", help="re-run the model and the reports on a saved latency_measured.json")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: context 128, gen_len 2, calibration at 64, the cached probe as hardware")
     ap.add_argument("--out", default=str(REPO / "results"), help="output folder (default: results)")
@@ -93,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.model.lower().removeprefix("facebook/").startswith("opt-"):
         die(f"--model must be an OPT size such as opt-125m (got {args.model!r})")
     args.predict_hardware = [p.strip() for p in args.predict_hardware.split(",") if p.strip()]
+    if args.from_json and not Path(args.from_json).expanduser().is_file():
+        die(f"--from-json file not found: {args.from_json}")
     for p in args.predict_hardware + ([args.hardware] if args.hardware else []):
         if not (REPO / p).is_file() and not Path(p).expanduser().is_file():
             die(f"hardware file not found: {p}")
@@ -281,10 +284,53 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
             "dtype": dtype, "rows": rows}
 
 
+def report(payload: dict, args, spec, hw, cal, out: Path) -> list[Path]:
+    """The model on every engine run's trace, the modeled hardware files, then the files."""
+    from flexgen_sparpr.runtime.hardware import save_hardware
+    from flexgen_sparpr.runtime.timemodel import StepTrace
+    for cell in payload["cells"]:
+        if "trace" in cell:
+            tr = [s if isinstance(s, StepTrace) else StepTrace(**s) for s in cell["trace"]]
+            cell["model"] = validate({**cell, "trace": tr}, spec, args, hw, cal)
+            cell["trace"] = [s.to_dict() for s in tr]
+    payload["modeled"] = [model_hardware(p, args, cal) for p in args.predict_hardware]
+    save_hardware(hw, out / "latency_hardware_this_machine.yaml")
+    written = write_results(out, "latency_measured", payload, measured_markdown(payload))
+    written.append(plot(payload, out / "latency_measured.png"))
+    for m in payload["modeled"]:
+        stem = "latency_modeled_" + Path(m["path"]).stem.split("-")[0]
+        written += write_results(out, stem, m, modeled_markdown(m, payload))
+    return written
+
+
+def rerun_model(args) -> list[Path]:
+    """--from-json: the model and the reports again on a saved run's traces, measuring nothing."""
+    import json
+    from flexgen_sparpr.models.spec import opt_spec
+    from flexgen_sparpr.runtime.hardware import hardware_from_dict
+    from flexgen_sparpr.runtime.timemodel import Calibration
+    try:
+        payload = json.loads(Path(args.from_json).expanduser().read_text())
+        saved = payload["config"]
+        hw = hardware_from_dict(payload["hardware"], where=args.from_json)
+        cal = Calibration(**payload["calibration"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        die(f"--from-json {args.from_json}: not a reproduce_latency result ({e})")
+    for key in ("model", "contexts", "batch", "gen_len", "block_size", "systems", "cap_gib", "keep_ratio",
+                "min_keep", "gamma"):
+        setattr(args, key, saved[key])
+    payload["config"].update(predict_hardware=args.predict_hardware, predict_gen_len=args.predict_gen_len)
+    args.contexts_model = (1024, 2048, 4096, 8192)
+    return report(payload, args, opt_spec(args.model), hw, cal, Path(args.out))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        for p in rerun_model(args):
+            print(f"wrote {p}")
+        return 0
     import torch
-    from flexgen_sparpr.runtime.hardware import save_hardware
     from flexgen_sparpr.runtime.timemodel import calibrate
     from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
 
@@ -329,22 +375,13 @@ def main(argv=None) -> int:
                 if cell.get("ok"):
                     cell["e2e_s"] = cell["prefill_s"] + cell["decode_s"]
                     cell["throughput_tok_s"] = args.batch * args.gen_len / cell["e2e_s"]
-                if "trace" in cell:
-                    cell["model"] = validate(cell, src.spec, args, hw, cal)
-                    cell["trace"] = [s.to_dict() for s in cell["trace"]]
                 msg = f"e2e {cell['e2e_s']:.1f} s" if cell.get("ok") else cell.get("error")
                 print(f"ctx {ctx} {system}: {msg}", flush=True)
                 payload["cells"].append(cell)
-        payload["modeled"] = [model_hardware(p, args, cal) for p in args.predict_hardware]
     payload.update(wall_s=total(), cap_bytes=cap, calibration=cal.to_dict(), hardware=hw.to_yaml_dict(),
                    calibration_runs=[{k: v for k, v in c.items() if k != "trace"} for c in calib],
                    load_average_end=load_average())
-    save_hardware(hw, out / "latency_hardware_this_machine.yaml")
-    written = write_results(out, "latency_measured", payload, measured_markdown(payload))
-    written.append(plot(payload, out / "latency_measured.png"))
-    for m in payload["modeled"]:
-        stem = "latency_modeled_" + Path(m["path"]).stem.split("-")[0]
-        written += write_results(out, stem, m, modeled_markdown(m, payload))
+    written = report(payload, args, src.spec, hw, cal, out)
     for p in written:
         print(f"wrote {p}")
     return 0
