@@ -23,17 +23,19 @@ def hf_name(upstream_file: str) -> str:
     return "model." + name
 
 
-def _source(model: str, seed: int):
-    key = (model, seed)
+def _source(model: str, seed: int, max_seq_len: int | None = None):
+    key = (model, seed, max_seq_len)
     if key not in _state["sources"]:
         from ..weights.resolve import DUMMY, resolve_source
-        _state["sources"][key] = resolve_source(model, DUMMY, seed=seed)
+        _state["sources"][key] = resolve_source(model, DUMMY, max_seq_len=max_seq_len, seed=seed)
     return _state["sources"][key]
 
 
 def engine_dummy_values(model: str, upstream_file: str, shape: tuple, dtype, seed: int = 0) -> np.ndarray:
     """The values this engine's dummy source gives upstream's tensor `upstream_file`, as `dtype`."""
-    t = _source(model, seed).get(hf_name(upstream_file))
+    name = hf_name(upstream_file)
+    positions = shape[0] - 2 if name.endswith("embed_positions.weight") else None  # table sized to the run
+    t = _source(model, seed, positions).get(name)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{upstream_file}: upstream shape {tuple(shape)} != engine shape {tuple(t.shape)}")
     return t.numpy().astype(dtype)

@@ -25,6 +25,8 @@ COMPUTE = torch.device("cpu")  # where upstream's GPU tier lives once patched
 _applied: list[str] = []
 _real_tensor_cuda = torch.Tensor.cuda
 _real_pin_memory = torch.Tensor.pin_memory
+_real_half = torch.Tensor.half
+_float32 = {"on": False}
 
 
 def upstream_available() -> bool:
@@ -139,6 +141,19 @@ def patch_disk_copy_threads() -> None:
 
 PATCHES = (patch_torch_namespace, patch_streams, patch_synchronize, patch_memory_stats,
            patch_pinned_memory, patch_cuda_calls, patch_gpu_tier, patch_disk_copy_threads)
+
+
+def use_float32_compute(on: bool = True) -> None:
+    """Opt-in, not a CPU guard: upstream computes in float16, which CPUs run 5-8x slower than
+    float32; with this on, upstream's `.half()` hops keep float32 (give its OptConfig
+    dtype=np.float32 too). Its KV cache is still stored in float16, as upstream allocates it."""
+    def half(self, *args, **kwargs):
+        if _float32["on"] and _from_upstream():
+            return self
+        return _real_half(self, *args, **kwargs)
+
+    _float32["on"] = on
+    torch.Tensor.half = half
 
 
 def apply_cpu_patches() -> list[str]:

@@ -42,12 +42,17 @@ def _policy(flex_opt, batch: int, percent, sparsity: float = 1.0):
 def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
                       percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
                       sparpr: dict | None = None, weights: str = "ones", seed: int = 0,
-                      warmup: bool = True) -> dict:
+                      warmup: bool = True, dtype: str = "float32") -> dict:
     """In this process: patch upstream for the CPU, run one generation, return timings and the
     generated ids ([batch][gen_len]). weights: "ones" (upstream's own _DUMMY_) or "engine" (this
-    engine's seeded dummy values). sparpr: keyword arguments of `apply_sparpr`, or None."""
-    from .patches import apply_cpu_patches
+    engine's seeded dummy values). sparpr: keyword arguments of `apply_sparpr`, or None.
+    dtype: "float32" (weights and compute; the CPU's fast type, as this engine uses on the CPU)
+    or "float16" (upstream's own); the KV cache is float16 either way, as upstream stores it."""
+    from .patches import apply_cpu_patches, use_float32_compute
     apply_cpu_patches()
+    if dtype not in ("float16", "float32"):
+        raise ValueError(f"dtype must be float16 or float32 (got {dtype!r})")
+    use_float32_compute(dtype == "float32")
     from flexgen import flex_opt
     from flexgen.opt_config import get_opt_config
     from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
@@ -67,7 +72,10 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
     else:
         remove_sparpr()
 
-    config = get_opt_config(model)
+    # dummy weights: a context past OPT's 2048 positions gets a longer table (as --max-seq-len does here)
+    config = get_opt_config(model, dtype=np.float32 if dtype == "float32" else np.float16)
+    if prompt_len + gen_len > config.max_seq_len:
+        config = get_opt_config(model, dtype=config.dtype, max_seq_len=prompt_len + gen_len)
     if offload_dir:
         os.makedirs(offload_dir, exist_ok=True)
     offload = tempfile.mkdtemp(prefix="flexgen-upstream-", dir=offload_dir)  # removed at the end
@@ -99,17 +107,19 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "config": {"model": model, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
                    "percent": list(percent), "cut_gen_len": cut_gen_len, "sparpr": sparpr,
-                   "weights": weights, "seed": seed, "upstream": "flexgen==0.1.8", "dtype": "float16"},
+                   "weights": weights, "seed": seed, "upstream": "flexgen==0.1.8", "dtype": dtype,
+                   "kv_dtype": "float16"},
     }
 
 
 def upstream_command(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
                      percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
-                     sparpr: dict | None = None, weights: str = "ones", output: str | None = None) -> list[str]:
+                     sparpr: dict | None = None, weights: str = "ones", output: str | None = None,
+                     dtype: str = "float32") -> list[str]:
     """argv of the child that runs `generate_upstream` and prints (or writes) its JSON."""
     cmd = [sys.executable, "-m", "flexgen_sparpr.upstream.run", "--json", "--model", model,
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--gen-len", str(gen_len),
-           "--percent", *map(str, percent), "--weights", weights]
+           "--percent", *map(str, percent), "--weights", weights, "--dtype", dtype]
     if offload_dir:
         cmd += ["--offload-dir", offload_dir]
     if cut_gen_len:
@@ -160,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-dir")
     ap.add_argument("--cut-gen-len", type=int)
     ap.add_argument("--sparpr", help="JSON keyword arguments of apply_sparpr, e.g. '{\"keep_ratio\": 0.5}'")
-    ap.add_argument("--weights", choices=("ones", "engine"), default="ones")
+    ap.add_argument("--weights", choices=("ones", "engine"), default="ones",
+                    help="ones: upstream's own _DUMMY_ weights; engine: this engine's seeded dummy values")
+    ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                    help="weights and compute (the KV cache is float16 either way, as upstream stores it)")
     ap.add_argument("--json", action="store_true", help="print one JSON line (the result dict)")
     ap.add_argument("--output", help="also write the result JSON here (atomically)")
     args = ap.parse_args(argv)
@@ -169,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         if sparpr is not None and not isinstance(sparpr, dict):
             raise ValueError("--sparpr must be a JSON object")
         result = generate_upstream(args.model, args.batch, args.prompt_len, args.gen_len, tuple(args.percent),
-                                   args.offload_dir, args.cut_gen_len, sparpr, weights=args.weights)
-    except (ValueError, ImportError, RuntimeError, MemoryError, AssertionError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        result, code = {"ok": False, "error": f"{type(e).__name__}: {msg}"}, 2
+                                   args.offload_dir, args.cut_gen_len, sparpr, weights=args.weights,
+                                   dtype=args.dtype)
+    except Exception as e:  # one line for the caller; bad input (ValueError, ...) exits 2
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
+        result = {"ok": False, "error": f"{type(e).__name__}: {msg}"}
+        code = 2 if isinstance(e, (ValueError, ImportError, NotImplementedError)) else 1
     else:
         code = 0
     if args.output:

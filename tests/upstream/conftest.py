@@ -5,7 +5,7 @@ import pytest
 
 from flexgen_sparpr.upstream.patches import upstream_available
 
-B, P, G = 2, 48, 4  # batch, prompt, new tokens: opt-125m stays a few seconds a run on 2 cores
+B, P, G = 2, 32, 3  # batch, prompt, new tokens: opt-125m stays about a second a run on 2 cores
 
 
 def pytest_collection_modifyitems(config, items):

@@ -37,6 +37,13 @@ def test_patches_reach_upstream_only():
     assert t.data.device.type == "cpu" and t.data.dtype == torch.float16
 
 
+def test_upstream_as_shipped_generates_on_cpu():
+    """Upstream's own dummy weights (all ones) and float16: it runs; the ids are valid."""
+    from flexgen_sparpr.upstream.run import generate_upstream
+    toks = np.asarray(generate_upstream(batch=2, prompt_len=16, gen_len=2, dtype="float16", warmup=False)["tokens"])
+    assert toks.shape == (2, 2) and ((toks >= 0) & (toks < 50272)).all()
+
+
 def test_upstream_generates_on_cpu(upstream_dense):
     from flexgen.opt_config import get_opt_config
     vocab = get_opt_config("opt-125m").vocab_size
