@@ -144,7 +144,7 @@ PATCHES = (patch_torch_namespace, patch_streams, patch_synchronize, patch_memory
 
 
 def use_float32_compute(on: bool = True) -> None:
-    """Opt-in, not a CPU guard: upstream computes in float16, which CPUs run 5-8x slower than
+    """Opt-in, not a CPU guard: upstream computes in float16, which CPUs run 3-7x slower than
     float32; with this on, upstream's `.half()` hops keep float32 (give its OptConfig
     dtype=np.float32 too). Its KV cache is still stored in float16, as upstream allocates it."""
     def half(self, *args, **kwargs):
