@@ -110,7 +110,7 @@ def _dkv_args(merged: dict, given: dict, from_config: set, policy_args: dict) ->
     if dkv_policy:
         policy_args.update(codec, topk=merged["dkv_topk"], recent_blocks=merged["dkv_recent"],
                            sparse_prefill=merged["dkv_sparse_prefill"])
-    return codec if cold and not dkv_policy else {}
+    return codec | {"recent": merged["dkv_recent"]} if cold and not dkv_policy else {}
 
 
 def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]:

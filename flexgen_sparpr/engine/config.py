@@ -91,7 +91,7 @@ class EngineConfig:
     kv_policy: str = "dense"
     policy_args: dict = field(default_factory=dict)
     cold_codec: str = "raw"  # how CPU/disk-tier KV blocks are stored: raw, or dkv (anchor + low rank)
-    codec_args: dict = field(default_factory=dict)  # dkv: rank, residuals
+    codec_args: dict = field(default_factory=dict)  # dkv: rank, residuals, recent (exact blocks)
 
     def __post_init__(self):
         if self.block_size < 1:

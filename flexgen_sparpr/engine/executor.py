@@ -169,10 +169,13 @@ class Engine:
         homes = block_homes(nb, self.policy.cache_percents)
         ckpt = any(p.needs_checkpoints for p in (self.kv_policy, *self._observers))
         kv_shape = (2, self.policy.gpu_batch_size, self.spec.num_kv_heads, self.cfg.block_size, self.spec.head_dim)
-        codec, coded = self.kv_policy.codec(kv_shape, self.dtype), None
-        if codec is None and self.cfg.cold_codec == "dkv":  # cold blocks only: compute-tier ones stay raw
-            codec, coded = DKVCodec(kv_shape, self.dtype, **self.cfg.codec_args), (Tier.CPU, Tier.DISK)
+        args = dict(self.cfg.codec_args)
+        recent = args.pop("recent", 1)  # sealed blocks kept exact besides their encoded form
+        cold = DKVCodec(kv_shape, self.dtype, **args) if self.cfg.cold_codec == "dkv" else None
         for i in range(self.spec.num_layers):
+            codec, coded = self.kv_policy.codec(kv_shape, self.dtype, i), None
+            if codec is None and cold is not None:  # cold blocks only: compute-tier ones stay raw
+                codec, coded = cold, (Tier.CPU, Tier.DISK)
             for k in range(self.policy.num_gpu_batches):
                 common = dict(batch=self.policy.gpu_batch_size, block_size=self.cfg.block_size,
                               max_len=max_len, dtype=self.dtype, homes=homes, devices=self.devices,
@@ -180,6 +183,8 @@ class Engine:
                 t = BlockTable(name=f"g{self._generation}-l{i}-b{k}", num_kv_heads=self.spec.num_kv_heads,
                                head_dim=self.spec.head_dim, compress=self.policy.compress_cache,
                                codec=codec, coded_tiers=coded, **common)
+                if codec is cold and cold is not None:
+                    t.exact_recent = recent
                 if ckpt:  # checkpoints live on the same tiers as the blocks they rebuild
                     t.checkpoints = BlockTable(name=f"g{self._generation}-l{i}-b{k}-ckpt", num_kv_heads=1,
                                                head_dim=self.spec.hidden, planes=1, **common)

@@ -36,6 +36,9 @@ class BlockTable:
         self.codec = codec  # how the coded tiers' blocks are stored (what a copy from them moves)
         # tiers whose sealed blocks are stored encoded (default: every tier, when the codec encodes)
         self.coded = frozenset() if not codec.compressed else frozenset(coded_tiers or tuple(Tier))
+        # exact copies of the newest sealed encoded blocks (a lossy codec's recency window), on compute
+        self.exact_recent = 0
+        self._exact: dict[int, torch.Tensor] = {}
         self.slot = [self.homes[:b].count(h) for b, h in enumerate(self.homes)]
         self.length = 0
         self.on_seal: list[Callable[[int, torch.Tensor], None]] = []  # policy hooks: (block, kv)
@@ -108,6 +111,10 @@ class BlockTable:
         home = self.homes[b]
         if home == Tier.COMPUTE and home not in self.coded:
             return None
+        if self.exact_recent and home in self.coded:
+            self._exact[b] = kv.clone()
+            for old in sorted(self._exact)[:-(self.exact_recent + 1)]:  # one spare survives a rewind
+                del self._exact[old]
         blk = kv.clone()  # the tail is reused at once; the store reads a private copy
         return lambda: self._store(b, blk)
 
@@ -133,7 +140,10 @@ class BlockTable:
     def _load(self, b: int, out: torch.Tensor) -> None:
         """Copy sealed block b into out: [planes, B, Hkv, bs, D] on compute."""
         home, slot, dev = self.homes[b], self.slot[b], self.devices
-        if home == Tier.DISK:
+        exact = self._exact.get(b) if b >= self.length // self.bs - self.exact_recent else None
+        if exact is not None:  # inside the recency window: the exact copy, nothing crosses a link
+            out.copy_(exact)
+        elif home == Tier.DISK:
             host = dev.empty_host((self.codec_of(home).nbytes,), torch.uint8)
             t0 = time.perf_counter()
             self._disk.read(slot, host)

@@ -52,9 +52,9 @@ class KVPolicy:
     needs_checkpoints = False  # True: the engine keeps each block's K/V-projection input
     attends = False  # True: the policy computes decode attention itself (`attend`), e.g. DKV
 
-    def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype):
-        """How the engine stores this policy's sealed blocks on every tier; None: the engine's
-        choice (raw, or --compress-cache / --cold-codec)."""
+    def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype, layer: int):
+        """How the engine stores this policy's sealed blocks of a layer on every tier; None: the
+        engine's choice (raw, or --compress-cache / --cold-codec)."""
         return None
 
     def prefill(self, table: BlockTable, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

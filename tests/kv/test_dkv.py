@@ -3,8 +3,6 @@ policy in the engine and DKV as SparPR's cold-block codec. (The policy matrix in
 test_policies.py runs DKV at full rank with every row exact against dense.)"""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,8 +49,11 @@ def test_residuals_are_the_worst_reconstructed_rows_and_exact():
     kv = torch.randn(SHAPE)
     c = DKVCodec(SHAPE, torch.float32, rank=3, residuals=4)
     row, approx = lowrank_kv(c, kv)
-    err = (c.to_rows(approx) - c.to_rows(kv)).square().sum(-1)  # err: [B, bs]
     p = c.parts(row)
+    x = c.to_rows(kv)
+    delta = (x - p.anchor[:, None]).view(*x.shape[:2], 2, -1)  # the K and V halves of X - anchor
+    scale = delta.square().mean(dim=(1, 3), keepdim=True).sqrt()  # each half weighs the same
+    err = ((c.to_rows(approx) - x).view_as(delta) / scale).square().sum((-1, -2))  # err: [B, bs]
     for b in range(SHAPE[1]):
         assert set(p.res_idx[b].tolist()) == set(err[b].topk(4).indices.tolist())
     dec = c.to_rows(c.decode(row))
@@ -169,7 +170,7 @@ def test_state_is_compressed_and_bounded(tiny_llama_dir, tmp_path):
         for t in eng.tables.values():
             sealed = t.length // t.bs
             assert t.nbytes_on(Tier.COMPUTE) == sealed * t.codec.nbytes < sealed * t.raw.nbytes
-            assert len(pol._state[t].ring) <= 2
+            assert len(t._exact) <= 2 and t.exact_recent == 1
         c = pol.counts
         assert c["steps"] and c["routed_blocks"] == c["steps"] * 1  # topk 1: one routed block a step
 
@@ -231,5 +232,22 @@ def test_sparpr_with_dkv_cold_codec(tiny_llama_dir, tmp_path):
         st.max_new = len(st.tokens) + 1
         eng.decode(st)
         moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
-        assert moved == len(eng.tables) * (t.length // t.bs) * t.codec.nbytes
-        assert math.isfinite(moved)
+        # the newest sealed block is read from its exact copy on compute (the recency window)
+        assert t.exact_recent == 1
+        assert moved == len(eng.tables) * (t.length // t.bs - 1) * t.codec.nbytes
+
+
+def test_table_keeps_the_newest_encoded_blocks_exact():
+    from flexgen_sparpr.kv.block_table import BlockTable
+    from flexgen_sparpr.storage.tiers import Devices
+    shape = (2, 1, 2, 8, 4)
+    t = BlockTable(name="t", batch=1, num_kv_heads=2, head_dim=4, block_size=8, max_len=32, dtype=torch.float32,
+                   homes=[Tier.COMPUTE] * 4, devices=Devices(torch.device("cpu")),
+                   codec=DKVCodec(shape, torch.float32, rank=1, residuals=0))
+    t.exact_recent = 1
+    k, v = torch.randn(1, 2, 24, 4), torch.randn(1, 2, 24, 4)
+    for job in t.append(k, v):
+        job()
+    kv, _ = t.gather([1, 2])
+    assert torch.equal(kv[0, :, :, 8:], k[:, :, 16:24])  # block 2, the newest: exact
+    assert not torch.allclose(kv[0, :, :, :8], k[:, :, 8:16], atol=1e-3)  # block 1: rank 1

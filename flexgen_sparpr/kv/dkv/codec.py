@@ -4,7 +4,8 @@ delta, and exact residual tokens (DKV, seed 001; docs/dkv.md).
 A block kv: [2, B, Hkv, bs, D] is, per sequence, a matrix X: [bs, F] with F = 2 * Hkv * D
 (the K of every KV head, then the V of every KV head: one basis serves both). With a the anchor
 row (the row nearest the block's mean), X - a ~= C @ W^T, C: [bs, r] coefficients, W: [F, r] the
-top-r right singular vectors. The m rows this reconstructs worst are kept exact (residuals).
+top-r right singular vectors of X - a with its K and V halves each scaled to unit RMS (scales
+folded back into W's rows). The m rows this reconstructs worst are kept exact (residuals).
 
 Bytes of one encoded block (the `nbytes` formula; e = the dtype's size, 4-byte indices):
     B * (F + F * r + bs * r + m * F) * e  [padded to 8]  +  B * (m + 1) * 4
@@ -97,10 +98,16 @@ class DKVCodec:
         anchor_idx = (x - x.mean(dim=1, keepdim=True)).square().sum(-1).argmin(dim=1)  # [B]
         anchor = x[ar, anchor_idx]  # anchor: [B, F]
         delta = x - anchor[:, None]  # delta: [B, bs, F]
-        _, _, vh = torch.linalg.svd(delta, full_matrices=False)  # vh: [B, min(bs, F), F]
-        basis = vh[:, :self.rank].mT  # basis: [B, F, r]
-        coeffs = delta @ basis  # coeffs: [B, bs, r]
-        err = (delta - coeffs @ basis.mT).square().sum(-1)  # err: [B, bs] per-row squared error
+        # K and V weigh the same in the SVD and in the residual pick: each half is scaled to unit
+        # RMS first; the scale goes back into the basis rows, so X - a ~= C @ basis^T still holds
+        half = delta.view(b, bs, 2, self.width // 2)
+        scale = half.square().mean(dim=(1, 3), keepdim=True).sqrt().clamp(min=1e-12)  # scale: [B, 1, 2, 1]
+        norm = (half / scale).view(b, bs, self.width)
+        _, _, vh = torch.linalg.svd(norm, full_matrices=False)  # vh: [B, min(bs, F), F]
+        ortho = vh[:, :self.rank].mT  # ortho: [B, F, r]
+        coeffs = norm @ ortho  # coeffs: [B, bs, r]
+        err = (norm - coeffs @ ortho.mT).square().sum(-1)  # err: [B, bs] per-row (scaled) squared error
+        basis = (ortho.view(b, 2, self.width // 2, -1) * scale.view(b, 2, 1, 1)).view(b, self.width, -1)
         res_idx = err.topk(self.residuals, dim=1).indices.sort(dim=1).values  # [B, m] worst rows
         res_rows = x[ar[:, None], res_idx]  # res_rows: [B, m, F]
         row = torch.empty(self.nbytes, dtype=torch.uint8, device=kv.device)

@@ -3,7 +3,7 @@ log-sum-exp merge of partial attentions (seed 001; docs/dkv.md)."""
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,10 +24,9 @@ def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 @dataclass(eq=False)
 class _State:
-    """Per table: exact mean keys of sealed blocks (routing) and the exact recent blocks."""
+    """Per table: exact mean keys of sealed blocks (routing)."""
 
     mean: torch.Tensor  # [num_blocks, B, Hkv, D] float32
-    ring: dict = field(default_factory=dict)  # block -> kv [2, B, Hkv, bs, D], the newest sealed
     pads: torch.Tensor | None = None  # [B]
 
 
@@ -53,31 +52,34 @@ class DKV(KVPolicy):
     recent_blocks: int = 1
     sparse_prefill: bool = False
     prefill_topk: int = 8
+    dense_layers: int = 0  # the first layers keep an exact cache (as Quest leaves its first two)
 
     attends = True  # the engine hands this policy the whole decode attention
 
     def __post_init__(self):
-        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk"):
+        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers"):
             if getattr(self, name) < (1 if name == "rank" else 0):
                 raise ValueError(f"dkv {name} must be >= {1 if name == 'rank' else 0} (got {getattr(self, name)})")
         self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
         self.counts = {"steps": 0, "cold_blocks": 0, "routed_blocks": 0, "residual_tokens": 0,
-                       "window_tokens": 0, "window_misses": 0}
+                       "window_tokens": 0}
         self._bytes: tuple[int, int] | None = None  # (dense, encoded) bytes of one block
 
-    def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype) -> DKVCodec:
-        """How the engine stores this policy's sealed blocks (on every tier)."""
-        return DKVCodec(block_shape, dtype, self.rank, self.residuals)
+    def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype, layer: int) -> DKVCodec | None:
+        """How the engine stores this policy's sealed blocks (on every tier): raw in dense layers."""
+        return None if layer < self.dense_layers else DKVCodec(block_shape, dtype, self.rank, self.residuals)
 
     # --- state ---
     def attach(self, table: BlockTable, layer: int) -> None:
         if table in self._state:
             return
-        self._bytes = (table.raw.nbytes, table.codec.nbytes)
+        if isinstance(table.codec, DKVCodec):
+            self._bytes = (table.raw.nbytes, table.codec.nbytes)
         _, b, hkv, bs, d = table.block_shape
         mean = torch.zeros(table.capacity // bs, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
         st = self._state[table] = _State(mean)
-        ref, keep = weakref.ref(st), self.recent_blocks + 1  # one spare survives a rewind
+        ref = weakref.ref(st)
+        table.exact_recent = max(table.exact_recent, self.recent_blocks)  # the table keeps them exact
 
         def on_seal(block: int, kv: torch.Tensor) -> None:
             s = ref()
@@ -87,9 +89,6 @@ class DKV(KVPolicy):
             pads = s.pads if s.pads is not None else torch.zeros(b, dtype=torch.long, device=kv.device)
             valid = (pos[None, :] >= pads[:, None])[:, None]  # valid: [B, 1, bs]
             s.mean[block] = masked_mean_keys(kv[0].float()[:, :, None], valid)[0]
-            s.ring[block] = kv.clone()
-            for old in sorted(s.ring)[:-keep]:
-                del s.ring[old]
         table.on_seal.append(on_seal)
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
@@ -115,25 +114,14 @@ class DKV(KVPolicy):
         return block_sparse_prefill(q, k, v, valid, table.bs, self.prefill_topk)
 
     # --- decode ---
-    def _window(self, table: BlockTable, st: _State, blocks: list[int]):
-        """Exact KV of the recent sealed blocks and the open block: kv [2, B, Hkv, T, D], pos [T]."""
-        parts, pos = [], []
-        for b in blocks:
-            kv = st.ring.get(b)
-            if kv is None:  # sealed before a rewind dropped it from the ring: its decoded form
-                kv, _ = table.gather([b])
-                self.counts["window_misses"] += 1
-            parts.append(kv)
-            pos.append(torch.arange(b * table.bs, (b + 1) * table.bs, device=kv.device))
-        if table.length % table.bs:
-            kv, p = table.gather([table.num_blocks - 1])
-            parts.append(kv)
-            pos.append(p)
-        return torch.cat(parts, dim=3), torch.cat(pos)
-
     def attend(self, table: BlockTable, layer: int, q, k, v, pads):
         """One decode step. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D] the new token; pads: [B] or None.
         Returns (o: [B, H, 1, D], store jobs)."""
+        if layer < self.dense_layers:
+            jobs = table.append(k, v)
+            kv, pos = table.gather()
+            valid = pos[None, :] >= self._pads(table, pads)[:, None]  # valid: [B, T]
+            return merge_attention([attention_with_lse(q, kv[0], kv[1], valid)]).to(q.dtype), jobs
         if not isinstance(table.codec, DKVCodec):
             raise ValueError("the dkv policy attends tables the engine built with its codec "
                              "(it cannot take over a cache prefilled under another policy)")
@@ -143,7 +131,7 @@ class DKV(KVPolicy):
         pads = self._pads(table, pads)
         sealed = table.length // bs
         recent = list(range(max(0, sealed - self.recent_blocks), sealed))
-        kv, pos = self._window(table, st, recent)
+        kv, pos = table.gather(recent + ([table.num_blocks - 1] if table.length % bs else []))  # exact
         parts = [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None])]
         cold = list(range(sealed - len(recent)))
         if cold:
@@ -177,7 +165,7 @@ class DKV(KVPolicy):
     def stats(self) -> dict:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
         config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
-                                                "sparse_prefill", "prefill_topk")}
+                                                "sparse_prefill", "prefill_topk", "dense_layers")}
         blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],
                   "ratio": self._bytes[0] / self._bytes[1]} if self._bytes else None
         return {"policy": self.name, "config": config, "block_bytes": blocks, "totals": dict(self.counts)}
