@@ -31,6 +31,12 @@ def test_patches_reach_upstream_only():
             torch.zeros(2).cuda()
         with pytest.raises(RuntimeError):
             torch.zeros(2).pin_memory()
+    from flexgen_sparpr.upstream.patches import use_float32_compute
+    use_float32_compute(True)
+    try:
+        assert torch.zeros(2).half().dtype == torch.float16  # the float32 opt-in is upstream's only
+    finally:
+        use_float32_compute(False)
     gpu = backend.TorchDevice("cuda:0")
     assert gpu.dev.type == "cpu" and gpu.device_type == backend.DeviceType.CUDA
     t = gpu.allocate((3, 4), np.float16)
