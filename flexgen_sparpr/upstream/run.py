@@ -59,8 +59,10 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
     from flexgen.timer import timers
     from flexgen.utils import ExecutionEnv, project_decode_latency
 
-    if len(percent) != 6:
-        raise ValueError(f"percent needs six numbers (got {list(percent)})")
+    if min(batch, prompt_len, gen_len) < 1:
+        raise ValueError(f"batch, prompt_len and gen_len must be >= 1 (got {batch}, {prompt_len}, {gen_len})")
+    if len(percent) != 6 or min(percent) < 0 or any(percent[i] + percent[i + 1] > 100 for i in (0, 2, 4)):
+        raise ValueError(f"percent needs six numbers >= 0, each pair summing to <= 100 (got {list(percent)})")
     if weights == "engine":
         from .dummy import use_engine_dummy_weights
         use_engine_dummy_weights(seed)

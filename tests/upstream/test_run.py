@@ -21,7 +21,8 @@ def test_bad_input_is_one_error_line_and_exit_2(capsys, tmp_path):
     out = tmp_path / "r.json"
     for argv, words in ((["--model", "opt-unknown"], "opt-unknown"),
                         (["--sparpr", '{"keep_ratio": 2.0}'], "keep_ratio"),
-                        (["--sparpr", "[1]"], "JSON object")):
+                        (["--sparpr", "[1]"], "JSON object"),
+                        (["--percent", "60", "60", "100", "0", "100", "0"], "percent")):
         assert main(argv + ["--batch", "1", "--prompt-len", "8", "--gen-len", "2", "--output", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and words in err
