@@ -16,7 +16,7 @@ from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies import token_budget
-from flexgen_sparpr.kv.policies.sparpr import SparPR
+from flexgen_sparpr.kv.policies.sparpr import SparPR, block_scores, masked_mean_keys
 from flexgen_sparpr.runtime.costs import CostModel
 from flexgen_sparpr.storage.disk import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
@@ -216,7 +216,7 @@ def test_gqa_scores_each_query_head_against_its_kv_heads_summary():
                    homes=[Tier.COMPUTE] * 8, devices=CPU)
     fill(t, 26, seed=7)  # 6 sealed blocks, 2 open tokens
     q = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(8))  # 2 query heads per KV head
-    pol = SparPR(keep_ratio=0.8, costs=fixed())
+    pol = SparPR(keep_ratio=0.8, costs=fixed(), head_score="sum")
     sel = pol.select(t, 0, q)
     keys = t.gather()[0][0, 0]  # keys: [Hkv, L, D]
     score = {b: sum(float(q[0, h, 0] @ keys[h // 2, b * 4:(b + 1) * 4].mean(0)) for h in range(4)) for b in range(6)}
@@ -262,7 +262,7 @@ def test_batch_reads_one_shared_block_set_with_each_sequences_best_first():
                    homes=[Tier.COMPUTE] * 16, devices=CPU)
     fill(t, 48, seed=10)  # 12 sealed blocks: sink 0, window 11, candidates 1..10
     q = torch.randn(2, 2, 1, 4, generator=torch.Generator().manual_seed(11))
-    pol = SparPR(keep_ratio=0.5, costs=fixed())
+    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=False, head_score="sum", summary_tokens=0)
     sel = pol.select(t, 0, q)
     keys = t.gather()[0][0]  # keys: [B, Hkv, L, D]
     for s in range(2):
@@ -285,3 +285,92 @@ def test_run_writes_the_policys_step_stats_to_output_json(tmp_path, monkeypatch)
     assert stats["config"]["keep_ratio"] == 0.5 and len(stats["steps"]) == 3  # decode steps
     assert stats["totals"]["calls"] == 3 * 12 and stats["totals"]["est_bytes"]["disk->cpu"] > 0
     assert stats["costs"]["disk_read_Bps"] > 0 and list((tmp_path / "cache").glob("probe-*.json"))
+
+
+# --- selection refinements: per-head softmax, sub-block summaries, per-sequence top-k ---
+def resident(batch=2, hkv=2, d=4, bs=8, blocks=12) -> BlockTable:
+    return BlockTable(name="sel", batch=batch, num_kv_heads=hkv, head_dim=d, block_size=bs, max_len=bs * blocks,
+                      dtype=torch.float32, homes=[Tier.COMPUTE] * blocks, devices=CPU)
+
+
+def hand_scores(q, keys, t: int, head_score: str) -> list[list[float]]:
+    """Per sequence and sealed block: the best run of t tokens' score, in plain Python loops.
+    q: [B, H, 1, D]; keys: [B, Hkv, L, D] (no padding)."""
+    b, h, _, d = q.shape
+    hkv, n = keys.shape[1], keys.shape[2] // t
+    out = []
+    for s in range(b):
+        dots = [[float(q[s, j, 0] @ keys[s, j // (h // hkv), p * t:(p + 1) * t].mean(0)) for p in range(n)]
+                for j in range(h)]  # dots[head][part]
+        if head_score == "softmax":
+            dots = [torch.tensor(row).div(d ** 0.5).softmax(0).tolist() for row in dots]
+        out.append([sum(dots[j][p] for j in range(h)) for p in range(n)])
+    return out
+
+
+@pytest.mark.parametrize("head_score", ["sum", "softmax"])
+@pytest.mark.parametrize("summary_tokens", [0, 2, 4])
+def test_block_scores_equal_a_hand_computation(head_score, summary_tokens):
+    t = resident(bs=8)
+    fill(t, 8 * 6, seed=12)  # 6 sealed blocks, no open tokens
+    q = torch.randn(2, 4, 1, 4, generator=torch.Generator().manual_seed(13))  # 2 query heads per KV head
+    pol = SparPR(keep_ratio=0.5, costs=fixed(), head_score=head_score, summary_tokens=summary_tokens)
+    got = block_scores(q, *pol.summaries(t, 0), head_score)  # got: [B, nb]
+    run = summary_tokens or 8
+    parts = hand_scores(q, t.gather()[0][0], run, head_score)
+    want = [[max(row[blk * 8 // run:(blk + 1) * 8 // run]) for blk in range(6)] for row in parts]
+    torch.testing.assert_close(got, torch.tensor(want), atol=1e-5, rtol=1e-5)
+
+
+def test_sub_block_means_skip_left_padding():
+    keys = torch.arange(2 * 1 * 1 * 8 * 1, dtype=torch.float32).view(2, 1, 1, 8, 1)  # [B, Hkv, n, bs, D]
+    valid = torch.ones(2, 1, 8, dtype=torch.bool)
+    valid[1, 0, :5] = False  # row 1: 5 pads, so its first run of 4 is all padding
+    mean, live = masked_mean_keys(keys, valid, parts=2)  # mean: [n, B, Hkv, P, D]
+    assert mean[0, :, 0, :, 0].tolist() == [[1.5, 5.5], [0.0, 14.0]]  # row 1, run 2: (13+14+15)/3
+    assert live[0].tolist() == [[True, True], [False, True]]
+
+
+def test_a_sub_block_summary_finds_a_short_needle_that_the_block_mean_dilutes():
+    """One 2-token run of block 5 matches the query; the other 6 tokens point away from it. The
+    block's mean ranks it last; its 2-token summary ranks it first, and the step reads it."""
+    t = resident(batch=1, hkv=1, d=4, bs=8, blocks=10)
+    k = torch.zeros(1, 1, 64, 4)
+    k[..., 0] = 0.3  # every filler key: a little along the query
+    k[0, 0, 42:44] = torch.tensor([4.0, 0, 0, 0])  # the needle: 2 tokens along the query
+    k[0, 0, 44:48] = torch.tensor([-2.0, 0, 0, 0])  # the rest of block 5 points away
+    for job in t.append(k, torch.randn(1, 1, 64, 4)):
+        job()
+    q = torch.tensor([1.0, 0, 0, 0]).view(1, 1, 1, 4)
+    budget = dict(keep_ratio=0.375, costs=fixed(), fallback=False)  # 24 tokens: sink, window, one more block
+    assert 5 not in SparPR(**budget, summary_tokens=0).select(t, 0, q).blocks
+    assert 5 in SparPR(**budget, summary_tokens=2).select(t, 0, q).blocks
+
+
+def test_per_sequence_top_k_moves_the_union_and_masks_each_sequence_to_its_own():
+    t = resident(batch=3, hkv=2, d=4, bs=4, blocks=16)
+    fill(t, 48, seed=14)  # 12 sealed blocks: sink 0, window 11, candidates 1..10
+    q = torch.randn(3, 4, 1, 4, generator=torch.Generator().manual_seed(15))
+    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=True, head_score="softmax")
+    sel = pol.select(t, 0, q)
+    budget = token_budget(0.5, 48, pol.floor(t))  # 24: sink + window + 4 more blocks
+    scores = hand_scores(q, t.gather()[0][0], 4, "softmax")
+    mine = []
+    for s in range(3):
+        best = sorted(range(1, 11), key=lambda blk: -scores[s][blk])[:(budget - 8) // 4]
+        mine.append({0, 11, *best})
+        reads = sel.mask[s].view(2, -1, 4).all(dim=2)  # reads: [Hkv, moved blocks]
+        assert {sel.blocks[i] for i in reads[0].nonzero().flatten().tolist()} == mine[s]
+        assert torch.equal(reads[0], reads[1]) and int(sel.mask[s, 0].sum()) == 4 * len(mine[s]) <= budget
+    assert sel.blocks == sorted(set().union(*mine))  # the union moves; nobody's block is left behind
+
+
+@pytest.mark.parametrize("bad", [dict(head_score="max"), dict(summary_tokens=-1)])
+def test_bad_selection_knobs_are_refused(bad):
+    with pytest.raises(ValueError):
+        SparPR(**bad)
+
+
+def test_summary_tokens_must_divide_the_block_size():
+    with pytest.raises(ValueError, match="does not divide"):
+        SparPR(summary_tokens=3, quest_only=True).attach(resident(bs=8), 0)

@@ -18,7 +18,8 @@ from .base import BudgetPolicy, selection_from_tokens, token_budget
 
 @dataclass(eq=False)
 class _Summaries:
-    mean: torch.Tensor  # [num_blocks, B, Hkv, D] float32: each sealed block's mean key (valid tokens)
+    mean: torch.Tensor  # [num_blocks, B, Hkv, P, D] cache dtype: mean key of each part of a sealed block
+    live: torch.Tensor  # [num_blocks, B, P] bool: the part holds a valid token
     known: list[bool]
     pads: torch.Tensor | None = None  # [B] left pads, once the prefill was seen
 
@@ -71,11 +72,39 @@ class StepStats:
         return {"totals": totals, "steps": steps}
 
 
-def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """keys: [B, Hkv, n, bs, D]; valid: [B, n, bs] -> [n, B, Hkv, D] (zeros for an all-pad block)."""
-    w = valid[:, None, :, :, None].to(keys.dtype)  # w: [B, 1, n, bs, 1]
-    mean = (keys * w).sum(dim=3) / w.sum(dim=3).clamp(min=1)  # mean: [B, Hkv, n, D]
-    return mean.permute(2, 0, 1, 3)
+def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys: [B, Hkv, n, bs, D]; valid: [B, n, bs] -> (mean [n, B, Hkv, P, D], live [n, B, P]): the
+    mean valid key of each of a block's P = `parts` runs of bs / P tokens (zeros for an all-pad run)."""
+    b, hkv, n, bs, d = keys.shape
+    w = valid.view(b, 1, n, parts, bs // parts, 1).to(keys.dtype)  # w: [B, 1, n, P, t, 1]
+    mean = (keys.view(b, hkv, n, parts, bs // parts, d) * w).sum(dim=4) / w.sum(dim=4).clamp(min=1)
+    live = valid.view(b, n, parts, bs // parts).any(dim=3)  # live: [B, n, P]
+    return mean.permute(2, 0, 1, 3, 4), live.permute(1, 0, 2)  # mean: [n, B, Hkv, P, D]
+
+
+HEAD_SCORES = ("sum", "softmax")
+
+
+def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_score: str = "sum") -> torch.Tensor:
+    """q: [B, H, 1, D]; summ: [nb, B, Hkv, P, D]; live: [nb, B, P] -> [B, nb] (-inf: no valid token).
+
+    A part's score is the sum over query heads h of f_h(q_h . summ[g(h)]), g(h) = h // (H / Hkv);
+    a block scores its best part (P = 1: the block's own mean). "sum": f is the identity.
+    "softmax": f_h is head h's softmax over all parts (logits scaled by 1/sqrt(D), as attention's
+    are), so each head adds one unit of mass and a head with large logits cannot outvote the
+    others; still a sum over heads of a monotone function of each head's inner products."""
+    b, h, _, d = q.shape
+    nb, _, hkv, parts, _ = summ.shape
+    live = live.permute(1, 0, 2).reshape(b, nb * parts)  # live: [B, nb * P]
+    summ = summ.float().permute(1, 2, 0, 3, 4).reshape(b, hkv, nb * parts, d)  # summ: [B, Hkv, nb * P, D]
+    if head_score == "sum":  # sum_h q_h . s_g(h) = sum_g (sum of g's query heads) . s_g
+        qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
+        part = torch.einsum("bgd,bgnd->bn", qg, summ)  # part: [B, nb * P]
+    else:
+        per = torch.einsum("bgjd,bgnd->bgjn", q.float().view(b, hkv, h // hkv, d), summ)  # [B, Hkv, G, nb * P]
+        per = (per / math.sqrt(d)).masked_fill(~live[:, None, None], -math.inf)
+        part = per.softmax(dim=-1).sum(dim=(1, 2))  # part: [B, nb * P]
+    return part.masked_fill(~live, -math.inf).view(b, nb, parts).amax(dim=-1)  # [B, nb]
 
 
 @register("sparpr")
@@ -84,14 +113,17 @@ class SparPR(BudgetPolicy):
     """SparPR, "Runtime KV-Cache Recovery for Resource-Constrained LLM Inference on Consumer
     Hardware" (arXiv 2610.18140, 2026). docs/sparpr.md has the design and its reasoning.
 
-    Selection. Every sealed block keeps its mean key per KV head on the compute device (via
-    `table.on_seal`, over its valid tokens), so scoring reads no offloaded block. A block's score
-    for a sequence is the sum over query heads h of q_h . summary[g(h)], g(h) = h // (H / Hkv):
-    under GQA each query head meets its own KV head's summary. Each sequence always reads its
-    sink block (the first holding a valid token), the last `recent_blocks` sealed blocks and the
-    open block. A block holds the whole batch, so the other blocks are chosen once per batch,
-    top-k: the sequences take turns adding their next-best block while every sequence's valid
-    tokens fit its budget (whole blocks; all KV heads read the same blocks, as in the paper).
+    Selection. Every sealed block keeps the mean key per KV head of each run of `summary_tokens`
+    tokens (default 4; 0: one mean per block) over its valid tokens, on the compute device (via
+    `table.on_seal`), so scoring reads no offloaded block. A run's score for a sequence is the sum
+    over query heads h of f_h(q_h . summary[g(h)]), g(h) = h // (H / Hkv) (under GQA each query
+    head meets its own KV head's summary); f_h is head h's softmax over the runs (`head_score`
+    "softmax", default) or the identity ("sum"); a block scores its best run. Each sequence always
+    reads its sink block (the first holding a valid token), the last `recent_blocks` sealed blocks
+    and the open block, and takes its own top-k blocks while its valid tokens fit its budget
+    (whole blocks; all KV heads read the same blocks, as in the paper). The engine moves the
+    union over the batch; each sequence's mask keeps it to its own blocks. `per_sequence=False`
+    chooses one set for the batch instead (the sequences take turns by rank).
 
     Budget. A block's copy cost is codec.nbytes (K and V: the 2 is in it) over the measured
     bandwidth of its home tier's link to compute; its recompute cost is its checkpoint's bytes
@@ -115,6 +147,9 @@ class SparPR(BudgetPolicy):
     recompute: bool = True
     fallback: bool = True
     quest_only: bool = False
+    head_score: str = "softmax"  # how heads' q . summary add up (block_scores)
+    summary_tokens: int = 4  # tokens per summary (divides the block size); 0 or >= block size: one per block
+    per_sequence: bool = True  # each sequence its own top-k (the union moves); False: one set per batch
     costs: CostModel | None = None  # None: measured by the start-up probe
     probe_dir: str | None = None  # folder whose disk bandwidth is probed (the offload dir)
 
@@ -124,6 +159,10 @@ class SparPR(BudgetPolicy):
             raise ValueError(f"min_keep must be in (0, 1] (got {self.min_keep})")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"gamma must be in (0, 1] (got {self.gamma})")
+        if self.head_score not in HEAD_SCORES:
+            raise ValueError(f"head_score must be one of {', '.join(HEAD_SCORES)} (got {self.head_score!r})")
+        if self.summary_tokens < 0:
+            raise ValueError(f"summary_tokens must be >= 0 (got {self.summary_tokens})")
         if self.recent_blocks < 0:
             raise ValueError(f"recent_blocks must be >= 0 (got {self.recent_blocks})")
         if self.quest_only:  # the selection stage alone: the three runtime decisions are off
@@ -171,8 +210,10 @@ class SparPR(BudgetPolicy):
         if not self.quest_only:
             self.cost_model(table)  # start-up: probe (or read the cache) before the first step
         _, b, hkv, bs, d = table.block_shape
-        z = torch.zeros(table.capacity // bs, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
-        sums = self._sums[table] = _Summaries(z, [False] * (table.capacity // bs))
+        parts, nb, dev = self.parts(table), table.capacity // bs, table.devices.compute
+        mean = torch.zeros(nb, b, hkv, parts, d, dtype=table.dtype, device=dev)  # the cache's dtype: half the bytes
+        sums = self._sums[table] = _Summaries(mean,
+                                              torch.zeros(nb, b, parts, dtype=torch.bool, device=dev), [False] * nb)
         ref = weakref.ref(sums)  # the table holds the hook; the hook must not hold the table
 
         def on_seal(block: int, kv: torch.Tensor) -> None:
@@ -185,8 +226,8 @@ class SparPR(BudgetPolicy):
             else:
                 pos = block * bs + torch.arange(bs, device=keys.device)
                 valid = (pos[None, :] >= s.pads[:, None])[:, None]  # valid: [B, 1, bs]
-            s.mean[block] = masked_mean_keys(keys, valid)[0]
-            s.known[block] = True
+            mean, live = masked_mean_keys(keys, valid, parts)
+            s.mean[block], s.live[block], s.known[block] = mean[0], live[0], True
         table.on_seal.append(on_seal)
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
@@ -198,12 +239,22 @@ class SparPR(BudgetPolicy):
         sealed = table.length // bs
         if sealed and table.length == k.shape[2]:  # a prefill into an empty table: exact means
             keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
-            s.mean[:sealed] = masked_mean_keys(keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)))
+            s.mean[:sealed], s.live[:sealed] = masked_mean_keys(
+                keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)), self.parts(table))
             s.known[:sealed] = [True] * sealed
 
-    def summaries(self, table: BlockTable, layer: int) -> torch.Tensor:
-        """[sealed, B, Hkv, D]; blocks sealed before this policy was attached are summarised once,
-        from the cache (the only time SparPR reads an offloaded block to score it)."""
+    def parts(self, table: BlockTable) -> int:
+        """Summaries per block: bs / summary_tokens (1 when summary_tokens is 0)."""
+        if not self.summary_tokens or self.summary_tokens >= table.bs:
+            return 1
+        if table.bs % self.summary_tokens:
+            raise ValueError(f"summary_tokens {self.summary_tokens} does not divide the block size {table.bs}")
+        return table.bs // self.summary_tokens
+
+    def summaries(self, table: BlockTable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean [sealed, B, Hkv, P, D], live [sealed, B, P]); blocks sealed before this policy was
+        attached are summarised once, from the cache (the only time SparPR reads an offloaded
+        block to score it)."""
         if table not in self._sums:
             self.attach(table, layer)
         s, bs, sealed = self._sums[table], table.bs, table.length // table.bs
@@ -212,10 +263,10 @@ class SparPR(BudgetPolicy):
             kv, pos = table.gather(missing)
             keys = kv[0].float().unflatten(2, (len(missing), bs))  # keys: [B, Hkv, m, bs, D]
             valid = pos.view(len(missing), bs)[None] >= self.pads(table)[:, None, None]  # [B, m, bs]
-            s.mean[missing] = masked_mean_keys(keys, valid)
+            s.mean[missing], s.live[missing] = masked_mean_keys(keys, valid, self.parts(table))
             for i in missing:
                 s.known[i] = True
-        return s.mean[:sealed]
+        return s.mean[:sealed], s.live[:sealed]
 
     # --- the step ---
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
@@ -236,21 +287,29 @@ class SparPR(BudgetPolicy):
         the sequences take turns (by rank) adding their next-best block while every sequence's
         valid tokens still fit its budget. Each sequence reads the chosen blocks, its own sink,
         the recent window and the open block; with one sequence this is plain top-k."""
-        b, h, _, d = q.shape
-        hkv, bs, length = table.block_shape[2], table.bs, table.length
+        b = q.shape[0]
+        bs, length = table.bs, table.length
         sealed = length // bs
         valid = self.valid_tokens(table)  # valid: [B, L]
         counts = valid[:, :sealed * bs].view(b, sealed, bs).sum(dim=2)  # counts: [B, nb]
-        # sum_h q_h . s_g(h) = sum_g (sum of g's query heads) . s_g: one product per KV head
-        qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-        score = torch.einsum("bgd,nbgd->bn", qg, self.summaries(table, layer))  # score: [B, nb]
+        score = block_scores(q, *self.summaries(table, layer), self.head_score)  # score: [B, nb]
         ids = torch.arange(sealed, device=q.device)
         sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
         own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb] always read
+        used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)  # used: [B] tokens
+        if self.per_sequence:  # each its own best blocks while they fit (Quest's rule, one set per sequence)
+            order = score.masked_fill(own, -math.inf).argsort(dim=-1, descending=True)  # order: [B, nb]
+            taken = (counts * ~own).gather(-1, order).cumsum(dim=-1)  # taken: [B, nb]
+            room = torch.tensor(budgets, device=q.device) - used
+            fits = (taken <= room[:, None]) & (score.masked_fill(own, -math.inf).gather(-1, order) > -math.inf)
+            pick = own | torch.zeros_like(fits).scatter_(-1, order, fits)
+            keep = torch.ones(b, length, dtype=torch.bool, device=q.device)  # the open block
+            keep[:, :sealed * bs] = pick.repeat_interleave(bs, dim=-1)
+            return keep & valid
         cand = ~own.all(dim=0) & (counts > 0).any(dim=0)  # cand: [nb] (another's sink may be one)
         ranked = score.masked_fill(~cand[None, :], -math.inf).argsort(dim=-1, descending=True)
         ranked = ranked[:, :int(cand.sum())].T.tolist()  # [rank][sequence] -> block id
-        used = ((counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)).tolist()
+        used = used.tolist()
         cnt, picked = (counts * ~own).T.tolist(), {}  # what a block adds to each sequence's reads
         for blk in (blk for row in ranked for blk in row):  # rank 0 of every sequence, then rank 1...
             if blk not in picked and all(u + c <= m for u, c, m in zip(used, cnt[blk], budgets)):
@@ -287,7 +346,8 @@ class SparPR(BudgetPolicy):
 
     def stats(self) -> dict:
         """JSON-able: the knobs, the cost model, totals and one record per decode step."""
-        config = {k: getattr(self, k) for k in ("keep_ratio", "min_keep", "gamma", "recent_blocks",
-                                                "dynamic_budget", "recompute", "fallback", "quest_only")}
+        config = {k: getattr(self, k) for k in ("keep_ratio", "min_keep", "gamma", "recent_blocks", "dynamic_budget",
+                                                "recompute", "fallback", "quest_only", "head_score",
+                                                "per_sequence", "summary_tokens")}
         return {"policy": self.name, "config": config,
                 "costs": self.costs.to_dict() if self.costs is not None else None, **self.step_stats.report()}
