@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flexgen_sparpr.kv.policies.base import token_budget
-from conftest import run_recording
 from flexgen_sparpr.upstream.sparpr_hook import (SparPRConfig, apply_sparpr, remove_sparpr, sparpr_keep,
                                                  sparpr_stats)
+from tests.upstream.recording import run_recording
 
 
 @pytest.fixture(autouse=True)
