@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from ..kv.block_table import BlockTable
-from ..kv.dkv.codec import DKVCodec
 from ..kv.policy import KVPolicy, Selection, make_policy
 from ..models import build_arch
 from ..storage.disk import DiskStore
-from ..storage.tiers import Devices, Tier, block_homes
+from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, prefill_attention
+from .kv_tables import build_tables
 from .recovery import Fetched, gather_selection, rebuild_kv
 from .config import ConfigError, EngineConfig, Policy
 from .sampling import Sampler
@@ -165,31 +165,7 @@ class Engine:
             t.close()
         self.tables.clear()
         self._generation += 1  # disk file names stay unique across generations
-        nb = -(-max_len // self.cfg.block_size)
-        homes = block_homes(nb, self.policy.cache_percents)
-        ckpt = any(p.needs_checkpoints for p in (self.kv_policy, *self._observers))
-        kv_shape = (2, self.policy.gpu_batch_size, self.spec.num_kv_heads, self.cfg.block_size, self.spec.head_dim)
-        args = dict(self.cfg.codec_args)
-        recent = args.pop("recent", 1)  # sealed blocks kept exact besides their encoded form
-        cold = DKVCodec(kv_shape, self.dtype, **args) if self.cfg.cold_codec == "dkv" else None
-        for i in range(self.spec.num_layers):
-            codec, coded = self.kv_policy.codec(kv_shape, self.dtype, i), None
-            if codec is None and cold is not None:  # cold blocks only: compute-tier ones stay raw
-                codec, coded = cold, (Tier.CPU, Tier.DISK)
-            for k in range(self.policy.num_gpu_batches):
-                common = dict(batch=self.policy.gpu_batch_size, block_size=self.cfg.block_size,
-                              max_len=max_len, dtype=self.dtype, homes=homes, devices=self.devices,
-                              disk=self.disk)
-                t = BlockTable(name=f"g{self._generation}-l{i}-b{k}", num_kv_heads=self.spec.num_kv_heads,
-                               head_dim=self.spec.head_dim, compress=self.policy.compress_cache,
-                               codec=codec, coded_tiers=coded, **common)
-                if codec is cold and cold is not None:
-                    t.exact_recent = recent
-                if ckpt:  # checkpoints live on the same tiers as the blocks they rebuild
-                    t.checkpoints = BlockTable(name=f"g{self._generation}-l{i}-b{k}-ckpt", num_kv_heads=1,
-                                               head_dim=self.spec.hidden, planes=1, **common)
-                self.kv_policy.attach(t, i)
-                self.tables[(i, k)] = t
+        self.tables.update(build_tables(self, max_len, self._generation, self._observers))
 
     def _prefetch_cache(self, layer: Layer, k: int) -> Future:
         """Gather batch k's blocks for layer `layer` (decode only; resident caches need none)."""
