@@ -121,7 +121,7 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--gen-len", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "results/needle/sparpr_recall"))
+    ap.add_argument("--out", default=str(REPO / "results/needle/sparpr"))
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
     src = resolve_source(args.model, "")

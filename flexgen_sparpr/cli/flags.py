@@ -20,7 +20,7 @@ DEFAULTS = {
     "do_sample": False, "temperature": 1.0, "top_p": 1.0, "stop": None, "warmup": True,
     # SparPR (--kv-policy sparpr)
     "min_keep": 0.1, "gamma": 0.9, "no_dynamic_budget": False, "quest_only": False,
-    "no_recompute": False, "no_fallback": False,
+    "no_recompute": False, "no_fallback": False, "summary_tokens": 4,
     # DKV (--kv-policy dkv, or --cold-codec dkv under another policy)
     "cold_codec": "raw", "dkv_block": 256, "dkv_rank": 32, "dkv_residuals": 16, "dkv_topk": 8,
     "dkv_recent": 1, "dkv_sparse_prefill": False,
@@ -92,6 +92,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "context the dynamic budget keeps (default 0.1; --keep-ratio is the ceiling)")
     g.add_argument("--gamma", type=float, help="sparpr: Dense Fallback Threshold; read everything when the "
                    "sparse path costs more than gamma x the dense path (default 0.9)")
+    g.add_argument("--summary-tokens", type=int, help="sparpr: tokens per key summary (a mean key per KV "
+                   "head) used to score blocks; divides --block-size; 0: one per block (default 4)")
     g.add_argument("--no-dynamic-budget", action="store_true", default=None,
                    help="sparpr ablation: always keep --keep-ratio (no cost-driven budget)")
     g.add_argument("--quest-only", action="store_true", default=None, help="sparpr ablation: query-aware "

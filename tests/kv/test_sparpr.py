@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from flexgen_sparpr.cli.flags import build_parser
 from flexgen_sparpr.cli.options import resolve
 from flexgen_sparpr.engine import executor
-from flexgen_sparpr.engine.config import EngineConfig, Policy
+from flexgen_sparpr.engine.config import ConfigError, EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies import token_budget
@@ -249,8 +249,13 @@ def test_cli_passes_sparpr_flags_only_to_sparpr():
                        "--no-fallback", "--quest-only", "--percent", "100", "0", "0", "0", "100", "0",
                        "--offload-dir", "/somewhere")
     assert args == dict(keep_ratio=0.5, min_keep=0.2, gamma=0.8, dynamic_budget=True, recompute=True,
-                        fallback=False, quest_only=True, probe_dir="/somewhere")
+                        fallback=False, quest_only=True, summary_tokens=4, probe_dir="/somewhere")
     assert "probe_dir" not in engine_args("--kv-policy", "sparpr", "--no-recompute")
+    assert engine_args("--kv-policy", "sparpr", "--summary-tokens", "16")["summary_tokens"] == 16
+    assert engine_args("--kv-policy", "sparpr", "--summary-tokens", "128")["summary_tokens"] == 128  # one a block
+    for bad in ("-1", "12"):  # 12 does not divide the default block size 64
+        with pytest.raises(ConfigError, match="--summary-tokens"):
+            engine_args("--kv-policy", "sparpr", "--summary-tokens", bad)
     assert engine_args("--kv-policy", "quest", "--min-keep", "0.2") == dict(keep_ratio=1.0)
     assert SparPR(**args).quest_only and not SparPR(**args).needs_checkpoints
 
