@@ -29,6 +29,21 @@ def _prompt_ids(batch: int, prompt_len: int, vocab: int, seed: int) -> np.ndarra
     return np.random.default_rng(seed).integers(3, vocab, size=(batch, prompt_len))
 
 
+def prefill_scores_bytes(batch: int, prompt_len: int, n_head: int, itemsize: int) -> int:
+    """Upstream's prefill holds two [B*H, S, S] score tensors at once (bmm, then masked/softmaxed)."""
+    return 2 * batch * n_head * prompt_len * prompt_len * itemsize
+
+
+def _check_memory(batch: int, prompt_len: int, n_head: int, itemsize: int) -> None:
+    """Refuse a run whose prefill scores alone exceed the available memory: on a shared machine
+    the kernel's OOM killer could pick another process."""
+    import psutil
+    need, avail = prefill_scores_bytes(batch, prompt_len, n_head, itemsize), psutil.virtual_memory().available
+    if need > avail:
+        raise MemoryError(f"OOM (predicted): upstream's prefill holds 2 x [B*H, S, S] scores = "
+                          f"{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
+
+
 def _policy(flex_opt, batch: int, percent, sparsity: float = 1.0):
     """Upstream's Policy with its CLI defaults (one GPU batch, overlap, sep-layer, pinned weights)."""
     from flexgen.compression import CompressionConfig
@@ -78,6 +93,7 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
     config = get_opt_config(model, dtype=np.float32 if dtype == "float32" else np.float16)
     if prompt_len + gen_len > config.max_seq_len:
         config = get_opt_config(model, dtype=config.dtype, max_seq_len=prompt_len + gen_len)
+    _check_memory(batch, prompt_len, config.n_head, 4 if dtype == "float32" else 2)
     if offload_dir:
         os.makedirs(offload_dir, exist_ok=True)
     offload = tempfile.mkdtemp(prefix="flexgen-upstream-", dir=offload_dir)  # removed at the end

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from flexgen_sparpr.upstream.run import main, parse_child, run_upstream, upstream_command
+from flexgen_sparpr.upstream.run import main, parse_child, prefill_scores_bytes, run_upstream, upstream_command
 
 
 def test_run_upstream_in_a_subprocess(tmp_path):
@@ -40,3 +40,10 @@ def test_command_and_parse():
     assert parse_child(0, 'noise\n{"ok": true, "x": 1}\n', "") == {"ok": True, "x": 1}
     assert parse_child(-9, "", "") == {"ok": False, "error": "killed (out of memory?)"}
     assert parse_child(1, "", "Traceback...\nKeyError: 'x'\n") == {"ok": False, "error": "exit 1: KeyError: 'x'"}
+
+
+def test_a_prefill_that_cannot_fit_is_refused_before_it_starts(capsys):
+    assert prefill_scores_bytes(4, 8192, 12, 4) == 2 * 4 * 12 * 8192 * 8192 * 4  # 24 GiB at 8k, batch 4
+    assert main(["--json", "--batch", "4096", "--prompt-len", "16384", "--gen-len", "2"]) == 1
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert err.startswith("MemoryError: OOM (predicted)") and "GiB available" in err
