@@ -5,7 +5,8 @@ A block kv: [2, B, Hkv, bs, D] is, per sequence, a matrix X: [bs, F] with F = 2 
 (the K of every KV head, then the V of every KV head: one basis serves both). With a the anchor
 row (the row nearest the block's mean), X - a ~= C @ W^T, C: [bs, r] coefficients, W: [F, r] the
 top-r right singular vectors of X - a with its K and V halves each scaled to unit RMS (scales
-folded back into W's rows). The m rows this reconstructs worst are kept exact (residuals).
+folded back into W's rows). The m rows this reconstructs worst are kept exact (residuals), and
+the basis is then fit again to the other rows (`refit`).
 
 Bytes of one encoded block (the `nbytes` formula; e = the dtype's size, 4-byte indices):
     B * (F + F * r + bs * r + m * F) * e  [padded to 8]  +  B * (m + 1) * 4
@@ -38,13 +39,14 @@ class DKVCodec:
 
     compressed = True
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int = 32, residuals: int = 16):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int = 32, residuals: int = 16,
+                 refit: bool = True):
         planes, b, hkv, bs, d = shape
         if planes != 2:
             raise ValueError("DKV encodes K and V together (planes = 2)")
         if rank < 1 or residuals < 0:
             raise ValueError(f"DKV needs rank >= 1 and residuals >= 0 (got {rank}, {residuals})")
-        self.shape, self.dtype = tuple(shape), dtype
+        self.shape, self.dtype, self.refit = tuple(shape), dtype, refit
         self.batch, self.hkv, self.bs, self.head_dim = b, hkv, bs, d
         self.width = 2 * hkv * d  # F
         self.rank = min(rank, bs, self.width)  # more directions than rows or columns adds nothing
@@ -103,12 +105,13 @@ class DKVCodec:
         half = delta.view(b, bs, 2, self.width // 2)
         scale = half.square().mean(dim=(1, 3), keepdim=True).sqrt().clamp(min=1e-12)  # scale: [B, 1, 2, 1]
         norm = (half / scale).view(b, bs, self.width)
-        _, _, vh = torch.linalg.svd(norm, full_matrices=False)  # vh: [B, min(bs, F), F]
-        ortho = vh[:, :self.rank].mT  # ortho: [B, F, r]
-        coeffs = norm @ ortho  # coeffs: [B, bs, r]
-        err = (norm - coeffs @ ortho.mT).square().sum(-1)  # err: [B, bs] per-row (scaled) squared error
-        basis = (ortho.view(b, 2, self.width // 2, -1) * scale.view(b, 2, 1, 1)).view(b, self.width, -1)
+        ortho = self._basis(norm)  # ortho: [B, F, r]
+        err = (norm - norm @ ortho @ ortho.mT).square().sum(-1)  # err: [B, bs] per-row (scaled) squared error
         res_idx = err.topk(self.residuals, dim=1).indices.sort(dim=1).values  # [B, m] worst rows
+        if self.residuals and self.refit:  # the basis need not fit the rows kept exact: fit it to the rest
+            ortho = self._basis(norm.scatter(1, res_idx[..., None].expand(-1, -1, self.width), 0.0))
+        coeffs = norm @ ortho  # coeffs: [B, bs, r]
+        basis = (ortho.view(b, 2, self.width // 2, -1) * scale.view(b, 2, 1, 1)).view(b, self.width, -1)
         res_rows = x[ar[:, None], res_idx]  # res_rows: [B, m, F]
         row = torch.empty(self.nbytes, dtype=torch.uint8, device=kv.device)
         p = self.parts(row)
@@ -119,6 +122,11 @@ class DKVCodec:
         p.res_idx.copy_(res_idx)
         p.anchor_idx.copy_(anchor_idx)
         return row
+
+    def _basis(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, bs, F] -> its top-r right singular vectors [B, F, r]."""
+        _, _, vh = torch.linalg.svd(x, full_matrices=False)  # vh: [B, min(bs, F), F]
+        return vh[:, :self.rank].mT
 
     def decode(self, row: torch.Tensor) -> torch.Tensor:
         """[nbytes] uint8 -> kv: [2, B, Hkv, bs, D] (low-rank reconstruction, residual rows exact)."""
