@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 import numpy as np
+import torch
 
 DEFAULT_PERCENT = (100, 0, 100, 0, 100, 0)
 
@@ -126,14 +127,14 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
         "config": {"model": model, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
                    "percent": list(percent), "cut_gen_len": cut_gen_len, "sparpr": sparpr,
                    "weights": weights, "seed": seed, "upstream": "flexgen==0.1.8", "dtype": dtype,
-                   "kv_dtype": "float16"},
+                   "kv_dtype": "float16", "threads": torch.get_num_threads()},
     }
 
 
 def upstream_command(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
                      percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
                      sparpr: dict | None = None, weights: str = "ones", output: str | None = None,
-                     dtype: str = "float32") -> list[str]:
+                     dtype: str = "float32", threads: int | None = None) -> list[str]:
     """argv of the child that runs `generate_upstream` and prints (or writes) its JSON."""
     cmd = [sys.executable, "-m", "flexgen_sparpr.upstream.run", "--json", "--model", model,
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--gen-len", str(gen_len),
@@ -146,6 +147,8 @@ def upstream_command(model: str = "opt-125m", batch: int = 4, prompt_len: int = 
         cmd += ["--sparpr", json.dumps(sparpr)]
     if output:
         cmd += ["--output", output]
+    if threads:
+        cmd += ["--threads", str(threads)]
     return cmd
 
 
@@ -169,8 +172,10 @@ def run_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512,
     """Upstream FlexGen on this CPU with its own dummy weights, in a subprocess.
 
     Returns {"ok": True, "prefill_s", "decode_s", "total_s", "decode_tok_s", "tokens": [[...]], ...}
-    (tokens: [batch][gen_len] generated ids) or {"ok": False, "error": "<one line>"}."""
-    cmd = upstream_command(model, batch, prompt_len, gen_len, percent, offload_dir, cut_gen_len, sparpr)
+    (tokens: [batch][gen_len] generated ids) or {"ok": False, "error": "<one line>"}. The child
+    uses this process's torch thread count, so a caller's `torch.set_num_threads` applies to both."""
+    cmd = upstream_command(model, batch, prompt_len, gen_len, percent, offload_dir, cut_gen_len, sparpr,
+                           threads=torch.get_num_threads())
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
@@ -192,10 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="ones: upstream's own _DUMMY_ weights; engine: this engine's seeded dummy values")
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                     help="weights and compute (the KV cache is float16 either way, as upstream stores it)")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--json", action="store_true", help="print one JSON line (the result dict)")
     ap.add_argument("--output", help="also write the result JSON here (atomically)")
     args = ap.parse_args(argv)
     try:
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ValueError(f"--threads must be >= 1 (got {args.threads})")
+            torch.set_num_threads(args.threads)
         sparpr = json.loads(args.sparpr) if args.sparpr else None
         if sparpr is not None and not isinstance(sparpr, dict):
             raise ValueError("--sparpr must be a JSON object")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from flexgen_sparpr.upstream.run import main, parse_child, prefill_scores_bytes, run_upstream, upstream_command
 
 
@@ -14,6 +16,7 @@ def test_run_upstream_in_a_subprocess(tmp_path):
     assert r["decode_tok_s"] == 2 * (3 - 1) / r["decode_s"]
     assert len(r["tokens"]) == 2 and all(len(t) == 3 for t in r["tokens"])
     assert r["config"]["weights"] == "ones"  # upstream's own _DUMMY_ weights
+    assert r["config"]["threads"] == torch.get_num_threads()  # the caller's thread count
     assert list((tmp_path / "off").iterdir()) == []  # upstream's offload files are gone
 
 
@@ -22,7 +25,8 @@ def test_bad_input_is_one_error_line_and_exit_2(capsys, tmp_path):
     for argv, words in ((["--model", "opt-unknown"], "opt-unknown"),
                         (["--sparpr", '{"keep_ratio": 2.0}'], "keep_ratio"),
                         (["--sparpr", "[1]"], "JSON object"),
-                        (["--percent", "60", "60", "100", "0", "100", "0"], "percent")):
+                        (["--percent", "60", "60", "100", "0", "100", "0"], "percent"),
+                        (["--threads", "0"], "threads")):
         assert main(argv + ["--batch", "1", "--prompt-len", "8", "--gen-len", "2", "--output", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and words in err
@@ -33,10 +37,11 @@ def test_bad_input_is_one_error_line_and_exit_2(capsys, tmp_path):
 
 def test_command_and_parse():
     cmd = upstream_command(batch=3, prompt_len=64, gen_len=5, percent=(0, 100, 0, 100, 100, 0),
-                           cut_gen_len=2, sparpr={"keep_ratio": 0.5})
+                           cut_gen_len=2, sparpr={"keep_ratio": 0.5}, threads=1)
     assert cmd[1:3] == ["-m", "flexgen_sparpr.upstream.run"]
     assert cmd[cmd.index("--percent") + 1:cmd.index("--percent") + 7] == ["0", "100", "0", "100", "100", "0"]
     assert cmd[cmd.index("--sparpr") + 1] == '{"keep_ratio": 0.5}'
+    assert cmd[cmd.index("--threads") + 1] == "1"
     assert parse_child(0, 'noise\n{"ok": true, "x": 1}\n', "") == {"ok": True, "x": 1}
     assert parse_child(-9, "", "") == {"ok": False, "error": "killed (out of memory?)"}
     assert parse_child(1, "", "Traceback...\nKeyError: 'x'\n") == {"ok": False, "error": "exit 1: KeyError: 'x'"}
