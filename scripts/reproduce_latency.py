@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cap-gib", type=float, default=1.0, help="compute-tier memory cap in GiB (default: 1.0)")
     ap.add_argument("--upstream-timeout", type=float, default=480,
                     help="seconds before upstream FlexGen is stopped; longer contexts are then skipped (default: 480)")
-    ap.add_argument("--calib-context", type=int, default=512, help="context of the calibration pair (default: 512)")
+    ap.add_argument("--calib-contexts", default="512,1536",
+                    help="contexts of the calibration pairs, after one discarded warm-up run (default: %(default)s)")
     ap.add_argument("--hardware", help="this machine's hardware file (default: measure it, quick profile)")
     ap.add_argument("--predict-hardware", default=",".join(PREDICT_HW), help="hardware files to predict OPT-6.7B on")
     ap.add_argument("--predict-gen-len", type=int, default=32, help="gen_len of the modeled runs (default: 32)")
@@ -64,22 +65,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and prompts (default: 0)")
     ap.add_argument("--from-json", help="re-run the model and the reports on a saved latency_measured.json")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="with --from-json: run the warm-up and calibration runs again (the saved fit is kept)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: context 128, gen_len 2, calibration at 64, the cached probe as hardware")
     ap.add_argument("--out", default=str(REPO / "results"), help="output folder (default: results)")
     args = ap.parse_args(argv)
     if args.quick:  # a smoke test of every path, well under a minute on 2 cores
-        args.contexts, args.gen_len, args.calib_context = "128", 2, 64
+        args.contexts, args.gen_len, args.calib_contexts = "128", 2, "64"
     try:
         args.contexts = int_list(args.contexts)
+        args.calib_contexts = int_list(args.calib_contexts)
     except ValueError:
-        die(f"--contexts must be a comma-separated list of positive integers (got {args.contexts!r})")
+        die("--contexts and --calib-contexts must be comma-separated lists of positive integers")
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in args.systems if s not in SYSTEMS]
     if bad or not args.systems:
         die(f"--systems must be a subset of {','.join(SYSTEMS)} (got {bad or 'nothing'})")
-    if args.batch < 1 or args.block_size < 1 or args.calib_context < 1:
-        die("--batch, --block-size and --calib-context must be >= 1")
+    if args.batch < 1 or args.block_size < 1:
+        die("--batch and --block-size must be >= 1")
     if args.gen_len < 2 or args.predict_gen_len < 2:
         die("--gen-len and --predict-gen-len must be >= 2 (decode excludes the prefill's token)")
     for flag in ("keep_ratio", "min_keep", "gamma"):
@@ -284,14 +288,30 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
             "dtype": dtype, "rows": rows}
 
 
+def calibration_runs(src, args, hw):
+    """One discarded warm-up run (the process's first engine pays one-off costs), then dense and
+    SparPR at each calibration context; returns the fitted Calibration and the runs."""
+    from flexgen_sparpr.runtime.timemodel import calibrate
+    run_engine(src, args, min(args.calib_contexts), "dense")
+    calib = [{**run_engine(src, args, c, p), "context": c, "system": p}
+             for c in args.calib_contexts for p in ("dense", "sparpr")]
+    ctxs = ",".join(map(str, args.calib_contexts))
+    cal = calibrate([c["trace"] for c in calib], hw, "float32",
+                    source=f"dense + SparPR at context {ctxs} after a warm-up run (not validated against)")
+    return cal, [{k: v for k, v in c.items() if k != "trace"} for c in calib]
+
+
 def report(payload: dict, args, spec, hw, cal, out: Path) -> list[Path]:
     """The model on every engine run's trace, the modeled hardware files, then the files."""
     from flexgen_sparpr.runtime.hardware import save_hardware
-    from flexgen_sparpr.runtime.timemodel import StepTrace
+    from flexgen_sparpr.runtime.timemodel import Calibration, StepTrace
+    first = Calibration(**payload["calibration_first"]) if "calibration_first" in payload else None
     for cell in payload["cells"]:
         if "trace" in cell:
             tr = [s if isinstance(s, StepTrace) else StepTrace(**s) for s in cell["trace"]]
             cell["model"] = validate({**cell, "trace": tr}, spec, args, hw, cal)
+            if first is not None:
+                cell["model_first_calibration"] = validate({**cell, "trace": tr}, spec, args, hw, first)
             cell["trace"] = [s.to_dict() for s in tr]
     payload["modeled"] = [model_hardware(p, args, cal) for p in args.predict_hardware]
     save_hardware(hw, out / "latency_hardware_this_machine.yaml")
@@ -313,6 +333,9 @@ def rerun_model(args) -> list[Path]:
         payload = json.loads(Path(args.from_json).expanduser().read_text())
         saved = payload["config"]
         hw = hardware_from_dict(payload["hardware"], where=args.from_json)
+        for key in ("calibration", "calibration_first"):  # fits saved before scores_eff existed
+            if key in payload:
+                payload[key].setdefault("scores_eff", payload[key]["prefill_eff"])
         cal = Calibration(**payload["calibration"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         die(f"--from-json {args.from_json}: not a reproduce_latency result ({e})")
@@ -321,6 +344,18 @@ def rerun_model(args) -> list[Path]:
         setattr(args, key, saved[key])
     payload["config"].update(predict_hardware=args.predict_hardware, predict_gen_len=args.predict_gen_len)
     args.contexts_model = (1024, 2048, 4096, 8192)
+    if args.recalibrate:
+        from flexgen_sparpr.weights.resolve import resolve_source
+        args.offload_dir = str(Path(args.offload_dir).expanduser())
+        args.seed = saved.get("seed", 0)
+        src = resolve_source(args.model, "_DUMMY_", max_seq_len=max(args.contexts + args.calib_contexts) +
+                             args.gen_len, seed=args.seed)
+        first = payload.get("calibration_first") or payload["calibration"]
+        load = load_average()
+        cal, runs = calibration_runs(src, args, hw)
+        payload.update(calibration_first=first, calibration=cal.to_dict(), calibration_runs=runs,
+                       recalibrated={"load_average_before": load, "load_average_after": load_average(),
+                                     "calib_contexts": args.calib_contexts, "machine": machine_info()})
     return report(payload, args, opt_spec(args.model), hw, cal, Path(args.out))
 
 
@@ -331,7 +366,6 @@ def main(argv=None) -> int:
             print(f"wrote {p}")
         return 0
     import torch
-    from flexgen_sparpr.runtime.timemodel import calibrate
     from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
 
     if args.threads:
@@ -340,7 +374,7 @@ def main(argv=None) -> int:
     Path(args.offload_dir).mkdir(parents=True, exist_ok=True)
     args.contexts_model = (1024, 2048, 4096, 8192)
     out = Path(args.out)
-    max_seq = max(args.contexts + [args.calib_context]) + args.gen_len
+    max_seq = max(args.contexts + args.calib_contexts) + args.gen_len
     try:
         src = resolve_source(args.model, "_DUMMY_", max_seq_len=max_seq, seed=args.seed)
     except (ModelNotFound, ValueError) as exc:
@@ -351,9 +385,7 @@ def main(argv=None) -> int:
         hw = this_machine(args)
         print(f"this machine: disk read {hw.disk_read_bw / 1e9:.2f} GB/s, float32 "
               f"{hw.compute_flops('float32') / 1e9:.1f} GFLOP/s", flush=True)
-        calib = [run_engine(src, args, args.calib_context, p) for p in ("dense", "sparpr")]
-        cal = calibrate([c["trace"] for c in calib], hw, "float32",
-                        source=f"dense + SparPR runs at context {args.calib_context} (not validated against)")
+        cal, calib = calibration_runs(src, args, hw)
         print(f"calibration: {cal}", flush=True)
         timed_out = None
         for ctx in sorted(args.contexts):
@@ -379,7 +411,7 @@ def main(argv=None) -> int:
                 print(f"ctx {ctx} {system}: {msg}", flush=True)
                 payload["cells"].append(cell)
     payload.update(wall_s=total(), cap_bytes=cap, calibration=cal.to_dict(), hardware=hw.to_yaml_dict(),
-                   calibration_runs=[{k: v for k, v in c.items() if k != "trace"} for c in calib],
+                   calibration_runs=calib,
                    load_average_end=load_average())
     written = report(payload, args, src.spec, hw, cal, out)
     for p in written:

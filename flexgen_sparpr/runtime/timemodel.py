@@ -267,13 +267,14 @@ class Calibration:
     raw transfer), and a fixed cost per layer and step (launches, Python, I/O hand-offs)."""
 
     prefill_eff: float = 1.0
+    scores_eff: float = 1.0  # the prefill's attention scores (SDPA), apart from its GEMMs
     decode_eff: float = 1.0
     io_eff: float = 1.0
     layer_overhead_s: float = 0.0
     source: str = "ideal: the hardware file's numbers, no overhead"
 
     def __post_init__(self):
-        if not (self.prefill_eff > 0 and self.decode_eff > 0 and self.io_eff > 0 and self.layer_overhead_s >= 0):
+        if not (self.prefill_eff > 0 and self.scores_eff > 0 and self.decode_eff > 0 and self.io_eff > 0 and self.layer_overhead_s >= 0):
             raise ValueError(f"calibration constants must be positive (got {self})")
 
     def to_dict(self) -> dict:
@@ -291,11 +292,13 @@ def step_parts(step: StepTrace, hw: Hardware, dtype: str, cal: Calibration) -> d
     """Seconds of a step's parts: compute of the layers and of the head (a roofline: FLOPs at
     the phase's efficiency, or the bytes read from compute memory, whichever is slower), I/O
     (every link's bytes, one queue) and the fixed overhead."""
-    eff = cal.prefill_eff if step.kind == "prefill" else cal.decode_eff
-    rate = hw.compute_flops(dtype) * eff
-    total = sum(step.flops.values()) or 1.0
+    peak, total = hw.compute_flops(dtype), sum(step.flops.values()) or 1.0
+    if step.kind == "prefill":
+        scores = step.flops.get("attn_scores", 0)
+        flop_s = (total - scores) / (peak * cal.prefill_eff) + scores / (peak * cal.scores_eff)
+    else:
+        flop_s = total / (peak * cal.decode_eff)
     membw = getattr(hw, "compute_memory_bw", 0.0)
-    flop_s = total / rate
     mem_s = step.mem_bytes / membw if membw > 0 else 0.0
     comp = max(flop_s, mem_s)
     head = comp * step.flops.get("head", 0) / total
@@ -324,7 +327,9 @@ def predict(trace: list[StepTrace], hw: Hardware, dtype: str, cal: Calibration) 
 def calibrate(traces: list[list[StepTrace]], hw: Hardware, dtype: str, source: str = "") -> Calibration:
     """Fit the constants to measured runs (use runs that are not validated against later).
 
-    prefill_eff: nominal prefill compute seconds / measured prefill seconds. decode: a grid over
+    prefill: measured seconds = GEMM FLOPs / (peak x prefill_eff) + score FLOPs / (peak x
+    scores_eff), least squares over the prefills (one efficiency for both when the prefills
+    cannot tell them apart, e.g. one context length). decode: a grid over
     (decode_eff, io_eff), the per-layer overhead by least squares at each point (it enters
     linearly), minimising the squared relative error of the decode steps."""
     steps = [s for t in traces for s in t if s.measured_s]
@@ -332,9 +337,12 @@ def calibrate(traces: list[list[StepTrace]], hw: Hardware, dtype: str, source: s
     dec = [s for s in steps if s.kind == "decode"]
     if not pre or not dec:
         raise ValueError("calibration needs measured prefill and decode steps")
-    unit = Calibration()
-    nominal = sum(max(p["compute_s"] + p["head_s"], p["io_s"]) for p in (step_parts(s, hw, dtype, unit) for s in pre))
-    prefill_eff = nominal / sum(s.measured_s for s in pre)
+    peak = hw.compute_flops(dtype)
+    xs = [((sum(s.flops.values()) - s.flops.get("attn_scores", 0)) / peak, s.flops.get("attn_scores", 0) / peak)
+          for s in pre]
+    a, b = _lstsq2(xs, [s.measured_s for s in pre])
+    if a <= 0 or b <= 0 or len({s.context + s.new_tokens for s in pre}) < 2:
+        a = b = sum(s.measured_s for s in pre) / sum(x + y for x, y in xs)
     grid = [10 ** (k / 20) for k in range(-50, 31)]  # 10^-2.5 .. 10^1.5
     best = None
     for de in grid:
@@ -349,9 +357,22 @@ def calibrate(traces: list[list[StepTrace]], hw: Hardware, dtype: str, source: s
             if best is None or err < best[0]:
                 best = (err, de, ie, o)
     _, de, ie, o = best
-    return Calibration(prefill_eff=prefill_eff, decode_eff=de, io_eff=ie, layer_overhead_s=o,
+    return Calibration(prefill_eff=1 / a, scores_eff=1 / b, decode_eff=de, io_eff=ie, layer_overhead_s=o,
                        source=source or f"fitted on {len(pre)} prefills and {len(dec)} decode steps")
 
+
+
+def _lstsq2(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
+    """Least squares y ~ a x0 + b x1 without an intercept; b = 0 when the columns are degenerate."""
+    s00 = sum(u * u for u, _ in xs)
+    s01 = sum(u * v for u, v in xs)
+    s11 = sum(v * v for _, v in xs)
+    y0 = sum(u * y for (u, _), y in zip(xs, ys))
+    y1 = sum(v * y for (_, v), y in zip(xs, ys))
+    det = s00 * s11 - s01 * s01
+    if det <= 1e-9 * s00 * s11 or s11 == 0:
+        return (y0 / s00 if s00 else 0.0), 0.0
+    return (y0 * s11 - y1 * s01) / det, (s00 * y1 - s01 * y0) / det
 
 
 # --- memory: does an all-on-device run fit? ---

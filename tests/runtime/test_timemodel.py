@@ -110,6 +110,21 @@ def test_calibrate_recovers_known_constants():
         calibrate([trace], h, "float32")
 
 
+def test_calibrate_separates_prefill_gemms_from_attention_scores():
+    h, true = hw(), Calibration(prefill_eff=0.4, scores_eff=0.8)
+    pre = []
+    for n in (256, 1024, 4096):
+        f = step_flops(opt_spec("opt-125m"), 4, n, n * (n + 1) / 2)
+        s = StepTrace("prefill", 0, n, 4, 12, flops=f)
+        s.measured_s = predict_step(s, h, "float32", true)
+        pre.append(s)
+    dec = StepTrace("decode", 10, 1, 4, 12, bytes={"disk->cpu": 1e8}, flops={"mlp": 1e9}, measured_s=0.2)
+    cal = calibrate([pre + [dec]], h, "float32")
+    assert cal.prefill_eff == pytest.approx(0.4, rel=1e-6) and cal.scores_eff == pytest.approx(0.8, rel=1e-6)
+    one = calibrate([pre[:1] + [dec]], h, "float32")  # one length cannot tell them apart: one efficiency
+    assert one.prefill_eff == one.scores_eff
+
+
 def test_device_bytes_needed_adds_weights_kv_and_activations():
     spec = opt_spec("opt-6.7b")
     need = device_bytes_needed(spec, 4, 1024, 2)
