@@ -283,10 +283,11 @@ class SparPR(BudgetPolicy):
     def top_k(self, table: BlockTable, layer: int, q: torch.Tensor, budgets: list[int]) -> torch.Tensor:
         """[B, L] bool: the cached tokens each sequence reads (the same for all its KV heads).
 
-        A block holds every sequence of the batch, so one set of blocks is chosen for the batch:
-        the sequences take turns (by rank) adding their next-best block while every sequence's
-        valid tokens still fit its budget. Each sequence reads the chosen blocks, its own sink,
-        the recent window and the open block; with one sequence this is plain top-k."""
+        Each sequence reads its sink, the recent window, the open block and (per_sequence) its own
+        best blocks while its valid tokens fit its budget; the engine moves the union. With
+        per_sequence=False one set serves the batch: the sequences take turns (by rank) adding
+        their next-best block while every sequence's valid tokens still fit its budget, and every
+        sequence reads every chosen block. With one sequence the two are the same plain top-k."""
         b = q.shape[0]
         bs, length = table.bs, table.length
         sealed = length // bs

@@ -1,0 +1,108 @@
+"""SparPR selection variants end to end on the needle task: every variant decodes from the same
+prefill as dense (scripts/needle.py's run_batch), so the passkey scores differ only by selection.
+Writes <out>/variants.json and variants.md.
+
+A variant is a comma list of SparPR fields, e.g. "per_sequence=0,head_score=sum,summary_tokens=0"
+(the first version's selection); "default" is the policy's defaults. Variants are separated by ';'.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, die, int_list, machine_info, timer, write_results  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from needle import float_list, run_batch, scores  # noqa: E402
+
+from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key  # noqa: E402
+from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
+from flexgen_sparpr.engine.executor import Engine  # noqa: E402
+from flexgen_sparpr.kv.policies.sparpr import SparPR  # noqa: E402
+from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
+
+INTS = ("recent_blocks", "summary_tokens")
+BOOLS = ("per_sequence",)
+
+
+def parse_variant(text: str) -> dict:
+    """'per_sequence=0,head_score=sum' -> SparPR keyword arguments ('default' -> {})."""
+    if text == "default":
+        return {}
+    kw = {}
+    for item in text.split(","):
+        key, _, val = item.partition("=")
+        if key in INTS:
+            kw[key] = int(val)
+        elif key in BOOLS:
+            kw[key] = val not in ("0", "false", "False")
+        elif key == "head_score":
+            kw[key] = val
+        else:
+            raise ValueError(f"unknown variant field {key!r} in {text!r}")
+    SparPR(keep_ratio=0.5, quest_only=True, **kw)  # refuse bad knobs before any prefill
+    return kw
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--variants", default="per_sequence=0,head_score=sum,summary_tokens=0;default")
+    ap.add_argument("--lengths", type=int_list, default=[2048])
+    ap.add_argument("--keep", type=float_list, default=[0.1])
+    ap.add_argument("--trials", type=int, default=5, help="trials per length (depths 0.25 / 0.75 alternate)")
+    ap.add_argument("--batch", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0, help="0: the same prompts as needle.py's first batch")
+    ap.add_argument("--out", default=str(REPO / "results/needle/sparpr"))
+    args = ap.parse_args(argv)
+    try:
+        variants = {v: parse_variant(v) for v in args.variants.split(";") if v}
+    except (ValueError, TypeError) as e:
+        die(f"--variants: {e}")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    src = resolve_source(args.model, "")
+    tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
+    builder = NeedlePrompts(tok, REPO / "tests/data/alice29.txt", "The secret passkey is")
+    rng = random.Random(args.seed)
+    records, engines = [], {}
+    with timer() as wall:
+        for n in args.lengths:
+            plan = [builder.build(n, [0.25, 0.75][i % 2], random_key(rng, 5), rng) for i in range(args.trials)]
+            for i in range(0, len(plan), args.batch):
+                chunk = plan[i:i + args.batch]
+                if len(chunk) not in engines:
+                    engines[len(chunk)] = Engine(src, Policy(gpu_batch_size=len(chunk)),
+                                                 EngineConfig(device="cpu", block_size=args.block_size))
+                pols = {(v, k): SparPR(keep_ratio=k, **kw) for v, kw in variants.items() for k in args.keep}
+                recs, times = run_batch(engines[len(chunk)], chunk, pols, 12, src.spec.eos_id, tok)
+                records += recs
+                print(n, i, times, f"{wall():.0f}s", flush=True)
+        for eng in engines.values():
+            eng.close()
+        wall_s = round(wall(), 1)
+    acc = scores(records)
+    lines = ["# SparPR selection variants on the needle (passkeys hit / trials)", "",
+             "| variant | keep | " + " | ".join(f"{n} tok" for n in args.lengths) + " |",
+             "|---|---|" + "---|" * len(args.lengths)]
+    for (pol, keep) in sorted({k[:2] for k in acc}, key=lambda pk: (pk[0] != "dense", pk)):
+        lines.append(f"| {pol} | {keep:g} | " + " | ".join(
+            f"{acc[(pol, keep, n)][0]} / {acc[(pol, keep, n)][1]}" for n in args.lengths) + " |")
+    lines += ["", f"Wall time: {wall_s} s, CPU, block size {args.block_size}, batch {args.batch}, seed {args.seed}."]
+    config = vars(args) | {"machine": machine_info()}
+    paths = write_results(Path(args.out), "variants", {"config": config, "wall_s": wall_s, "trials": records},
+                          "\n".join(lines) + "\n")
+    print("\n".join(lines[2:]))
+    print(f"wrote {', '.join(map(str, paths))}")
+
+
+if __name__ == "__main__":
+    main()
