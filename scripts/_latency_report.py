@@ -205,10 +205,12 @@ def plot(pl: dict, path: Path) -> Path:
         pts = [(c["context"], c["e2e_s"]) for c in cells if c["system"] == s and c.get("ok")]
         if pts:
             a.plot(*zip(*pts), marker="o", label=s)
-        oom = [c["context"] for c in cells if c["system"] == s and c.get("oom")]
-        for x in oom:
-            a.axvline(x, color="grey", ls=":", lw=0.8)
-            a.annotate(f"{s} OOM", (x, a.get_ylim()[0] if a.lines else 1), rotation=90, fontsize=7)
+        for c in cells:  # where a system stopped: OOM under the cap, killed, timed out
+            if c["system"] == s and not c.get("ok"):
+                why = "OOM" if c.get("oom") else "timeout" if c.get("timeout") else "failed"
+                a.axvline(c["context"], color="grey", ls=":", lw=0.8)
+                a.text(c["context"], 0.02 + 0.25 * cfg["systems"].index(s), f" {s}: {why}", rotation=90,
+                       fontsize=7, transform=a.get_xaxis_transform(), va="bottom")
     a.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="end-to-end s",
           title=f"{cfg['model']}, batch {cfg['batch']}, gen {cfg['gen_len']}, measured")
     a.legend()
@@ -223,6 +225,7 @@ def plot(pl: dict, path: Path) -> Path:
         b.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], color="grey", alpha=0.2,
                        label="+-25 %")
         b.set(xscale="log", yscale="log")
+        b.minorticks_off()
     b.set(xlabel="measured s", ylabel="model s", title="time model vs measurement")
     b.legend()
     fig.tight_layout()
