@@ -144,7 +144,8 @@ def run_upstream_cell(args, ctx: int) -> dict:
     # a folder of its own, removed here: a child killed at the timeout cannot clean up after itself
     with tempfile.TemporaryDirectory(dir=args.offload_dir, prefix="upstream-") as folder:
         cmd = upstream_command(model=args.model, batch=args.batch, prompt_len=ctx, gen_len=args.gen_len,
-                               percent=(100, 0, 0, 0, 100, 0), offload_dir=folder)
+                               percent=(100, 0, 0, 0, 100, 0), offload_dir=folder,
+                               threads=torch.get_num_threads())  # the same threads as this engine's runs
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.upstream_timeout)
         except subprocess.TimeoutExpired:
