@@ -136,9 +136,9 @@ def run_upstream_cell(args, ctx: int) -> dict:
     """Upstream FlexGen in a child process, killed after --upstream-timeout seconds (reported as
     a timeout, as the paper reports FlexGen's 8k run)."""
     import subprocess
+    import tempfile
 
     import torch
-    import tempfile
     try:
         from flexgen_sparpr.upstream.run import parse_child, upstream_command
     except ImportError as e:
