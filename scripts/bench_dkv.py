@@ -44,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--residuals", type=int, default=16)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--dense-layers", type=int, default=0)
+    ap.add_argument("--route", default="lowrank", choices=["lowrank", "mean"], help="dkv block routing")
     ap.add_argument("--gen-len", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offload-dir", default=None, help="disk tier folder (default: a temporary one)")
@@ -79,7 +80,8 @@ def engine_for(src, config: str, args, batch: int, offload: str) -> Engine:
         cfg = EngineConfig(device="cpu", block_size=args.block)
     elif config.startswith("dkv"):
         cfg = EngineConfig(device="cpu", block_size=args.block, kv_policy="dkv",
-                           policy_args=dkv | {"topk": args.topk, "dense_layers": args.dense_layers, "sparse_prefill": config == "dkv-sparse-prefill"})
+                           policy_args=dkv | {"topk": args.topk, "dense_layers": args.dense_layers, "route": args.route,
+                                              "sparse_prefill": config == "dkv-sparse-prefill"})
     else:  # sparpr decodes from a dense-policy prefill of a disk cache stored in DKV form
         cfg = EngineConfig(device="cpu", block_size=args.block, cold_codec="dkv", codec_args=dkv,
                            offload_dir=offload, direct_io=True)
@@ -128,7 +130,7 @@ def render(payload) -> str:
     a = payload["config"]
     lines = [f"# DKV on SmolLM2-135M-Instruct ({a['trials']} passkey trials per length)\n",
              f"Block {a['block']} tokens, rank {a['rank']}, {a['residuals']} residual rows, top-{a['topk']} "
-             f"routed blocks, one exact recent block. CPU float32, {payload['machine']['cpu_count']} cores, "
+             f"routed blocks (routing: {a['route']}), one exact recent block. CPU float32, {payload['machine']['cpu_count']} cores, "
              f"load average {payload['machine']['load_average']}. Command: `{payload['command']}`.\n",
              "## Bytes per KV block (one sequence, one layer; the codec's formula)\n",
              md_table(["model", "dtype", "K|V heads x dim", "dense B", "DKV B", "dense / DKV"], payload["compression"]),

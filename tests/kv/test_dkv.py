@@ -265,3 +265,20 @@ def test_table_keeps_the_newest_encoded_blocks_exact():
     kv, _ = t.gather([1, 2])
     assert torch.equal(kv[0, :, :, 8:], k[:, :, 16:24])  # block 2, the newest: exact
     assert not torch.allclose(kv[0, :, :, :8], k[:, :, 8:16], atol=1e-3)  # block 1: rank 1
+
+
+@pytest.mark.parametrize("route", ["lowrank", "mean"])
+def test_routing_finds_the_block_the_query_matches(route):
+    """Block 2 holds keys along the query: both routings put it first, per sequence."""
+    torch.manual_seed(7)
+    c = DKVCodec(SHAPE, torch.float32, rank=4, residuals=2)
+    blocks = [torch.randn(SHAPE) * 0.1 for _ in range(4)]
+    q = torch.randn(SHAPE[1], 6, 1, SHAPE[4])  # q: [B, H, 1, D], 2 query heads per KV head
+    for g in range(SHAPE[2]):  # keys of block 2 point along KV head g's queries
+        blocks[2][0, :, g] += q[:, 2 * g:2 * g + 2, 0].sum(1)[:, None, :]
+    p = c.parts(torch.stack([c.encode(x) for x in blocks]))
+    pol = DKV(route=route, topk=1)
+    mean = torch.stack([x[0].mean(dim=2) for x in blocks])  # mean: [n, B, Hkv, D]
+    st = type("S", (), {"mean": mean})()
+    got = pol._route(q, p, torch.arange(4), torch.zeros(SHAPE[1], dtype=torch.long), st, 1)
+    assert got.tolist() == [[2]] * SHAPE[1]

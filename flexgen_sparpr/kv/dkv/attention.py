@@ -28,6 +28,22 @@ def _kv_split(x: torch.Tensor, hkv: int, d: int, dim: int) -> tuple[torch.Tensor
     return x.select(dim, 0), x.select(dim, 1)
 
 
+def lowrank_scores(q: torch.Tensor, p: DKVParts, usable: torch.Tensor) -> torch.Tensor:
+    """Scaled scores q.k / sqrt(D) of K blocks per sequence, in low-rank form.
+
+    q: [B, H, 1, D]; p: parts with leading [B, K]; usable: [B, K, bs] bool (False: -inf).
+    Returns [B, Hkv, G, K, bs] float32."""
+    b, h, _, d = q.shape
+    hkv = p.anchor.shape[-1] // (2 * d)
+    qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+    a_k, _ = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_k: [B, K, Hkv, D]
+    w_k, _ = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_k: [B, K, Hkv, D, r]
+    proj = torch.einsum("bgqd,bkgdr->bkgqr", qg, w_k)  # proj: [B, K, Hkv, G, r]
+    base = torch.einsum("bgqd,bkgd->bgqk", qg, a_k)  # base: [B, Hkv, G, K]
+    scores = torch.einsum("bktr,bkgqr->bgqkt", p.coeffs.float(), proj) + base[..., None]  # [B, Hkv, G, K, bs]
+    return (scores / math.sqrt(d)).masked_fill(~usable[:, None, None], float("-inf"))
+
+
 def lowrank_attention(q: torch.Tensor, p: DKVParts, usable: torch.Tensor):
     """Attention over K blocks per sequence in low-rank form.
 
@@ -35,14 +51,10 @@ def lowrank_attention(q: torch.Tensor, p: DKVParts, usable: torch.Tensor):
     not residual rows). Returns out: [B, H, 1, D] float32 and lse: [B, H, 1] (-inf if empty)."""
     b, h, _, d = q.shape
     hkv = p.anchor.shape[-1] // (2 * d)
-    qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
-    a_k, a_v = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_k, a_v: [B, K, Hkv, D]
-    w_k, w_v = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_k, w_v: [B, K, Hkv, D, r]
+    _, a_v = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_v: [B, K, Hkv, D]
+    _, w_v = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_v: [B, K, Hkv, D, r]
     coeffs = p.coeffs.float()  # coeffs: [B, K, bs, r]
-    proj = torch.einsum("bgqd,bkgdr->bkgqr", qg, w_k)  # proj: [B, K, Hkv, G, r]
-    base = torch.einsum("bgqd,bkgd->bgqk", qg, a_k)  # base: [B, Hkv, G, K]
-    scores = torch.einsum("bktr,bkgqr->bgqkt", coeffs, proj) + base[..., None]  # [B, Hkv, G, K, bs]
-    scores = (scores / math.sqrt(d)).masked_fill(~usable[:, None, None], float("-inf"))
+    scores = lowrank_scores(q, p, usable)  # scores: [B, Hkv, G, K, bs]
     flat = scores.flatten(-2)  # flat: [B, Hkv, G, K*bs]
     lse = torch.logsumexp(flat, dim=-1)  # lse: [B, Hkv, G]
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)

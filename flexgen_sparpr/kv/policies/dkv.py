@@ -9,7 +9,7 @@ import torch
 
 from ...models.layers import attention_with_lse, merge_attention
 from ..block_table import BlockTable
-from ..dkv.attention import lowrank_attention, pick, residual_kv
+from ..dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
 from ..dkv.codec import DKVCodec
 from ..dkv.prefill import block_sparse_prefill
 from ..policy import KVPolicy, register
@@ -53,6 +53,7 @@ class DKV(KVPolicy):
     sparse_prefill: bool = False
     prefill_topk: int = 8
     dense_layers: int = 0  # the first layers keep an exact cache (as Quest leaves its first two)
+    route: str = "lowrank"  # block relevance: "lowrank" attention mass, or "mean" key . query
 
     attends = True  # the engine hands this policy the whole decode attention
 
@@ -60,6 +61,8 @@ class DKV(KVPolicy):
         for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers"):
             if getattr(self, name) < (1 if name == "rank" else 0):
                 raise ValueError(f"dkv {name} must be >= {1 if name == 'rank' else 0} (got {getattr(self, name)})")
+        if self.route not in ("lowrank", "mean"):
+            raise ValueError(f"dkv route must be lowrank or mean (got {self.route!r})")
         self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
         self.counts = {"steps": 0, "cold_blocks": 0, "routed_blocks": 0, "residual_tokens": 0,
                        "window_tokens": 0}
@@ -144,17 +147,11 @@ class DKV(KVPolicy):
             rk, rv, rpos = residual_kv(p, ids, bs, d)  # rk, rv: [B, Hkv, n*m, D]; rpos: [B, n*m]
             if rk.shape[2]:
                 parts.append(attention_with_lse(q, rk, rv, rpos >= pads[:, None]))
-            b, h = q.shape[:2]
-            hkv = kv.shape[2]
-            qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-            score = torch.einsum("bgd,nbgd->bn", qg, st.mean[:len(cold)])  # score: [B, n]
             kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
-            route = score.topk(kk, dim=1).indices  # route: [B, K] indices into cold
+            everything = torch.arange(len(cold), device=q.device).expand(q.shape[0], -1)  # [B, n]
+            route = everything if kk == len(cold) else self._route(q, p, ids, pads, st, kk)  # [B, K]
             sub = pick(p, route)  # leading [B, K]
-            tok = (ids[route][..., None] * bs + torch.arange(bs, device=q.device))  # tok: [B, K, bs]
-            usable = tok >= pads[:, None, None]
-            usable.scatter_(2, sub.res_idx.long(), False)  # residual rows are attended exactly
-            parts.append(lowrank_attention(q, sub, usable))
+            parts.append(lowrank_attention(q, sub, self._usable(sub, ids[route], bs, pads)))
             self.counts["routed_blocks"] += kk
             self.counts["residual_tokens"] += rk.shape[2]
             self.counts["cold_blocks"] += len(cold)
@@ -162,10 +159,34 @@ class DKV(KVPolicy):
         self.counts["window_tokens"] += pos.shape[0]
         return merge_attention(parts).to(q.dtype), jobs
 
+    @staticmethod
+    def _usable(sub, blocks: torch.Tensor, bs: int, pads: torch.Tensor) -> torch.Tensor:
+        """[B, K, bs]: valid tokens of the blocks [B, K] that are not residual rows."""
+        tok = blocks[..., None] * bs + torch.arange(bs, device=blocks.device)  # tok: [B, K, bs]
+        usable = tok >= pads[:, None, None]
+        return usable.scatter_(2, sub.res_idx.long(), False)  # residual rows are attended exactly
+
+    def _route(self, q, p, ids, pads, st: _State, kk: int) -> torch.Tensor:
+        """[B, K]: per sequence, the K compressed blocks (indices into ids) to attend in low-rank
+        form: by their attention mass scored in low-rank space (route "lowrank"), or by their
+        exact mean key against the query summed over heads (route "mean")."""
+        if self.route == "lowrank":
+            n = ids.shape[0]
+            everything = torch.arange(n, device=q.device).expand(q.shape[0], -1)  # [B, n]
+            sub = pick(p, everything)
+            scores = lowrank_scores(q, sub, self._usable(sub, ids[everything], p.coeffs.shape[2], pads))
+            mass = scores.permute(0, 3, 1, 2, 4).flatten(2).logsumexp(-1)  # mass: [B, n]
+        else:
+            b, h, _, d = q.shape
+            hkv = st.mean.shape[2]
+            qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
+            mass = torch.einsum("bgd,nbgd->bn", qg, st.mean[:ids.shape[0]])  # mass: [B, n]
+        return mass.topk(kk, dim=1).indices
+
     def stats(self) -> dict:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
         config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
-                                                "sparse_prefill", "prefill_topk", "dense_layers")}
+                                                "sparse_prefill", "prefill_topk", "dense_layers", "route")}
         blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],
                   "ratio": self._bytes[0] / self._bytes[1]} if self._bytes else None
         return {"policy": self.name, "config": config, "block_bytes": blocks, "totals": dict(self.counts)}
