@@ -23,7 +23,7 @@ DEFAULTS = {
     "no_recompute": False, "no_fallback": False, "summary_tokens": 4,
     # DKV (--kv-policy dkv, or --cold-codec dkv under another policy)
     "cold_codec": "raw", "dkv_block": 256, "dkv_rank": 32, "dkv_residuals": 16, "dkv_topk": 8,
-    "dkv_recent": 1, "dkv_sparse_prefill": False,
+    "dkv_recent": 1, "dkv_sparse_prefill": False, "dkv_route": "lowrank",
     # hardware files and --policy auto (runtime/hardware.py, runtime/placement.py)
     "hardware": None, "policy": None,
 }
@@ -135,6 +135,8 @@ def add_dkv_flags(p: argparse.ArgumentParser) -> None:
                    f"reconstructed rows (default {d['dkv_residuals']})")
     g.add_argument("--dkv-topk", type=int, help=f"dkv: compressed blocks each query attends in low-rank "
                    f"form; 0 = all (default {d['dkv_topk']})")
+    g.add_argument("--dkv-route", choices=["lowrank", "mean"], help="dkv: how the top-k blocks are found: "
+                   "their attention mass scored in low-rank space, or their exact mean key (default lowrank)")
     g.add_argument("--dkv-recent", type=int, help=f"dkv: sealed blocks kept exact besides the open one "
                    f"(default {d['dkv_recent']})")
     g.add_argument("--dkv-sparse-prefill", action="store_true", default=None,

@@ -112,7 +112,7 @@ def _dkv_args(merged: dict, given: dict, from_config: set, policy_args: dict) ->
     codec = {"rank": merged["dkv_rank"], "residuals": merged["dkv_residuals"]}
     if dkv_policy:
         policy_args.update(codec, topk=merged["dkv_topk"], recent_blocks=merged["dkv_recent"],
-                           sparse_prefill=merged["dkv_sparse_prefill"])
+                           sparse_prefill=merged["dkv_sparse_prefill"], route=merged["dkv_route"])
     return codec | {"recent": merged["dkv_recent"]} if cold and not dkv_policy else {}
 
 

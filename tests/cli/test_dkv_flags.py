@@ -14,7 +14,8 @@ def test_dkv_policy_args_and_block_size():
     _, _, eng = _opts("--kv-policy", "dkv", "--dkv-rank", "48", "--dkv-residuals", "8", "--dkv-topk", "4",
                       "--dkv-sparse-prefill")
     assert eng.block_size == 256 and eng.cold_codec == "raw" and eng.codec_args == {}
-    assert eng.policy_args == {"rank": 48, "residuals": 8, "topk": 4, "recent_blocks": 1, "sparse_prefill": True}
+    assert eng.policy_args == {"rank": 48, "residuals": 8, "topk": 4, "recent_blocks": 1, "sparse_prefill": True,
+                               "route": "lowrank"}
 
 
 def test_cold_codec_args_and_explicit_block_size():
