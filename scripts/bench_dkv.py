@@ -2,8 +2,8 @@
 prefill time, for dense, dkv, dkv with block-sparse prefill, and sparpr with DKV cold blocks.
 
 Each configuration prefills its own batch (their caches differ in form): dense and dkv keep the
-cache on the compute tier; sparpr+dkv keeps it on the disk tier (O_DIRECT) where the cold codec
-applies, and decodes once per keep ratio from one prefill. Writes <out>/bench.{json,md}.
+cache on the compute tier; sparpr and sparpr+dkv keep it on the disk tier (O_DIRECT; raw, or in
+DKV form there) and decode once per keep ratio from one prefill. Writes <out>/bench.{json,md}.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from flexgen_sparpr.kv.policy import make_policy  # noqa: E402
 from flexgen_sparpr.models.spec import opt_spec  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
-CONFIGS = ("dense", "dkv", "dkv-sparse-prefill", "sparpr+dkv")
+CONFIGS = ("dense", "dkv", "dkv-sparse-prefill", "sparpr", "sparpr+dkv")
 
 
 def parse_args(argv=None):
@@ -82,10 +82,10 @@ def engine_for(src, config: str, args, batch: int, offload: str) -> Engine:
         cfg = EngineConfig(device="cpu", block_size=args.block, kv_policy="dkv",
                            policy_args=dkv | {"topk": args.topk, "dense_layers": args.dense_layers, "route": args.route,
                                               "sparse_prefill": config == "dkv-sparse-prefill"})
-    else:  # sparpr decodes from a dense-policy prefill of a disk cache stored in DKV form
-        cfg = EngineConfig(device="cpu", block_size=args.block, cold_codec="dkv", codec_args=dkv,
-                           offload_dir=offload, direct_io=True)
-    pol = Policy(gpu_batch_size=batch, cache_gpu_percent=0 if config == "sparpr+dkv" else 100)
+    else:  # sparpr decodes from a dense-policy prefill of a disk cache (raw, or in DKV form)
+        cold = {"cold_codec": "dkv", "codec_args": dkv} if config == "sparpr+dkv" else {}
+        cfg = EngineConfig(device="cpu", block_size=args.block, offload_dir=offload, direct_io=True, **cold)
+    pol = Policy(gpu_batch_size=batch, cache_gpu_percent=0 if config.startswith("sparpr") else 100)
     return Engine(src, pol, cfg)
 
 
@@ -101,7 +101,7 @@ def answers(res, trials, tok, eos) -> list[dict]:
 def run_config(src, config, args, trials, tok, offload) -> list[dict]:
     eos, recs = src.spec.eos_id, []
     with engine_for(src, config, args, len(trials), offload) as eng:
-        runs = [(config, None)] if config != "sparpr+dkv" else [(f"sparpr+dkv@{k}", k) for k in args.keep]
+        runs = [(config, None)] if not config.startswith("sparpr") else [(f"{config}@{k}", k) for k in args.keep]
         observers = tuple(make_policy("sparpr", keep_ratio=k, probe_dir=offload) for _, k in runs if k)
         with timer() as t_pre:
             st = eng.prefill([t.ids for t in trials], args.gen_len, observers=observers)
