@@ -99,6 +99,18 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def add_opt_bench_args(ap, gen_len: int) -> None:
+    """The flags the OPT offload benchmarks share (bench_sparpr, reproduce_latency)."""
+    ap.add_argument("--model", default="opt-125m", help="an OPT size name (default: opt-125m)")
+    ap.add_argument("--contexts", default="1024,2048,4096,8192", help="prompt lengths (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
+    ap.add_argument("--gen-len", type=int, default=gen_len, help=f"new tokens per sequence, >= 2 (default: {gen_len})")
+    ap.add_argument("--keep-ratio", type=float, default=0.25, help="SparPR's ceiling (default: 0.25)")
+    ap.add_argument("--min-keep", type=float, default=0.1, help="SparPR's floor (default: 0.1)")
+    ap.add_argument("--gamma", type=float, default=0.9, help="SparPR's dense-fallback threshold (default: 0.9)")
+    ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64)")
+
+
 def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int]]:
     """batch random prompts of ctx ids in [4, vocab) (no pad/BOS/EOS), seeded by seed + ctx."""
     import torch

@@ -29,7 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, die, int_list, machine_info, md_table, run_offload, timer, write_results  # noqa: E402
+from _common import (REPO, add_opt_bench_args, die, int_list, machine_info, md_table, run_offload,  # noqa: E402
+                     timer, write_results)
 
 STEM = "bench"
 
@@ -38,14 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--model", default="opt-125m", help="an OPT size name (default: opt-125m)")
-    ap.add_argument("--contexts", default="1024,2048,4096,8192", help="prompt lengths (default: 1024,2048,4096,8192)")
-    ap.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
-    ap.add_argument("--gen-len", type=int, default=32, help="new tokens per sequence, >= 2 (default: 32)")
-    ap.add_argument("--keep-ratio", type=float, default=0.25, help="SparPR's ceiling (default: 0.25)")
-    ap.add_argument("--min-keep", type=float, default=0.1, help="SparPR's floor (default: 0.1)")
-    ap.add_argument("--gamma", type=float, default=0.9, help="SparPR's dense-fallback threshold (default: 0.9)")
-    ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64)")
+    add_opt_bench_args(ap, gen_len=32)
     ap.add_argument("--cache-gpu-percent", type=float, default=0,
                     help="share of the KV cache kept on the compute tier, a memory cap (default: 0, all on disk)")
     ap.add_argument("--offload-dir", default="~/flexgen_offload_dir", help="disk tier folder (default: %(default)s)")

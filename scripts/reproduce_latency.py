@@ -32,7 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, die, int_list, load_average, machine_info, timer, write_results  # noqa: E402
+from _common import (REPO, add_opt_bench_args, die, int_list, load_average, machine_info, timer,  # noqa: E402
+                     write_results)
 from _latency_report import modeled_markdown, measured_markdown, plot  # noqa: E402
 
 SYSTEMS = ("upstream", "dense", "sparpr", "hf")
@@ -44,15 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--model", default="opt-125m", help="an OPT size name (default: opt-125m)")
-    ap.add_argument("--contexts", default="1024,2048,4096,8192", help="prompt lengths (default: %(default)s)")
-    ap.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
-    ap.add_argument("--gen-len", type=int, default=8, help="new tokens per sequence, >= 2 (default: 8)")
+    add_opt_bench_args(ap, gen_len=8)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="subset of %(default)s")
-    ap.add_argument("--keep-ratio", type=float, default=0.25, help="SparPR's ceiling (default: 0.25)")
-    ap.add_argument("--min-keep", type=float, default=0.1, help="SparPR's floor (default: 0.1)")
-    ap.add_argument("--gamma", type=float, default=0.9, help="SparPR's dense-fallback threshold (default: 0.9)")
-    ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64)")
     ap.add_argument("--cap-gib", type=float, default=1.0, help="compute-tier memory cap in GiB (default: 1.0)")
     ap.add_argument("--upstream-timeout", type=float, default=480,
                     help="seconds before upstream FlexGen is stopped; longer contexts are then skipped (default: 480)")
