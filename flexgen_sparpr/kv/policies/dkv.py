@@ -129,7 +129,7 @@ class DKV(KVPolicy):
             raise ValueError("the dkv policy attends tables the engine built with its codec "
                              "(it cannot take over a cache prefilled under another policy)")
         self.attach(table, layer)
-        jobs = table.append(k, v)  # seals a block when full (ring and mean updated by the hook)
+        jobs = table.append(k, v)  # seals a block when full (its mean key kept by the hook)
         st, bs, d = self._state[table], table.bs, q.shape[3]
         pads = self._pads(table, pads)
         sealed = table.length // bs
