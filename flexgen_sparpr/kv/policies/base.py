@@ -97,6 +97,16 @@ def selection_from_tokens(table: BlockTable, keep: torch.Tensor) -> Selection:
     return Selection(blocks, keep[..., gathered_positions(table, blocks)])  # mask: [B, Hkv, T]
 
 
+def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys: [B, Hkv, n, bs, D]; valid: [B, n, bs] -> (mean [n, B, Hkv, P, D], live [n, B, P]): the
+    mean valid key of each of a block's P = `parts` runs of bs / P tokens (zeros for an all-pad run)."""
+    b, hkv, n, bs, d = keys.shape
+    w = valid.view(b, 1, n, parts, bs // parts, 1).to(keys.dtype)  # w: [B, 1, n, P, t, 1]
+    mean = (keys.view(b, hkv, n, parts, bs // parts, d) * w).sum(dim=4) / w.sum(dim=4).clamp(min=1)
+    live = valid.view(b, n, parts, bs // parts).any(dim=3)  # live: [B, n, P]
+    return mean.permute(2, 0, 1, 3, 4), live.permute(1, 0, 2)  # mean: [n, B, Hkv, P, D]
+
+
 def recent_mask(valid: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """[B, L] bool: the last counts[b] positions of each row (all valid when counts[b] <= n_b)."""
     length = valid.shape[1]

@@ -13,7 +13,7 @@ from ...runtime.costs import (CostModel, cost_ratio, dtype_name, keep_target, kv
 from ...storage.tiers import Tier
 from ..block_table import BlockTable
 from ..policy import Selection, register
-from .base import BudgetPolicy, selection_from_tokens, token_budget
+from .base import BudgetPolicy, masked_mean_keys, selection_from_tokens, token_budget
 
 
 @dataclass(eq=False)
@@ -70,16 +70,6 @@ class StepStats:
             for link, n in s["est_bytes"].items():
                 totals["est_bytes"][link] = totals["est_bytes"].get(link, 0) + n
         return {"totals": totals, "steps": steps}
-
-
-def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys: [B, Hkv, n, bs, D]; valid: [B, n, bs] -> (mean [n, B, Hkv, P, D], live [n, B, P]): the
-    mean valid key of each of a block's P = `parts` runs of bs / P tokens (zeros for an all-pad run)."""
-    b, hkv, n, bs, d = keys.shape
-    w = valid.view(b, 1, n, parts, bs // parts, 1).to(keys.dtype)  # w: [B, 1, n, P, t, 1]
-    mean = (keys.view(b, hkv, n, parts, bs // parts, d) * w).sum(dim=4) / w.sum(dim=4).clamp(min=1)
-    live = valid.view(b, n, parts, bs // parts).any(dim=3)  # live: [B, n, P]
-    return mean.permute(2, 0, 1, 3, 4), live.permute(1, 0, 2)  # mean: [n, B, Hkv, P, D]
 
 
 HEAD_SCORES = ("sum", "softmax")
