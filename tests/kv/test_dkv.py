@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from flexgen_sparpr.engine.config import ConfigError, EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
-from flexgen_sparpr.kv.dkv.attention import lowrank_attention, pick, residual_kv
+from flexgen_sparpr.kv.dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
 from flexgen_sparpr.kv.dkv.codec import DKVCodec
 from flexgen_sparpr.kv.dkv.prefill import block_sparse_prefill
 from flexgen_sparpr.kv.policies.dkv import DKV
@@ -280,5 +280,9 @@ def test_routing_finds_the_block_the_query_matches(route):
     pol = DKV(route=route, topk=1)
     mean = torch.stack([x[0].mean(dim=2) for x in blocks])  # mean: [n, B, Hkv, D]
     st = type("S", (), {"mean": mean})()
-    got = pol._route(q, p, torch.arange(4), torch.zeros(SHAPE[1], dtype=torch.long), st, 1)
+    got, scores = pol._route(q, p, torch.arange(4), torch.zeros(SHAPE[1], dtype=torch.long), st, 1)
     assert got.tolist() == [[2]] * SHAPE[1]
+    if scores is not None:  # handed on to the attention: the routed blocks' own low-rank scores
+        sub = pick(p, got)
+        usable = torch.ones(SHAPE[1], 1, SHAPE[3], dtype=torch.bool).scatter_(2, sub.res_idx.long(), False)
+        torch.testing.assert_close(scores, lowrank_scores(q, sub, usable))

@@ -44,17 +44,19 @@ def lowrank_scores(q: torch.Tensor, p: DKVParts, usable: torch.Tensor) -> torch.
     return (scores / math.sqrt(d)).masked_fill(~usable[:, None, None], float("-inf"))
 
 
-def lowrank_attention(q: torch.Tensor, p: DKVParts, usable: torch.Tensor):
+def lowrank_attention(q: torch.Tensor, p: DKVParts, usable: torch.Tensor, scores: torch.Tensor | None = None):
     """Attention over K blocks per sequence in low-rank form.
 
     q: [B, H, 1, D]; p: parts with leading [B, K]; usable: [B, K, bs] bool (valid tokens that are
-    not residual rows). Returns out: [B, H, 1, D] float32 and lse: [B, H, 1] (-inf if empty)."""
+    not residual rows); scores: lowrank_scores(q, p, usable) when already computed.
+    Returns out: [B, H, 1, D] float32 and lse: [B, H, 1] (-inf if empty)."""
     b, h, _, d = q.shape
     hkv = p.anchor.shape[-1] // (2 * d)
     _, a_v = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_v: [B, K, Hkv, D]
     _, w_v = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_v: [B, K, Hkv, D, r]
     coeffs = p.coeffs.float()  # coeffs: [B, K, bs, r]
-    scores = lowrank_scores(q, p, usable)  # scores: [B, Hkv, G, K, bs]
+    if scores is None:
+        scores = lowrank_scores(q, p, usable)  # scores: [B, Hkv, G, K, bs]
     flat = scores.flatten(-2)  # flat: [B, Hkv, G, K*bs]
     lse = torch.logsumexp(flat, dim=-1)  # lse: [B, Hkv, G]
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)

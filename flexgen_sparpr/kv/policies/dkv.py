@@ -13,13 +13,8 @@ from ..dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
 from ..dkv.codec import DKVCodec
 from ..dkv.prefill import block_sparse_prefill
 from ..policy import KVPolicy, register
+from .base import masked_mean_keys
 
-
-def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """keys: [B, Hkv, n, bs, D]; valid: [B, n, bs] -> [n, B, Hkv, D] mean valid key per block."""
-    w = valid[:, None, :, :, None].to(keys.dtype)  # w: [B, 1, n, bs, 1]
-    mean = (keys * w).sum(dim=3) / w.sum(dim=3).clamp(min=1)  # mean: [B, Hkv, n, D]
-    return mean.permute(2, 0, 1, 3)
 
 
 @dataclass(eq=False)
@@ -91,7 +86,7 @@ class DKV(KVPolicy):
             pos = block * bs + torch.arange(bs, device=kv.device)
             pads = s.pads if s.pads is not None else torch.zeros(b, dtype=torch.long, device=kv.device)
             valid = (pos[None, :] >= pads[:, None])[:, None]  # valid: [B, 1, bs]
-            s.mean[block] = masked_mean_keys(kv[0].float()[:, :, None], valid)[0]
+            s.mean[block] = masked_mean_keys(kv[0].float()[:, :, None], valid)[0][0, :, :, 0]
         table.on_seal.append(on_seal)
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
@@ -101,7 +96,8 @@ class DKV(KVPolicy):
         sealed = table.length // bs
         if sealed and table.length == k.shape[2]:  # means over valid tokens only, now that pads are known
             keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
-            st.mean[:sealed] = masked_mean_keys(keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)))
+            mean, _ = masked_mean_keys(keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)))  # [n, B, Hkv, 1, D]
+            st.mean[:sealed] = mean[:, :, :, 0]
 
     def _pads(self, table: BlockTable, pads: torch.Tensor | None) -> torch.Tensor:
         if pads is not None:
@@ -149,9 +145,9 @@ class DKV(KVPolicy):
                 parts.append(attention_with_lse(q, rk, rv, rpos >= pads[:, None]))
             kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
             everything = torch.arange(len(cold), device=q.device).expand(q.shape[0], -1)  # [B, n]
-            route = everything if kk == len(cold) else self._route(q, p, ids, pads, st, kk)  # [B, K]
+            route, scores = (everything, None) if kk == len(cold) else self._route(q, p, ids, pads, st, kk)
             sub = pick(p, route)  # leading [B, K]
-            parts.append(lowrank_attention(q, sub, self._usable(sub, ids[route], bs, pads)))
+            parts.append(lowrank_attention(q, sub, self._usable(sub, ids[route], bs, pads), scores))
             self.counts["routed_blocks"] += kk
             self.counts["residual_tokens"] += rk.shape[2]
             self.counts["cold_blocks"] += len(cold)
@@ -166,22 +162,26 @@ class DKV(KVPolicy):
         usable = tok >= pads[:, None, None]
         return usable.scatter_(2, sub.res_idx.long(), False)  # residual rows are attended exactly
 
-    def _route(self, q, p, ids, pads, st: _State, kk: int) -> torch.Tensor:
-        """[B, K]: per sequence, the K compressed blocks (indices into ids) to attend in low-rank
-        form: by their attention mass scored in low-rank space (route "lowrank"), or by their
-        exact mean key against the query summed over heads (route "mean")."""
+    def _route(self, q, p, ids, pads, st: _State, kk: int):
+        """Per sequence, the K compressed blocks (route: [B, K] indices into ids) to attend in
+        low-rank form: by their attention mass scored in low-rank space (route "lowrank"; their
+        scores [B, Hkv, G, K, bs] come back too, so they are not computed twice), or by their
+        exact mean key against the query summed over heads (route "mean"; scores None)."""
         if self.route == "lowrank":
             n = ids.shape[0]
             everything = torch.arange(n, device=q.device).expand(q.shape[0], -1)  # [B, n]
             sub = pick(p, everything)
             scores = lowrank_scores(q, sub, self._usable(sub, ids[everything], p.coeffs.shape[2], pads))
             mass = scores.permute(0, 3, 1, 2, 4).flatten(2).logsumexp(-1)  # mass: [B, n]
+            route = mass.topk(kk, dim=1).indices  # route: [B, K]
+            idx = route[:, None, None, :, None].expand(*scores.shape[:3], kk, scores.shape[4])
+            return route, scores.gather(3, idx)
         else:
             b, h, _, d = q.shape
             hkv = st.mean.shape[2]
             qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
             mass = torch.einsum("bgd,nbgd->bn", qg, st.mean[:ids.shape[0]])  # mass: [B, n]
-        return mass.topk(kk, dim=1).indices
+        return mass.topk(kk, dim=1).indices, None
 
     def stats(self) -> dict:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
