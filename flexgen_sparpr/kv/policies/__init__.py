@@ -1,4 +1,5 @@
-"""The KV policies (budgeted selection, and DKV's compressed cache); importing this package registers them (POLICIES in kv/policy.py)."""
+"""The KV policies (budgeted selection, and DKV's compressed cache); importing this package
+registers them (POLICIES in kv/policy.py)."""
 from .base import BudgetPolicy, token_budget
 from .dkv import DKV
 from .flexgen_topk import FlexGenTopK
