@@ -42,6 +42,10 @@ class BlockTable:
         self.slot = [self.homes[:b].count(h) for b, h in enumerate(self.homes)]
         self.length = 0
         self.on_seal: list[Callable[[int, torch.Tensor], None]] = []  # policy hooks: (block, kv)
+        # per-token importance [B, bs] of a sealed block, for a codec whose encode takes
+        # `importance=` (DKV's query-aware residual pick); set before the block's store job runs
+        # (a prefill's on_prefill hooks run before its store jobs are submitted), used once
+        self.encode_hints: dict[int, torch.Tensor] = {}
         n = {t: self.homes.count(t) for t in Tier}
         dev = devices.compute
         b, h, bs, d = batch, num_kv_heads, block_size, head_dim
@@ -120,7 +124,11 @@ class BlockTable:
 
     def _store(self, b: int, blk: torch.Tensor) -> None:
         home, slot, dev = self.homes[b], self.slot[b], self.devices
-        data = self.codec.encode(blk) if home in self.coded else blk
+        hint = self.encode_hints.pop(b, None)
+        if home not in self.coded:
+            data = blk
+        else:
+            data = self.codec.encode(blk) if hint is None else self.codec.encode(blk, importance=hint)
         if home == Tier.DISK:
             host = data.cpu()
             if dev.is_cuda:
