@@ -286,3 +286,92 @@ def test_routing_finds_the_block_the_query_matches(route):
         sub = pick(p, got)
         usable = torch.ones(SHAPE[1], 1, SHAPE[3], dtype=torch.bool).scatter_(2, sub.res_idx.long(), False)
         torch.testing.assert_close(scores, lowrank_scores(q, sub, usable))
+
+
+# --- query-aware residual rows ---
+def test_observation_importance_equals_brute_force_softmax():
+    from flexgen_sparpr.kv.dkv.importance import observation_importance
+    torch.manual_seed(8)
+    b, h, hkv, s, d, w = 2, 6, 3, 20, 8, 5
+    q, k = torch.randn(b, h, s, d), torch.randn(b, hkv, s, d)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :4] = False  # left padding
+    got = observation_importance(q, k, valid, window=w)
+    ref = torch.zeros(b, s)
+    for i in range(b):
+        for head in range(h):
+            g = head // (h // hkv)  # GQA: the KV head this query head reads
+            for t in range(s - w, s):
+                keys = [j for j in range(t + 1) if valid[i, j]]
+                logits = torch.stack([q[i, head, t] @ k[i, g, j] for j in keys]) / d ** 0.5
+                ref[i, keys] += torch.softmax(logits, dim=0)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.all(got[1, :4] == 0)
+    torch.testing.assert_close(got.sum(1), torch.full((b,), float(h * w)))  # each head and query: mass 1
+
+
+@pytest.mark.parametrize("pick", ["attention", "mixed"])
+def test_query_aware_pick_keeps_the_important_rows_exact(pick):
+    torch.manual_seed(9)
+    kv, imp = torch.randn(SHAPE), torch.rand(SHAPE[1], SHAPE[3])  # imp: [B, bs]
+    c = DKVCodec(SHAPE, torch.float32, rank=3, residuals=5, refit=False, residual_pick=pick)
+    row = c.encode(kv, importance=imp)
+    p, x = c.parts(row), c.to_rows(kv)
+    n_imp = 5 if pick == "attention" else 3
+    ref = DKVCodec(SHAPE, torch.float32, rank=3, residuals=5, refit=False)  # the error pick's first fit
+    _, approx = lowrank_kv(ref, kv)
+    delta = (x - ref.parts(ref.encode(kv)).anchor[:, None]).view(*x.shape[:2], 2, -1)
+    err = ((c.to_rows(approx) - x).view_as(delta) / delta.square().mean(dim=(1, 3), keepdim=True).sqrt()
+           ).square().sum((-1, -2))  # err: [B, bs]
+    for b in range(SHAPE[1]):
+        top = set(imp[b].topk(n_imp).indices.tolist())
+        rest = err[b].clone()
+        rest[list(top)] = float("-inf")
+        want = top | set(rest.topk(5 - n_imp).indices.tolist())
+        assert set(p.res_idx[b].tolist()) == want
+        assert torch.equal(c.to_rows(c.decode(row))[b, p.res_idx[b].long()], x[b, p.res_idx[b].long()])
+    # without an importance the pick falls back to the error pick
+    assert torch.equal(c.parts(c.encode(kv)).res_idx, ref.parts(ref.encode(kv)).res_idx)
+
+
+def test_bad_residual_pick_is_refused():
+    with pytest.raises(ValueError, match="residual_pick"):
+        DKVCodec(SHAPE, torch.float32, residual_pick="worst")
+    with pytest.raises(ValueError, match="residual_pick"):
+        DKV(residual_pick="worst")
+
+
+def test_prefill_hints_reach_the_codec_through_the_block_table(tiny_llama_dir, tmp_path, monkeypatch):
+    """Every block sealed by the prefill is encoded with its importance (the observation window's
+    attention mass) and keeps its top-m rows by it exact; blocks sealed during decode are encoded
+    without one (the error pick)."""
+    calls = []
+    encode = DKVCodec.encode
+
+    def spy(self, kv, importance=None):
+        row = encode(self, kv, importance=importance)
+        calls.append((importance, self.parts(row).res_idx.long()))
+        return row
+    monkeypatch.setattr(DKVCodec, "encode", spy)
+    with engine(tiny_llama_dir, tmp_path, kv_policy="dkv",
+                policy_args={"rank": 2, "residuals": 2, "residual_pick": "attention"}) as eng:
+        st = eng.prefill(PROMPTS, 12)
+        n_prefill = sum(t.length // t.bs for t in eng.tables.values())
+        assert len(calls) == n_prefill and all(t.length // t.bs for t in eng.tables.values())
+        assert all(not t.encode_hints for t in eng.tables.values())  # each hint used once
+        eng.decode(st)
+        assert len(calls) > n_prefill and all(imp is None for imp, _ in calls[n_prefill:])
+    for imp, res_idx in calls[:n_prefill]:
+        assert imp is not None and imp.shape == (2, 8) and torch.all(imp >= 0)  # imp: [B, bs]
+        assert torch.equal(res_idx, imp.topk(2, dim=1).indices.sort(dim=1).values)
+
+
+def test_full_rank_all_residuals_attention_pick_equals_dense(tiny_llama_dir, tmp_path):
+    args = {"rank": 10 ** 6, "residuals": 10 ** 6, "topk": 0, "residual_pick": "attention", "pick_window": 4}
+    with engine(tiny_llama_dir, tmp_path, kv_policy="dkv", policy_args=args) as eng:
+        got = eng.generate(PROMPTS, 6, keep_logits=True)
+    with engine(tiny_llama_dir, tmp_path, kv_policy="dense") as eng:
+        ref = eng.generate(PROMPTS, 6, keep_logits=True)
+    assert got.tokens == ref.tokens
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

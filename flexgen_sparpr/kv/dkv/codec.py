@@ -5,8 +5,11 @@ A block kv: [2, B, Hkv, bs, D] is, per sequence, a matrix X: [bs, F] with F = 2 
 (the K of every KV head, then the V of every KV head: one basis serves both). With a the anchor
 row (the row nearest the block's mean), X - a ~= C @ W^T, C: [bs, r] coefficients, W: [F, r] the
 top-r right singular vectors of X - a with its K and V halves each scaled to unit RMS (scales
-folded back into W's rows). The m rows this reconstructs worst are kept exact (residuals), and
-the basis is then fit again to the other rows (`refit`).
+folded back into W's rows). m rows are kept exact (residuals), and the basis is then fit again to
+the other rows (`refit`). Which rows (`residual_pick`): "error", the m rows the first fit
+reconstructs worst; "attention", the m rows with the largest query-aware importance handed to
+encode (kv/dkv/importance.py: the attention mass the prompt's last queries give them);
+"mixed", ceil(m/2) by importance, the rest by error. Without an importance every pick is "error".
 
 Bytes of one encoded block (the `nbytes` formula; e = the dtype's size, 4-byte indices):
     B * (F + F * r + bs * r + m * F) * e  [padded to 8]  +  B * (m + 1) * 4
@@ -34,18 +37,24 @@ def _align(n: int, to: int = 8) -> int:
     return -(-n // to) * to
 
 
+PICKS = ("error", "attention", "mixed")
+
+
 class DKVCodec:
     """Encodes a KV block into one flat uint8 row of fixed size `nbytes` (see the module doc)."""
 
     compressed = True
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int = 32, residuals: int = 16,
-                 refit: bool = True):
+                 refit: bool = True, residual_pick: str = "error"):
         planes, b, hkv, bs, d = shape
         if planes != 2:
             raise ValueError("DKV encodes K and V together (planes = 2)")
         if rank < 1 or residuals < 0:
             raise ValueError(f"DKV needs rank >= 1 and residuals >= 0 (got {rank}, {residuals})")
+        if residual_pick not in PICKS:
+            raise ValueError(f"DKV residual_pick must be one of {', '.join(PICKS)} (got {residual_pick!r})")
+        self.residual_pick = residual_pick
         self.shape, self.dtype, self.refit = tuple(shape), dtype, refit
         self.batch, self.hkv, self.bs, self.head_dim = b, hkv, bs, d
         self.width = 2 * hkv * d  # F
@@ -92,8 +101,9 @@ class DKVCodec:
         return DKVParts(**out)
 
     # --- encode / decode ---
-    def encode(self, kv: torch.Tensor) -> torch.Tensor:
-        """kv: [2, B, Hkv, bs, D] -> [nbytes] uint8 on kv's device."""
+    def encode(self, kv: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+        """kv: [2, B, Hkv, bs, D] -> [nbytes] uint8 on kv's device. importance: [B, bs] per-token
+        importance for the "attention" and "mixed" picks (None: the rows are picked by error)."""
         x = self.to_rows(kv).float()  # x: [B, bs, F]
         b, bs = self.batch, self.bs
         ar = torch.arange(b, device=x.device)
@@ -105,9 +115,14 @@ class DKVCodec:
         half = delta.view(b, bs, 2, self.width // 2)
         scale = half.square().mean(dim=(1, 3), keepdim=True).sqrt().clamp(min=1e-12)  # scale: [B, 1, 2, 1]
         norm = (half / scale).view(b, bs, self.width)
-        ortho = self._basis(norm)  # ortho: [B, F, r]
-        err = (norm - norm @ ortho @ ortho.mT).square().sum(-1)  # err: [B, bs] per-row (scaled) squared error
-        res_idx = err.topk(self.residuals, dim=1).indices.sort(dim=1).values  # [B, m] worst rows
+        pick = "error" if importance is None else self.residual_pick
+        if importance is not None:
+            importance = importance.to(device=x.device, dtype=torch.float32)  # importance: [B, bs]
+        ortho = err = None
+        if pick != "attention" or not (self.residuals and self.refit):  # the first fit is needed
+            ortho = self._basis(norm)  # ortho: [B, F, r]
+            err = (norm - norm @ ortho @ ortho.mT).square().sum(-1)  # err: [B, bs] per-row (scaled) squared error
+        res_idx = self._pick(pick, err, importance)  # res_idx: [B, m] ascending
         if self.residuals and self.refit:  # the basis need not fit the rows kept exact: fit it to the rest
             ortho = self._basis(norm.scatter(1, res_idx[..., None].expand(-1, -1, self.width), 0.0))
         coeffs = norm @ ortho  # coeffs: [B, bs, r]
@@ -122,6 +137,19 @@ class DKVCodec:
         p.res_idx.copy_(res_idx)
         p.anchor_idx.copy_(anchor_idx)
         return row
+
+    def _pick(self, pick: str, err: torch.Tensor | None, importance: torch.Tensor | None) -> torch.Tensor:
+        """The m residual rows per sequence, ascending: [B, m]. err: [B, bs] reconstruction error
+        (None for pick "attention"); importance: [B, bs] (None for pick "error")."""
+        m = self.residuals
+        if pick == "error":
+            return err.topk(m, dim=1).indices.sort(dim=1).values  # the worst-reconstructed rows
+        n_imp = m if pick == "attention" else m - m // 2
+        top = importance.topk(n_imp, dim=1).indices  # top: [B, n_imp] the rows the prompt's queries read most
+        if n_imp < m:  # mixed: the rest are the worst-reconstructed of the other rows
+            rest = err.scatter(1, top, float("-inf")).topk(m - n_imp, dim=1).indices  # rest: [B, m - n_imp]
+            top = torch.cat([top, rest], dim=1)
+        return top.sort(dim=1).values
 
     def _basis(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, bs, F] -> its top-r right singular vectors [B, F, r]."""

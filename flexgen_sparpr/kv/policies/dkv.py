@@ -10,7 +10,8 @@ import torch
 from ...models.layers import attention_with_lse, merge_attention
 from ..block_table import BlockTable
 from ..dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
-from ..dkv.codec import DKVCodec
+from ..dkv.codec import PICKS, DKVCodec
+from ..dkv.importance import WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
 from ..policy import KVPolicy, register
 from .base import masked_mean_keys
@@ -39,7 +40,10 @@ class DKV(KVPolicy):
                  scored and summed in low-rank space (kv/dkv/attention.py), residual rows masked,
 
     and merges the three by log-sum-exp. `topk` = 0 routes every cold block. With
-    `sparse_prefill` the prefill is block-sparse (kv/dkv/prefill.py)."""
+    `sparse_prefill` the prefill is block-sparse (kv/dkv/prefill.py). `residual_pick` says which
+    rows a block keeps exact: the worst-reconstructed ("error"), the ones the prompt's last
+    `pick_window` queries attend most ("attention", kv/dkv/importance.py; prefill blocks only,
+    blocks sealed during decode fall back to "error"), or half each ("mixed")."""
 
     rank: int = 32
     residuals: int = 16
@@ -49,15 +53,20 @@ class DKV(KVPolicy):
     prefill_topk: int = 8
     dense_layers: int = 0  # the first layers keep an exact cache (as Quest leaves its first two)
     route: str = "lowrank"  # block relevance: "lowrank" attention mass, or "mean" key . query
+    residual_pick: str = "error"  # which rows stay exact: "error", "attention" or "mixed"
+    pick_window: int = WINDOW  # the prompt's last queries that score tokens for the pick
 
     attends = True  # the engine hands this policy the whole decode attention
 
     def __post_init__(self):
-        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers"):
-            if getattr(self, name) < (1 if name == "rank" else 0):
-                raise ValueError(f"dkv {name} must be >= {1 if name == 'rank' else 0} (got {getattr(self, name)})")
+        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers", "pick_window"):
+            least = 1 if name in ("rank", "pick_window") else 0
+            if getattr(self, name) < least:
+                raise ValueError(f"dkv {name} must be >= {least} (got {getattr(self, name)})")
         if self.route not in ("lowrank", "mean"):
             raise ValueError(f"dkv route must be lowrank or mean (got {self.route!r})")
+        if self.residual_pick not in PICKS:
+            raise ValueError(f"dkv residual_pick must be one of {', '.join(PICKS)} (got {self.residual_pick!r})")
         self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
         self.counts = {"steps": 0, "cold_blocks": 0, "routed_blocks": 0, "residual_tokens": 0,
                        "window_tokens": 0}
@@ -65,7 +74,8 @@ class DKV(KVPolicy):
 
     def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype, layer: int) -> DKVCodec | None:
         """How the engine stores this policy's sealed blocks (on every tier): raw in dense layers."""
-        return None if layer < self.dense_layers else DKVCodec(block_shape, dtype, self.rank, self.residuals)
+        return None if layer < self.dense_layers else DKVCodec(block_shape, dtype, self.rank, self.residuals,
+                                                               residual_pick=self.residual_pick)
 
     # --- state ---
     def attach(self, table: BlockTable, layer: int) -> None:
@@ -98,6 +108,7 @@ class DKV(KVPolicy):
             keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
             mean, _ = masked_mean_keys(keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)))  # [n, B, Hkv, 1, D]
             st.mean[:sealed] = mean[:, :, :, 0]
+        hint_sealed_blocks(table, q, k, valid, self.pick_window)  # query-aware residual rows
 
     def _pads(self, table: BlockTable, pads: torch.Tensor | None) -> torch.Tensor:
         if pads is not None:
@@ -186,7 +197,8 @@ class DKV(KVPolicy):
     def stats(self) -> dict:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
         config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
-                                                "sparse_prefill", "prefill_topk", "dense_layers", "route")}
+                                                "sparse_prefill", "prefill_topk", "dense_layers", "route",
+                                                "residual_pick", "pick_window")}
         blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],
                   "ratio": self._bytes[0] / self._bytes[1]} if self._bytes else None
         return {"policy": self.name, "config": config, "block_bytes": blocks, "totals": dict(self.counts)}

@@ -1,0 +1,62 @@
+"""Query-aware token importance for DKV's residual pick (docs/dkv.md, "Which rows stay exact").
+
+At prefill, the last `window` prompt queries (an observation window, as in SnapKV: with a
+question at the end of the prompt, these are the question's tokens) say which cached tokens the
+model reads. A token's importance in one layer is the attention mass it receives from them:
+
+    imp[b, t] = sum over query heads h and window queries i of softmax_t(q_{h,i} . k_{g(h),t} / sqrt(D))
+
+with the softmax per head and query over its whole valid causal prefix, and GQA's query head h
+reading KV head g(h) = h // (H / Hkv). The block table hands each sealed block's slice to the
+codec's encode (`BlockTable.encode_hints`), which keeps those rows exact.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+WINDOW = 32  # observation window: the last prompt queries
+
+
+def observation_importance(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None,
+                           window: int = WINDOW) -> torch.Tensor:
+    """q: [B, H, S, D]; k: [B, Hkv, S, D] (the prompt's keys, positions 0..S-1); valid: [B, S] bool
+    (False: left padding) or None. Returns imp: [B, S] float32 (0 at padding)."""
+    b, h, s, d = q.shape
+    hkv = k.shape[1]
+    w = min(window, s)
+    if valid is None:
+        valid = torch.ones(b, s, dtype=torch.bool, device=q.device)
+    qpos = torch.arange(s - w, s, device=q.device)
+    causal = torch.arange(s, device=q.device)[None, :] <= qpos[:, None]  # causal: [W, S]
+    mask = valid[:, None, :] & causal[None]  # mask: [B, W, S]
+    live = valid[:, s - w:, None]  # live: [B, W, 1] a padded query position reads nothing
+    qw = q[:, :, s - w:].float().unflatten(1, (hkv, h // hkv))  # qw: [B, Hkv, G, W, D]
+    imp = torch.zeros(b, s, dtype=torch.float32, device=q.device)
+    for g in range(hkv):  # one KV head at a time: peak memory [B, G, W, S]
+        sc = torch.einsum("bqwd,bsd->bqws", qw[:, g], k[:, g].float()) / math.sqrt(d)  # sc: [B, G, W, S]
+        p = sc.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)  # p: [B, G, W, S]
+        p = torch.where(live[:, None], p, torch.zeros((), device=q.device))  # no NaN rows from pads
+        imp += p.sum(dim=(1, 2))  # [B, S]
+    return imp
+
+
+def hint_sealed_blocks(table, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None,
+                       window: int = WINDOW) -> None:
+    """After a whole-prompt prefill's append (before its store jobs run): give every sealed block
+    that the table stores through a query-aware DKV codec its tokens' importance [B, bs] in
+    `table.encode_hints`. Does nothing for other codecs, raw tiers, or a prefill that does not
+    start at position 0. q: [B, H, S, D]; k: [B, Hkv, S, D]; valid: [B, S] or None."""
+    if getattr(table.codec, "residual_pick", "error") == "error" or not table.coded:
+        return
+    bs, s = table.bs, k.shape[2]
+    sealed = table.length // bs
+    if not sealed or table.length != s:
+        return
+    coded = [blk for blk in range(sealed) if table.homes[blk] in table.coded]
+    if not coded:
+        return
+    imp = observation_importance(q, k, valid, window)[:, :sealed * bs].unflatten(1, (sealed, bs))  # [B, n, bs]
+    for blk in coded:
+        table.encode_hints[blk] = imp[:, blk].clone()  # [B, bs]
