@@ -25,8 +25,9 @@ import torch  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, random_key  # noqa: E402
 from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
 from flexgen_sparpr.engine.executor import Engine  # noqa: E402
-from flexgen_sparpr.kv.dkv.codec import DKVCodec  # noqa: E402
-from flexgen_sparpr.kv.policy import make_policy  # noqa: E402
+from flexgen_sparpr.kv.dkv.codec import PICKS, DKVCodec  # noqa: E402
+from flexgen_sparpr.kv.dkv.importance import hint_sealed_blocks  # noqa: E402
+from flexgen_sparpr.kv.policy import KVPolicy, make_policy  # noqa: E402
 from flexgen_sparpr.models.spec import opt_spec  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
@@ -42,6 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--block", type=int, default=256, help="--dkv-block")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--residuals", type=int, default=16)
+    ap.add_argument("--residual-pick", default="error", choices=list(PICKS),
+                    help="which rows a block keeps exact (--dkv-residual-pick)")
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--dense-layers", type=int, default=0)
     ap.add_argument("--route", default="lowrank", choices=["lowrank", "mean"], help="dkv block routing")
@@ -74,8 +77,16 @@ def compression_rows(block: int, rank: int, residuals: int) -> list[list]:
     return rows
 
 
+class PickHints(KVPolicy):
+    """Prefill observer for sparpr+dkv: hands the DKV cold codec its query-aware importance
+    (until SparPR's own on_prefill does; then this only repeats the same hints)."""
+
+    def on_prefill(self, table, layer, q, k, valid) -> None:
+        hint_sealed_blocks(table, q, k, valid)
+
+
 def engine_for(src, config: str, args, batch: int, offload: str) -> Engine:
-    dkv = {"rank": args.rank, "residuals": args.residuals}
+    dkv = {"rank": args.rank, "residuals": args.residuals, "residual_pick": args.residual_pick}
     if config == "dense":
         cfg = EngineConfig(device="cpu", block_size=args.block)
     elif config.startswith("dkv"):
@@ -103,8 +114,9 @@ def run_config(src, config, args, trials, tok, offload) -> list[dict]:
     with engine_for(src, config, args, len(trials), offload) as eng:
         runs = [(config, None)] if not config.startswith("sparpr") else [(f"{config}@{k}", k) for k in args.keep]
         observers = tuple(make_policy("sparpr", keep_ratio=k, probe_dir=offload) for _, k in runs if k)
+        hints = (PickHints(),) if config == "sparpr+dkv" and args.residual_pick != "error" else ()
         with timer() as t_pre:
-            st = eng.prefill([t.ids for t in trials], args.gen_len, observers=observers)
+            st = eng.prefill([t.ids for t in trials], args.gen_len, observers=observers + hints)
         prefill_s = t_pre()
         snap = eng.snapshot(st)
         for (name, _), pol in zip(runs, observers or (None,)):
@@ -130,7 +142,8 @@ def render(payload) -> str:
     a = payload["config"]
     lines = [f"# DKV on SmolLM2-135M-Instruct ({a['trials']} passkey trials per length)\n",
              f"Block {a['block']} tokens, rank {a['rank']}, {a['residuals']} residual rows, top-{a['topk']} "
-             f"routed blocks (routing: {a['route']}), one exact recent block. CPU float32, {payload['machine']['cpu_count']} cores, "
+             f"routed blocks (routing: {a['route']}), residual pick {a.get('residual_pick', 'error')}, one exact recent "
+             f"block. CPU float32, {payload['machine']['cpu_count']} cores, "
              f"load average {payload['machine']['load_average']}. Command: `{payload['command']}`.\n",
              "## Bytes per KV block (one sequence, one layer; the codec's formula)\n",
              md_table(["model", "dtype", "K|V heads x dim", "dense B", "DKV B", "dense / DKV"], payload["compression"]),

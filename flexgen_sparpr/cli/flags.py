@@ -23,7 +23,7 @@ DEFAULTS = {
     "no_recompute": False, "no_fallback": False, "summary_tokens": 4,
     # DKV (--kv-policy dkv, or --cold-codec dkv under another policy)
     "cold_codec": "raw", "dkv_block": 256, "dkv_rank": 32, "dkv_residuals": 16, "dkv_topk": 8,
-    "dkv_recent": 1, "dkv_sparse_prefill": False, "dkv_route": "lowrank",
+    "dkv_recent": 1, "dkv_sparse_prefill": False, "dkv_route": "lowrank", "dkv_residual_pick": "error",
     # hardware files and --policy auto (runtime/hardware.py, runtime/placement.py)
     "hardware": None, "policy": None,
 }
@@ -131,8 +131,12 @@ def add_dkv_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dkv-block", type=int, help=f"tokens per DKV block; with DKV in use this is the KV "
                    f"block size unless --block-size is given (default {d['dkv_block']})")
     g.add_argument("--dkv-rank", type=int, help=f"rank of the joint K|V SVD delta (default {d['dkv_rank']})")
-    g.add_argument("--dkv-residuals", type=int, help=f"exact residual tokens per block, the worst-"
-                   f"reconstructed rows (default {d['dkv_residuals']})")
+    g.add_argument("--dkv-residuals", type=int, help=f"exact residual tokens per block (default "
+                   f"{d['dkv_residuals']})")
+    g.add_argument("--dkv-residual-pick", metavar="{error,attention,mixed}", help="which rows a block "
+                   "keeps exact: the worst-reconstructed (error), the ones the prompt's last 32 queries attend "
+                   "most (attention; prompt blocks only, later blocks by error), or half each (mixed) "
+                   f"(default {d['dkv_residual_pick']})")
     g.add_argument("--dkv-topk", type=int, help=f"dkv: compressed blocks each query attends in low-rank "
                    f"form; 0 = all (default {d['dkv_topk']})")
     g.add_argument("--dkv-route", choices=["lowrank", "mean"], help="dkv: how the top-k blocks are found: "

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from ..engine.config import ConfigError, EngineConfig, Policy
+from ..kv.dkv.codec import PICKS
 from ..runtime.costs import CostModel
 from ..runtime.hardware import Hardware, hardware_from_dict, load_hardware
 from .flags import DEFAULTS
@@ -104,12 +105,15 @@ def _dkv_args(merged: dict, given: dict, from_config: set, policy_args: dict) ->
     for flag, least in (("dkv_block", 1), ("dkv_rank", 1), ("dkv_residuals", 0), ("dkv_topk", 0), ("dkv_recent", 0)):
         if merged[flag] < least:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= {least} (got {merged[flag]})")
+    if merged["dkv_residual_pick"] not in PICKS:
+        raise ConfigError(f"--dkv-residual-pick must be one of {', '.join(PICKS)} (got {merged['dkv_residual_pick']!r})")
     asked = lambda k: k in given or k in from_config  # noqa: E731
     if asked("block_size") and asked("dkv_block") and merged["block_size"] != merged["dkv_block"]:
         raise ConfigError("--block-size and --dkv-block disagree; DKV compresses whole KV blocks (give one)")
     if not asked("block_size"):
         merged["block_size"] = merged["dkv_block"]
-    codec = {"rank": merged["dkv_rank"], "residuals": merged["dkv_residuals"]}
+    codec = {"rank": merged["dkv_rank"], "residuals": merged["dkv_residuals"],
+             "residual_pick": merged["dkv_residual_pick"]}
     if dkv_policy:
         policy_args.update(codec, topk=merged["dkv_topk"], recent_blocks=merged["dkv_recent"],
                            sparse_prefill=merged["dkv_sparse_prefill"], route=merged["dkv_route"])

@@ -12,16 +12,17 @@ def _opts(*argv):
 
 def test_dkv_policy_args_and_block_size():
     _, _, eng = _opts("--kv-policy", "dkv", "--dkv-rank", "48", "--dkv-residuals", "8", "--dkv-topk", "4",
-                      "--dkv-sparse-prefill")
+                      "--dkv-sparse-prefill", "--dkv-residual-pick", "attention")
     assert eng.block_size == 256 and eng.cold_codec == "raw" and eng.codec_args == {}
     assert eng.policy_args == {"rank": 48, "residuals": 8, "topk": 4, "recent_blocks": 1, "sparse_prefill": True,
-                               "route": "lowrank"}
+                               "route": "lowrank", "residual_pick": "attention"}
 
 
 def test_cold_codec_args_and_explicit_block_size():
-    _, _, eng = _opts("--kv-policy", "sparpr", "--cold-codec", "dkv", "--block-size", "128", "--dkv-recent", "2")
+    _, _, eng = _opts("--kv-policy", "sparpr", "--cold-codec", "dkv", "--block-size", "128", "--dkv-recent", "2",
+                      "--dkv-residual-pick", "mixed")
     assert eng.block_size == 128 and eng.cold_codec == "dkv"
-    assert eng.codec_args == {"rank": 32, "residuals": 16, "recent": 2}
+    assert eng.codec_args == {"rank": 32, "residuals": 16, "residual_pick": "mixed", "recent": 2}
     assert "rank" not in eng.policy_args and eng.policy_args["keep_ratio"] == 1.0
 
 
@@ -33,6 +34,8 @@ def test_without_dkv_nothing_changes():
 @pytest.mark.parametrize("argv,fragment", [
     (["--kv-policy", "dkv", "--dkv-rank", "0"], "--dkv-rank must be >= 1"),
     (["--kv-policy", "dkv", "--dkv-residuals", "-1"], "--dkv-residuals must be >= 0"),
+    (["--kv-policy", "dkv", "--dkv-residual-pick", "worst"], "--dkv-residual-pick must be one of"),
+    (["--kv-policy", "sparpr", "--cold-codec", "dkv", "--dkv-residual-pick", "Attention"], "error, attention, mixed"),
     (["--kv-policy", "dkv", "--block-size", "64", "--dkv-block", "128"], "disagree"),
     (["--kv-policy", "dkv", "--compress-cache"], "one KV codec at a time"),
     (["--kv-policy", "dkv", "--cold-codec", "dkv"], "one KV codec at a time"),
