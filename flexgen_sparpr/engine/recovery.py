@@ -36,14 +36,15 @@ def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: 
     out = torch.empty((2, b, hkv, total + 1, d), dtype=dtype, device=device)
     pos = torch.cat([_ranges(t, sel.blocks, device), torch.zeros(1, dtype=torch.long, device=device)])
     if not rebuild:
-        t.gather(sel.blocks, out)
+        t.gather(sel.blocks, out, seqs=sel.seqs)
         return Fetched(out, pos, sel)
     copy = [blk for blk in sel.blocks if blk not in set(rebuild)]
+    seqs = None if sel.seqs is None else sel.seqs[:, [i for i, blk in enumerate(sel.blocks) if blk in copy]]
     starts = dict(zip(sel.blocks, torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()))
     slot_of = lambda blks: torch.cat([torch.arange(starts[x], starts[x] + t.block_len(x), device=device)
                                       for x in blks])  # noqa: E731
     if copy:
-        kv, _ = t.gather(copy)
+        kv, _ = t.gather(copy, seqs=seqs)
         out[:, :, :, slot_of(copy)] = kv
     h, _ = t.checkpoints.gather(rebuild)  # h: [1, B, 1, Tr, hidden]
     return Fetched(out, pos, sel, hidden=h[0, :, 0], slots=slot_of(rebuild))

@@ -6,6 +6,10 @@ kv: [2, B, Hkv, bs, D] (K then V). With planes=1 the same table keeps other per-
 being filled lives on the compute device until it is full ("sealed"), then moves home.
 A codec (4-bit groups, or DKV's anchor + low-rank form) may encode the sealed blocks of some
 tiers: those are kept as rows of codec.nbytes bytes, the other tiers' blocks raw.
+
+Raw blocks on disk are stored sequence-major ([B, planes, Hkv, bs, D] per slot), so a read that
+only some sequences need (a per-sequence selection, `gather(seqs=...)`) moves only their bytes;
+raw CPU blocks are sliced in place. Encoded blocks always move whole.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..storage.disk import ALIGN
 from ..storage.tiers import Devices, Tier
 from ..storage.codec import Int4Codec, RawCodec
 
@@ -66,12 +71,26 @@ class BlockTable:
                 raise ValueError("KV blocks placed on disk but no --offload-dir store was given")
             self._disk = disk.new_file(f"kv-{name}", n[Tier.DISK], self.codec_of(Tier.DISK).nbytes)
         self._tail = torch.zeros(self.block_shape, dtype=dtype, device=dev)
+        self.seq_nbytes = self.raw.nbytes // batch  # one sequence's share of a raw block
+        # raw disk blocks can be read a sequence at a time (O_DIRECT: offsets on 4096 bytes)
+        self._seq_disk = (self._disk is not None and Tier.DISK not in self.coded and batch > 1 and
+                          (self.seq_nbytes % ALIGN == 0 or self._disk.direct_mode != "o_direct"))
         self.resident = Tier.COMPUTE not in self.coded and all(t == Tier.COMPUTE for t in self.homes)
 
     # --- shape facts ---
     def codec_of(self, tier: Tier):
         """The codec of the blocks homed on a tier."""
         return self.codec if tier in self.coded else self.raw
+
+    def reads_rows(self, b: int) -> bool:
+        """Whether a copy of sealed block b can move some of its sequences only."""
+        home = self.homes[b]
+        return home not in self.coded and (home == Tier.CPU or (home == Tier.DISK and self._seq_disk))
+
+    def read_bytes(self, b: int, nseq: int) -> int:
+        """Bytes a copy of sealed block b for nseq of its sequences moves from its home."""
+        full = self.codec_of(self.homes[b]).nbytes
+        return self.seq_nbytes * nseq if self.reads_rows(b) else full
 
     @property
     def num_blocks(self) -> int:
@@ -130,7 +149,7 @@ class BlockTable:
         else:
             data = self.codec.encode(blk) if hint is None else self.codec.encode(blk, importance=hint)
         if home == Tier.DISK:
-            host = data.cpu()
+            host = (data if home in self.coded else data.transpose(0, 1).contiguous()).cpu()  # seq-major
             if dev.is_cuda:
                 dev.counters.add("compute", "cpu", host.nbytes)
             self._disk.write(slot, host)
@@ -145,21 +164,39 @@ class BlockTable:
             dev.counters.add("compute", "cpu", data.nbytes)
 
     # --- reading ---
-    def _load(self, b: int, out: torch.Tensor) -> None:
-        """Copy sealed block b into out: [planes, B, Hkv, bs, D] on compute."""
+    def _load(self, b: int, out: torch.Tensor, rows: list[tuple[int, int]] | None = None) -> None:
+        """Copy sealed block b into out: [planes, B, Hkv, bs, D] on compute (any strides). rows:
+        runs [r0, r1) of the sequences to read (None: all); only a block that `reads_rows` honours
+        them (the other rows of out are left as they were)."""
         home, slot, dev = self.homes[b], self.slot[b], self.devices
         exact = self._exact.get(b) if b >= self.length // self.bs - self.exact_recent else None
+        if rows is None or not self.reads_rows(b):
+            rows = [(0, self.block_shape[1])]
         if exact is not None:  # inside the recency window: the exact copy, nothing crosses a link
             out.copy_(exact)
-        elif home == Tier.DISK:
-            host = dev.empty_host((self.codec_of(home).nbytes,), torch.uint8)
+        elif home == Tier.DISK and home in self.coded:
+            host = dev.empty_host((self.codec.nbytes,), torch.uint8)
             t0 = time.perf_counter()
             self._disk.read(slot, host)
             dev.counters.add("disk", "cpu", host.nbytes, time.perf_counter() - t0)
             data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
             if dev.is_cuda:
                 dev.counters.add("cpu", "compute", host.nbytes)
-            out.copy_(self.codec.decode(data) if home in self.coded else data.view(self.dtype).view(out.shape))
+            out.copy_(self.codec.decode(data))
+        elif home == Tier.DISK:  # raw, sequence-major: one read per run of sequences
+            planes, _, h, bs, d = self.block_shape
+            for r0, r1 in rows:
+                host = dev.empty_host(((r1 - r0) * self.seq_nbytes,), torch.uint8)
+                t0 = time.perf_counter()
+                if (r0, r1) == (0, self.block_shape[1]):
+                    self._disk.read(slot, host)
+                else:
+                    self._disk.read_at(slot, r0 * self.seq_nbytes, host)
+                dev.counters.add("disk", "cpu", host.nbytes, time.perf_counter() - t0)
+                data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
+                if dev.is_cuda:
+                    dev.counters.add("cpu", "compute", host.nbytes)
+                out[:, r0:r1].copy_(data.view(self.dtype).view(r1 - r0, planes, h, bs, d).transpose(0, 1))
         elif home in self.coded:
             row = self._rows[home][slot]
             if home == Tier.CPU:
@@ -168,15 +205,19 @@ class BlockTable:
             out.copy_(self.codec.decode(row))
         else:
             src = self._in_arena(b)
-            out.copy_(src, non_blocking=True)
-            if home == Tier.CPU:
-                dev.counters.add("cpu", "compute", src.nbytes)
+            for r0, r1 in rows:
+                out[:, r0:r1].copy_(src[:, r0:r1], non_blocking=True)
+                if home == Tier.CPU:
+                    dev.counters.add("cpu", "compute", src[:, r0:r1].nbytes)
 
-    def gather(self, blocks: list[int] | None = None, out: torch.Tensor | None = None):
+    def gather(self, blocks: list[int] | None = None, out: torch.Tensor | None = None,
+               seqs: torch.Tensor | None = None):
         """KV of the given blocks (ascending; default all) on compute.
 
         Returns kv: [planes, B, Hkv, T, D] and pos: [T] (absolute token positions). A fully resident
-        cache read in full with no `out` buffer is returned as a view, with no copy.
+        cache read in full with no `out` buffer is returned as a view, with no copy. seqs: [B, n]
+        bool, the sequences that need each block (None: all); rows of a sealed offloaded block no
+        sequence needs are zeros, not read, where the block's home allows it (`reads_rows`).
         """
         nb = self.num_blocks
         blocks = list(range(nb)) if blocks is None else blocks
@@ -188,19 +229,19 @@ class BlockTable:
         total = sum(lens)
         if out is None or out.shape[3] < total:
             out = torch.empty((*self.block_shape[:3], total, self.block_shape[4]), dtype=self.dtype, device=dev)
+        need = seqs.T.tolist() if seqs is not None else None  # need: [n][B]
         t = 0
-        for b, n in zip(blocks, lens):
+        for i, (b, n) in enumerate(zip(blocks, lens)):
             dst = out[:, :, :, t:t + n]
             if n < self.bs:  # the partial tail block is still on compute
                 dst.copy_(self._writable(b)[:, :, :, :n])
             elif self.homes[b] == Tier.COMPUTE and Tier.COMPUTE not in self.coded:
                 dst.copy_(self._in_arena(b))
-            elif dst.is_contiguous():
+            elif need is None or all(need[i]) or not self.reads_rows(b):
                 self._load(b, dst)
             else:
-                tmp = torch.empty(self.block_shape, dtype=self.dtype, device=dev)
-                self._load(b, tmp)
-                dst.copy_(tmp)
+                dst.zero_()  # rows no sequence reads: zeros (masked out), never garbage
+                self._load(b, dst, _runs(need[i]))
             t += n
         pos = torch.cat([torch.arange(b * self.bs, b * self.bs + n, device=dev) for b, n in zip(blocks, lens)]) \
             if blocks else torch.empty(0, dtype=torch.long, device=dev)
@@ -254,3 +295,15 @@ class BlockTable:
         if self._disk is not None:
             self._disk.close()
             self._disk = None
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """[r0, r1) runs of True in flags."""
+    runs, start = [], None
+    for i, f in enumerate([*flags, False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

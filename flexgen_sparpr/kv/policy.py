@@ -38,6 +38,7 @@ class Selection:
     blocks: list[int]  # ascending block ids
     mask: torch.Tensor | None = None  # [B, Hkv, T] bool over the gathered tokens; None = all
     recompute: tuple[int, ...] = ()  # blocks (of `blocks`) rebuilt from hidden-state checkpoints
+    seqs: torch.Tensor | None = None  # [B, len(blocks)] bool: sequences that read each block; None = all
 
     @staticmethod
     def all(table: BlockTable) -> "Selection":

@@ -183,6 +183,23 @@ class DiskFile:
         off = self._check(slot, n)
         if self._lens[slot] != n:
             raise ValueError(f"slot {slot} holds {self._lens[slot]} bytes, out has {n}")
+        return self._read_into(off, out)
+
+    def read_at(self, slot: int, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill contiguous `out` with bytes [start, start + out.nbytes) of `slot` (part of what
+        was written there); with O_DIRECT `start` must be a multiple of 4096."""
+        if not out.is_contiguous():
+            raise ValueError("DiskFile.read_at needs a contiguous output tensor")
+        n = out.nbytes
+        off = self._check(slot, 0) + start
+        if start < 0 or start + n > self._lens[slot]:
+            raise ValueError(f"bytes [{start}, {start + n}) are outside slot {slot}'s {self._lens[slot]}")
+        if self.direct_mode == "o_direct" and start % ALIGN:
+            raise ValueError(f"O_DIRECT reads start at multiples of {ALIGN} (got {start})")
+        return self._read_into(off, out)
+
+    def _read_into(self, off: int, out: torch.Tensor) -> torch.Tensor:
+        n = out.nbytes
         if n:
             self._drop_cache(off, n)
             if out.is_cpu and (self.direct_mode != "o_direct" or _is_aligned(out)):

@@ -239,3 +239,56 @@ def test_close_removes_the_disk_file(disk):
     t.close()
     t.close()  # twice is fine
     assert not path.exists()
+
+
+# --- per-sequence reads ---------------------------------------------------------------------
+@pytest.mark.parametrize("devices_cls", [Devices, UnfoldedDevices])
+def test_gather_with_seqs_reads_only_the_needed_rows(devices_cls, disk):
+    """Raw disk and CPU blocks move only the rows of the sequences that need them; the other
+    rows are zeros, never stale data; compute blocks and the open block come whole."""
+    devices = devices_cls(torch.device("cpu"))
+    t = make([P, D, P, D, C], bs=4, devices=devices, disk=disk)
+    ref, _ = fill(t, [18])  # blocks 0-3 sealed, block 4 open (2 tokens)
+    seqs = torch.tensor([[True, False, False, True, True],
+                         [False, False, True, True, False]])  # seqs: [B, 5]
+    devices.counters.reset()
+    kv, pos = t.gather(list(range(5)), seqs=seqs)
+    assert pos.tolist() == list(range(18))
+    for b in range(5):
+        for s in range(B):
+            got, want = kv[:, s, :, b * 4:(b + 1) * 4], ref[:, s, :, b * 4:(b + 1) * 4]
+            whole = b == 4 or not t.reads_rows(b)
+            torch.testing.assert_close(got, want if whole or seqs[s, b] else torch.zeros_like(want), rtol=0, atol=0)
+    snap = devices.counters.snapshot()
+    row = 2 * HKV * 4 * HD * 4  # one sequence's rows of a raw float32 block
+    assert t.seq_nbytes == row and t.read_bytes(3, 2) == 2 * row
+    assert snap.get("disk->cpu", 0) == row * (0 + 2)  # block 1: nobody, block 3: both
+    assert snap.get("cpu->compute", 0) == (row * (1 + 1) if devices_cls is UnfoldedDevices else 0)
+
+
+def test_o_direct_per_sequence_reads_need_aligned_rows(tmp_path):
+    """Under O_DIRECT a sequence's rows are read alone only when they fill whole 4096-byte pages;
+    otherwise the block moves whole (and read_bytes says so)."""
+    store = DiskStore(tmp_path / "o", direct=True)
+    try:
+        for hd, aligned in ((32, True), (12, False)):  # 2*2*16*hd*4 bytes: 8192 or 3072 per sequence
+            t = BlockTable(name=f"d{hd}", batch=3, num_kv_heads=2, head_dim=hd, block_size=16, max_len=48,
+                           dtype=torch.float32, homes=[D] * 3, devices=Devices(torch.device("cpu")), disk=store)
+            k, v = torch.randn(2, 3, 2, 40, hd).unbind(0)
+            for job in t.append(k, v):
+                job()
+            if t._disk.direct_mode != "o_direct":
+                pytest.skip(f"{tmp_path} refuses O_DIRECT")
+            assert t.reads_rows(0) == aligned
+            seqs = torch.tensor([[True, False], [False, False], [True, True]])
+            t.devices.counters.reset()
+            kv, _ = t.gather([0, 1], seqs=seqs)
+            full = t.raw.nbytes
+            want = t.seq_nbytes * 3 if aligned else 2 * full
+            assert t.devices.counters.snapshot()["disk->cpu"] == want
+            torch.testing.assert_close(kv[0, 2], k[2, :, :32], rtol=0, atol=0)
+            torch.testing.assert_close(kv[1, 0, :, :16], v[0, :, :16], rtol=0, atol=0)
+            if aligned:
+                assert not kv[:, 1].any() and not kv[:, 0, :, 16:].any()
+    finally:
+        store.close()

@@ -92,12 +92,16 @@ class Recorder:
             missing.append([need - c for c in chosen[i]])
         sealed = t.length // t.bs
         disk = [i for i in blocks if i < sealed and t.homes[i] == Tier.DISK]
-        if getattr(pol, "scans_keys", False):  # reads every block once more to rank keys
-            disk += [i for i in range(sealed) if t.homes[i] == Tier.DISK]
         used = {p // t.bs for row in chosen for c in row for p in c}
+        # a raw disk block moves only the sequences that attend a token of it (a fallback: all)
+        whole = fetched is None or fetched.sel.seqs is None
+        readers = {i: b if whole else sum(any(p // t.bs == i for c in chosen[s] for p in c) for s in range(b))
+                   for i in disk}
         # blocks rebuilt from checkpoints move their checkpoint, not their KV
         rebuilt = set(fetched.sel.recompute) if fetched is not None and t.checkpoints is not None else set()
-        nbytes = sum(t.checkpoints.codec.nbytes if i in rebuilt else t.codec.nbytes for i in disk)
+        nbytes = sum(t.checkpoints.codec.nbytes if i in rebuilt else t.read_bytes(i, readers[i]) for i in disk)
+        if getattr(pol, "scans_keys", False):  # reads every block once more, whole, to rank keys
+            nbytes += sum(t.codec.nbytes for i in range(sealed) if t.homes[i] == Tier.DISK)
         fallback = fetched is not None and fetched.sel.mask is None and blocks == list(range(t.num_blocks))
         self.steps.append(Step(self.step, layer, see.sum(-1).tolist(), budget, missing, chosen,
                                nbytes, sorted(set(blocks) - used), fallback and sparse))

@@ -114,9 +114,14 @@ def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
             moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
             want = 0
             for t, sel in picked:
+                off = 0
                 for b in sel.blocks:
+                    n = t.block_len(b)
+                    # the sequences whose mask keeps a token of b: only their rows of b move
+                    readers = int(sel.mask[:, :, off:off + n].any(dim=2).any(dim=1).sum())
+                    off += n
                     if b < t.length // t.bs and t.homes[b] == Tier.DISK:
-                        want += t.checkpoints.codec.nbytes if b in sel.recompute else t.codec.nbytes
+                        want += t.checkpoints.codec.nbytes if b in sel.recompute else t.read_bytes(b, readers)
                 assert len(sel.blocks) < t.num_blocks and bool(sel.recompute) == rebuild
             assert moved == want > 0
     steps = pol.stats()["steps"]
@@ -201,7 +206,13 @@ def test_fallback_exactly_when_sparse_costs_more_than_gamma_dense(store):
     base = dict(keep_ratio=0.4, costs=fixed(disk_Bps=t.codec.nbytes), dynamic_budget=False)  # 1 s a block
     sparse = SparPR(**base, fallback=False).select(t, 0, q)
     sealed = t.length // t.bs
-    ratio = len([b for b in sparse.blocks if b < sealed]) / sealed  # no checkpoints: every block copied
+    # no checkpoints: every block copied, for the sequences whose mask keeps one of its tokens
+    off, cost = 0, 0.0
+    for b in sparse.blocks:
+        readers = int(sparse.mask[:, :, off:off + t.block_len(b)].any(dim=2).any(dim=1).sum())
+        off += t.block_len(b)
+        cost += t.read_bytes(b, readers) / t.codec.nbytes if b < sealed else 0.0
+    ratio = cost / sealed
     assert 0 < ratio < 1
     for gamma, falls in ((ratio * (1 - 1e-9), True), (ratio * (1 + 1e-9), False), (1.0, False)):
         pol = SparPR(**base, gamma=gamma)

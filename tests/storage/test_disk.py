@@ -262,3 +262,21 @@ def test_disk_bandwidth_reports_and_cleans_up(tmp_path):
     assert res["read_GBps"] > 0 and res["write_GBps"] > 0
     assert res["mode"] in ("o_direct", "fadvise")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_read_at_reads_part_of_a_slot(real_dir, direct):
+    if direct and not _o_direct_works(real_dir):
+        pytest.skip(f"{real_dir} refuses O_DIRECT")
+    t = _rand((3, 2048), torch.float16)  # three 4096-byte rows
+    with DiskFile(real_dir / "f.bin", 2, t.nbytes, direct=direct) as f:
+        f.write(1, t)
+        assert torch.equal(f.read_at(1, 4096, torch.empty(2, 2048, dtype=torch.float16)), t[1:])
+        assert torch.equal(f.read_at(1, 0, aligned_empty((2048,), torch.float16)), t[0])
+        with pytest.raises(ValueError, match="outside"):
+            f.read_at(1, 8192, torch.empty(2, 2048, dtype=torch.float16))
+        if f.direct_mode == "o_direct":
+            with pytest.raises(ValueError, match="multiples of 4096"):
+                f.read_at(1, 2, torch.empty(16, dtype=torch.float16))
+        else:  # buffered reads may start anywhere
+            assert torch.equal(f.read_at(1, 2, torch.empty(3, dtype=torch.float16)), t[0, 1:4])

@@ -87,14 +87,17 @@ def gathered_positions(table: BlockTable, blocks: list[int]) -> torch.Tensor:
 
 def selection_from_tokens(table: BlockTable, keep: torch.Tensor) -> Selection:
     """keep: [B, Hkv, L] bool over the cached positions. Moves every block holding a kept token
-    of any sequence or head; the mask then gives each (sequence, head) exactly its own tokens."""
+    of any sequence or head, each only for the sequences that keep one of its tokens (where the
+    block's home allows a part read); the mask then gives each (sequence, head) exactly its own
+    tokens."""
     b, h, length = keep.shape
     nb = table.num_blocks
     padded = torch.zeros(b, h, nb * table.bs, dtype=torch.bool, device=keep.device)
     padded[..., :length] = keep
-    hit = padded.view(b, h, nb, table.bs).any(dim=3).any(dim=1).any(dim=0)  # hit: [nb]
-    blocks = hit.nonzero().flatten().tolist()
-    return Selection(blocks, keep[..., gathered_positions(table, blocks)])  # mask: [B, Hkv, T]
+    need = padded.view(b, h, nb, table.bs).any(dim=3).any(dim=1)  # need: [B, nb]
+    blocks = need.any(dim=0).nonzero().flatten().tolist()
+    return Selection(blocks, keep[..., gathered_positions(table, blocks)],  # mask: [B, Hkv, T]
+                     seqs=need[:, blocks])  # seqs: [B, n]
 
 
 def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

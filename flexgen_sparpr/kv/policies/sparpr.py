@@ -53,8 +53,9 @@ class StepStats:
                      ("est_sparse_s", sparse_s if math.isfinite(sparse_s) else 0.0),
                      ("est_dense_s", dense_s if math.isfinite(dense_s) else 0.0)):
             s[k] += v
+        nseq = _readers(table, sel)
         for i in moved:
-            n = table.checkpoints.codec.nbytes if i in rebuild else table.codec.nbytes
+            n = table.checkpoints.codec.nbytes if i in rebuild else table.read_bytes(i, nseq[i])
             links = (["disk->cpu"] if table.homes[i] == Tier.DISK else []) + \
                 (["cpu->compute"] if table.devices.is_cuda else [])
             for link in links:
@@ -70,6 +71,14 @@ class StepStats:
             for link, n in s["est_bytes"].items():
                 totals["est_bytes"][link] = totals["est_bytes"].get(link, 0) + n
         return {"totals": totals, "steps": steps}
+
+
+def _readers(table: BlockTable, sel: Selection) -> dict[int, int]:
+    """Block id -> how many sequences read it (a block's copy moves only theirs, where it can)."""
+    b = table.block_shape[1]
+    if sel.seqs is None:
+        return dict.fromkeys(sel.blocks, b)
+    return dict(zip(sel.blocks, sel.seqs.sum(dim=0).tolist()))
 
 
 HEAD_SCORES = ("sum", "softmax")
@@ -111,11 +120,13 @@ class SparPR(BudgetPolicy):
     "softmax", default) or the identity ("sum"); a block scores its best run. Each sequence always
     reads its sink block (the first holding a valid token), the last `recent_blocks` sealed blocks
     and the open block, and takes its own top-k blocks while its valid tokens fit its budget
-    (whole blocks; all KV heads read the same blocks, as in the paper). The engine moves the
-    union over the batch; each sequence's mask keeps it to its own blocks. `per_sequence=False`
+    (whole blocks; all KV heads read the same blocks, as in the paper). The engine moves each
+    block for the sequences that chose it only (raw CPU / disk blocks are read per sequence;
+    encoded ones move whole); each sequence's mask keeps it to its own blocks. `per_sequence=False`
     chooses one set for the batch instead (the sequences take turns by rank).
 
-    Budget. A block's copy cost is codec.nbytes (K and V: the 2 is in it) over the measured
+    Budget. A block's copy cost is codec.nbytes (K and V: the 2 is in it; the share of the
+    sequences reading it, where the block is read per sequence) over the measured
     bandwidth of its home tier's link to compute; its recompute cost is its checkpoint's bytes
     over that bandwidth plus B * bs * hidden * 2 kv_dim * 2 FLOP over the measured matmul FLOP/s.
     rho = copy / recompute over the step's offloaded sealed blocks maps to the keep ratio
@@ -274,7 +285,8 @@ class SparPR(BudgetPolicy):
         """[B, L] bool: the cached tokens each sequence reads (the same for all its KV heads).
 
         Each sequence reads its sink, the recent window, the open block and (per_sequence) its own
-        best blocks while its valid tokens fit its budget; the engine moves the union. With
+        best blocks while its valid tokens fit its budget; the engine moves each block for the
+        sequences that chose it. With
         per_sequence=False one set serves the batch: the sequences take turns (by rank) adding
         their next-best block while every sequence's valid tokens still fit its budget, and every
         sequence reads every chosen block. With one sequence the two are the same plain top-k."""
@@ -324,16 +336,18 @@ class SparPR(BudgetPolicy):
         rebuild, spans, sparse_s, dense_s, fell_back = [], [], math.nan, math.nan, False
         if costs is not None:
             copy = [costs[table.homes[i]][0] for i in range(sealed)]
+            nseq, b = _readers(table, sel), table.block_shape[1]
+            part = [c * table.read_bytes(i, nseq.get(i, b)) / table.read_bytes(i, b) for i, c in enumerate(copy)]
             can = self.recompute and table.checkpoints is not None
             rec = [costs[t][1] if can and t != Tier.COMPUTE else math.inf for t in table.homes[:sealed]]
             spans = merge_spans([i for i in sel.blocks if i < sealed], table.homes)
-            rebuild, sparse_s = plan_recovery(spans, copy, rec, self.cost_model(table).span_overhead_s(table.dtype))
+            rebuild, sparse_s = plan_recovery(spans, part, rec, self.cost_model(table).span_overhead_s(table.dtype))
             dense_s = sum(copy)
             if self.fallback and should_fall_back(sparse_s, dense_s, self.gamma):
                 sel, rebuild, fell_back = Selection.all(table), [], True
         self.step_stats.add(table, sel, rebuild, spans=len(spans), n_valid=n_valid, target=target, rho=rho,
                             sparse_s=sparse_s, dense_s=dense_s, fell_back=fell_back)
-        return Selection(sel.blocks, sel.mask, recompute=tuple(rebuild))
+        return Selection(sel.blocks, sel.mask, recompute=tuple(rebuild), seqs=sel.seqs)
 
     def stats(self) -> dict:
         """JSON-able: the knobs, the cost model, totals and one record per decode step."""
