@@ -310,6 +310,16 @@ def test_observation_importance_equals_brute_force_softmax():
     torch.testing.assert_close(got.sum(1), torch.full((b,), float(h * w)))  # each head and query: mass 1
 
 
+@pytest.mark.parametrize("follow", [0, 1, 5])
+def test_follow_spread_gives_a_token_the_largest_score_of_those_before_it(follow):
+    from flexgen_sparpr.kv.dkv.importance import follow_spread
+    torch.manual_seed(10)
+    imp = torch.rand(2, 30)
+    ref = torch.stack([torch.stack([imp[i, t] + imp[i, max(0, t - follow):t + 1].max() for t in range(30)])
+                       for i in range(2)])
+    torch.testing.assert_close(follow_spread(imp, follow), ref)
+
+
 @pytest.mark.parametrize("pick", ["attention", "mixed"])
 def test_query_aware_pick_keeps_the_important_rows_exact(pick):
     torch.manual_seed(9)

@@ -7,16 +7,27 @@ model reads. A token's importance in one layer is the attention mass it receives
     imp[b, t] = sum over query heads h and window queries i of softmax_t(q_{h,i} . k_{g(h),t} / sqrt(D))
 
 with the softmax per head and query over its whole valid causal prefix, and GQA's query head h
-reading KV head g(h) = h // (H / Hkv). The block table hands each sealed block's slice to the
-codec's encode (`BlockTable.encode_hints`), which keeps those rows exact.
+reading KV head g(h) = h // (H / Hkv).
+
+That mass alone mostly lands on what the question *matches* ("secret", "pass", "key", "is"), not
+on what the answer will copy (the key's digits, which follow the match: an induction head reads
+the token after the one it matched). So a token also inherits the largest mass of the `follow`
+tokens before it (`follow_spread`):
+
+    score[t] = imp[t] + max(imp[t - follow], ..., imp[t])
+
+The block table hands each sealed block's slice of `score` to the codec's encode
+(`BlockTable.encode_hints`), which keeps the top rows exact.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 WINDOW = 32  # observation window: the last prompt queries
+FOLLOW = 5  # a token inherits the importance of this many tokens before it
 
 
 def observation_importance(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None,
@@ -42,11 +53,19 @@ def observation_importance(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor
     return imp
 
 
+def follow_spread(imp: torch.Tensor, follow: int = FOLLOW) -> torch.Tensor:
+    """imp: [B, S] -> score: [B, S], score[t] = imp[t] + max(imp[t - follow .. t]) (the module doc)."""
+    if follow <= 0:
+        return imp + imp
+    padded = F.pad(imp[:, None], (follow, 0))  # padded: [B, 1, follow + S] (zeros before position 0)
+    return imp + F.max_pool1d(padded, follow + 1, stride=1)[:, 0]  # [B, S]
+
+
 def hint_sealed_blocks(table, q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None,
-                       window: int = WINDOW) -> None:
+                       window: int = WINDOW, follow: int = FOLLOW) -> None:
     """After a whole-prompt prefill's append (before its store jobs run): give every sealed block
     that the table stores through a query-aware DKV codec its tokens' importance [B, bs] in
-    `table.encode_hints`. Does nothing for other codecs, raw tiers, or a prefill that does not
+    `table.encode_hints` (observation_importance, then follow_spread). Does nothing for other codecs, raw tiers, or a prefill that does not
     start at position 0. q: [B, H, S, D]; k: [B, Hkv, S, D]; valid: [B, S] or None."""
     if getattr(table.codec, "residual_pick", "error") == "error" or not table.coded:
         return
@@ -57,6 +76,7 @@ def hint_sealed_blocks(table, q: torch.Tensor, k: torch.Tensor, valid: torch.Ten
     coded = [blk for blk in range(sealed) if table.homes[blk] in table.coded]
     if not coded:
         return
-    imp = observation_importance(q, k, valid, window)[:, :sealed * bs].unflatten(1, (sealed, bs))  # [B, n, bs]
+    imp = follow_spread(observation_importance(q, k, valid, window), follow)  # imp: [B, S]
+    imp = imp[:, :sealed * bs].unflatten(1, (sealed, bs))  # imp: [B, n, bs]
     for blk in coded:
         table.encode_hints[blk] = imp[:, blk].clone()  # [B, bs]

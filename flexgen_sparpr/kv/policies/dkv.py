@@ -11,7 +11,7 @@ from ...models.layers import attention_with_lse, merge_attention
 from ..block_table import BlockTable
 from ..dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
 from ..dkv.codec import PICKS, DKVCodec
-from ..dkv.importance import WINDOW, hint_sealed_blocks
+from ..dkv.importance import FOLLOW, WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
 from ..policy import KVPolicy, register
 from .base import masked_mean_keys
@@ -42,8 +42,9 @@ class DKV(KVPolicy):
     and merges the three by log-sum-exp. `topk` = 0 routes every cold block. With
     `sparse_prefill` the prefill is block-sparse (kv/dkv/prefill.py). `residual_pick` says which
     rows a block keeps exact: the worst-reconstructed ("error"), the ones the prompt's last
-    `pick_window` queries attend most ("attention", kv/dkv/importance.py; prefill blocks only,
-    blocks sealed during decode fall back to "error"), or half each ("mixed")."""
+    `pick_window` queries attend most, or follow within `pick_follow` tokens what they attend
+    ("attention", kv/dkv/importance.py; prefill blocks only, blocks sealed during decode fall back
+    to "error"), or half each ("mixed")."""
 
     rank: int = 32
     residuals: int = 16
@@ -55,11 +56,13 @@ class DKV(KVPolicy):
     route: str = "lowrank"  # block relevance: "lowrank" attention mass, or "mean" key . query
     residual_pick: str = "error"  # which rows stay exact: "error", "attention" or "mixed"
     pick_window: int = WINDOW  # the prompt's last queries that score tokens for the pick
+    pick_follow: int = FOLLOW  # a token inherits the score of this many tokens before it
 
     attends = True  # the engine hands this policy the whole decode attention
 
     def __post_init__(self):
-        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers", "pick_window"):
+        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers", "pick_window",
+                     "pick_follow"):
             least = 1 if name in ("rank", "pick_window") else 0
             if getattr(self, name) < least:
                 raise ValueError(f"dkv {name} must be >= {least} (got {getattr(self, name)})")
@@ -108,7 +111,7 @@ class DKV(KVPolicy):
             keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
             mean, _ = masked_mean_keys(keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)))  # [n, B, Hkv, 1, D]
             st.mean[:sealed] = mean[:, :, :, 0]
-        hint_sealed_blocks(table, q, k, valid, self.pick_window)  # query-aware residual rows
+        hint_sealed_blocks(table, q, k, valid, self.pick_window, self.pick_follow)  # query-aware residual rows
 
     def _pads(self, table: BlockTable, pads: torch.Tensor | None) -> torch.Tensor:
         if pads is not None:
@@ -198,7 +201,7 @@ class DKV(KVPolicy):
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
         config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
                                                 "sparse_prefill", "prefill_topk", "dense_layers", "route",
-                                                "residual_pick", "pick_window")}
+                                                "residual_pick", "pick_window", "pick_follow")}
         blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],
                   "ratio": self._bytes[0] / self._bytes[1]} if self._bytes else None
         return {"policy": self.name, "config": config, "block_bytes": blocks, "totals": dict(self.counts)}
