@@ -16,6 +16,14 @@ def prefill_attention(table: BlockTable, q, k, v, valid):
     return o, table.append(k, v)
 
 
+def pads_valid(pos, pads) -> torch.Tensor | None:
+    """[B, S] validity of prefill tokens under left padding (None: no padding)."""
+    if pads is None:
+        return None
+    s = pos.shape[1]
+    return torch.arange(s, device=pos.device)[None, :] >= pads[:, None]
+
+
 def decode_attention_step(table: BlockTable, q, k, v, pads, fetched, *, sparsity: float = 1.0,
                           cpu_compute: bool = False):
     """One new token. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D]; pads: [B] left-pad counts or None;

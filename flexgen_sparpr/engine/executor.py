@@ -18,8 +18,9 @@ from ..kv.policy import KVPolicy, Selection, make_policy
 from ..models import build_arch
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier
-from .attention import decode_attention_step, prefill_attention
+from .attention import decode_attention_step, pads_valid, prefill_attention
 from .kv_tables import build_tables
+from .prefetch import Ahead, early_selection
 from .recovery import Fetched, gather_selection, rebuild_kv
 from .config import ConfigError, EngineConfig, Policy
 from .sampling import Sampler
@@ -167,14 +168,17 @@ class Engine:
         self._generation += 1  # disk file names stay unique across generations
         self.tables.update(build_tables(self, max_len, self._generation, self._observers))
 
-    def _prefetch_cache(self, layer: Layer, k: int) -> Future:
-        """Gather batch k's blocks for layer `layer` (decode only; resident caches need none)."""
+    def _prefetch_cache(self, layer: Layer, k: int, ahead: Ahead | None = None) -> Future:
+        """Gather batch k's blocks for layer `layer` (decode only; resident caches need none);
+        a query-aware policy selects from the cell's early query (engine/prefetch.py)."""
         if layer.kind not in ("attn", "block"):
             return _Done(None)
         t = self.tables[(layer.index, k)]
         if self._reads_in_place(t):
             return _Done(None)
         sel = self.kv_policy.plan(t, layer.index)
+        if sel is None:
+            sel = early_selection(self, layer, t, ahead)
         if sel is None:
             return _Done(None)
         return self._submit(self._gather_with_spare, t, sel)
@@ -359,10 +363,10 @@ class Engine:
             for k in range(ngb):
                 # prefetch the cache the next (layer, batch) in schedule order will read
                 nj, nk = (j, k + 1) if k + 1 < ngb else (j + 1, 0)
-                cache_next = None
+                cache_next, sl = None, slice(k * gbs, (k + 1) * gbs)
                 if not prefill and nj < len(self.layers):
-                    cache_next = self._prefetch_cache(self.layers[nj], nk)
-                sl = slice(k * gbs, (k + 1) * gbs)
+                    ahead = Ahead(w if nj == j else w_next, hidden[nk], pos_all[nk * gbs:(nk + 1) * gbs], nk != k)
+                    cache_next = self._prefetch_cache(self.layers[nj], nk, ahead)
                 x = self._unpark(hidden[k])
                 y, jobs = self._compute(layer, w, x, ids[sl], k, pos_all[sl], pads[k],
                                         self._adopt(fetched.result()) if fetched is not None else None, prefill)
@@ -393,10 +397,3 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
-
-def pads_valid(pos, pads) -> torch.Tensor | None:
-    """[B, S] validity of prefill tokens under left padding (None: no padding)."""
-    if pads is None:
-        return None
-    s = pos.shape[1]
-    return torch.arange(s, device=pos.device)[None, :] >= pads[:, None]

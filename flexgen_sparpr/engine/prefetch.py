@@ -1,0 +1,44 @@
+"""Selecting a query-aware policy's blocks one (layer, GPU batch) ahead, so their recovery
+overlaps the compute before it, like the engine's other prefetches.
+
+The schedule runs every GPU batch of layer j before layer j+1. While (j, k) computes, the next
+cell is (j, k+1), whose input is batch k+1's hidden state, or (j+1, 0), whose input is batch 0's
+output of layer j, already computed when k is the last batch. Either way the next cell's query
+is exact: its attention input through the query projection alone (RoPE at its positions for
+Llama). With one GPU batch the next cell's input is the output still being computed, so a
+query-aware selection waits for the real query (no overlap).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import NamedTuple
+
+import torch
+
+from ..kv.policy import Selection
+
+
+class Ahead(NamedTuple):
+    """What the next (layer, batch) cell needs to compute its query early."""
+
+    weights: dict | Future  # the next cell's layer weights (a Future while they load)
+    x: torch.Tensor | None  # [B, 1, hidden] its input hidden state
+    pos: torch.Tensor  # [B, 1] its positions
+    same: bool  # False: the next cell's input is not known yet (one GPU batch)
+
+
+def early_selection(eng, layer, table, ahead: Ahead | None) -> Selection | None:
+    """The policy's selection for the next cell from its exact query, or None when the query
+    cannot be had without waiting (no input yet, or its weights still loading)."""
+    if ahead is None or not ahead.same or ahead.x is None or layer.kind not in ("attn", "block"):
+        return None
+    w = ahead.weights
+    if isinstance(w, Future):
+        if not w.done():  # never stall the current cell on the next layer's weights
+            return None
+        w = eng._adopt(w.result())
+    if layer.kind == "block":
+        w = {key[2:]: t for key, t in w.items() if key.startswith("a.")}
+    a = eng.arch
+    q = a.query(w, a.attn_input(w, eng._unpark(ahead.x)), ahead.pos)  # q: [B, H, 1, D]
+    return eng.kv_policy.select(table, layer.index, q)

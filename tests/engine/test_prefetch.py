@@ -1,0 +1,82 @@
+"""A query-aware policy's blocks are selected one (layer, GPU batch) cell ahead from the cell's
+exact early query, so their recovery overlaps the compute before it (engine/prefetch.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_sparpr.engine import executor, prefetch
+from flexgen_sparpr.engine.config import EngineConfig, Policy
+from flexgen_sparpr.engine.executor import Engine
+from flexgen_sparpr.kv.policies.sparpr import SparPR
+from flexgen_sparpr.runtime.costs import CostModel
+from flexgen_sparpr.weights.resolve import resolve_source
+
+PROMPTS = [list(range(3, 43)), list(range(50, 79))]  # the second is left-padded
+GEN = 6
+
+
+def generate(model_dir, tmp_path, *, ngb: int, overlap: bool = True, sep_layer: bool = True):
+    costs = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, live=False)
+    pol = SparPR(keep_ratio=0.3, costs=costs)
+    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path), direct_io=True)
+    policy = Policy(gpu_batch_size=len(PROMPTS) // ngb, num_gpu_batches=ngb, cache_gpu_percent=0,
+                    overlap=overlap, sep_layer=sep_layer)
+    with Engine(resolve_source(str(model_dir), ""), policy, cfg) as eng:
+        eng.set_kv_policy(pol)
+        st = eng.prefill(PROMPTS, GEN, keep_logits=True)
+        eng.decode(st)
+        return torch.stack(st.tokens, 1).tolist(), st.logits, pol.stats()["totals"]
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the early selections made, the decode attention cells, and those that were
+    handed their blocks already fetched (rather than selecting at compute time)."""
+    seen = {"early": 0, "steps": 0, "prefetched": 0}
+    real_early, real_attention = prefetch.early_selection, Engine._attention
+
+    def early(*args):
+        sel = real_early(*args)
+        seen["early"] += sel is not None
+        return sel
+
+    def attention(self, w, x, layer_idx, k, pos, pads, fetched, prefill):
+        if not prefill:
+            seen["steps"] += 1
+            seen["prefetched"] += fetched is not None
+        return real_attention(self, w, x, layer_idx, k, pos, pads, fetched, prefill)
+    monkeypatch.setattr(executor, "early_selection", early)
+    monkeypatch.setattr(Engine, "_attention", attention)
+    return seen
+
+
+@pytest.mark.parametrize("sep_layer", [True, False])
+def test_two_gpu_batches_prefetch_every_selection_and_change_nothing(tiny_model_dir, tmp_path, spy, sep_layer):
+    ref_tokens, ref_logits, ref_totals = generate(tiny_model_dir, tmp_path / "a", ngb=2, overlap=False,
+                                                  sep_layer=sep_layer)
+    spy.update(early=0, steps=0, prefetched=0)
+    tokens, logits, totals = generate(tiny_model_dir, tmp_path / "b", ngb=2, sep_layer=sep_layer)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # every decode attention step (2 layers x 2 GPU batches x GEN - 1 steps) got its blocks early
+    assert spy["steps"] == spy["prefetched"] == spy["early"] == 2 * 2 * (GEN - 1)
+    assert totals["calls"] == ref_totals["calls"] == spy["steps"]  # selected once per cell
+    assert totals["tokens_read"] == ref_totals["tokens_read"]
+
+
+def test_one_gpu_batch_waits_for_the_real_query(tiny_model_dir, tmp_path, spy):
+    """With one GPU batch the next cell's input is still being computed: no early selection."""
+    generate(tiny_model_dir, tmp_path, ngb=1)
+    assert spy["early"] == spy["prefetched"] == 0 and spy["steps"] == 2 * (GEN - 1)
+
+
+def test_early_and_late_selection_agree(tiny_model_dir, tmp_path, monkeypatch):
+    """The early query is the real one: the same tokens as selecting at compute time."""
+    early = generate(tiny_model_dir, tmp_path / "a", ngb=2)
+    monkeypatch.setattr(executor, "early_selection", lambda *a: None)
+    late = generate(tiny_model_dir, tmp_path / "b", ngb=2)
+    assert early[0] == late[0]
+    for a, b in zip(early[1], late[1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
