@@ -104,6 +104,9 @@ def add_opt_bench_args(ap, gen_len: int) -> None:
     ap.add_argument("--model", default="opt-125m", help="an OPT size name (default: opt-125m)")
     ap.add_argument("--contexts", default="1024,2048,4096,8192", help="prompt lengths (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
+    ap.add_argument("--gpu-batches", type=int, default=1,
+                    help="GPU batches the batch is cut into (FlexGen's --num-gpu-batches); with 2 or more, "
+                         "SparPR's recovery of the next cell overlaps the current one's compute (default: 1)")
     ap.add_argument("--gen-len", type=int, default=gen_len, help=f"new tokens per sequence, >= 2 (default: {gen_len})")
     ap.add_argument("--keep-ratio", type=float, default=0.25, help="SparPR's ceiling (default: 0.25)")
     ap.add_argument("--min-keep", type=float, default=0.1, help="SparPR's floor (default: 0.1)")
@@ -120,7 +123,7 @@ def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int
 
 def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense", policy_args: dict | None = None,
                 block_size: int = 64, offload_dir: str, cache_gpu_percent: float = 0, seed: int = 0,
-                trace: bool = False, memory: bool = False) -> dict:
+                trace: bool = False, memory: bool = False, gpu_batches: int = 1) -> dict:
     """One fresh engine on the CPU (float32), the KV cache's other share on the disk tier with
     O_DIRECT, one greedy generation of random prompts: prefill, then gen_len - 1 decode steps.
 
@@ -136,7 +139,8 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=block_size, direct_io=True,
                        offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {})
-    pol = Policy(gpu_batch_size=batch, cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=0)
+    pol = Policy(gpu_batch_size=batch // gpu_batches, num_gpu_batches=gpu_batches,
+                 cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=0)
     peak = PeakMemory(torch.device("cpu"))
     with peak if memory else _nothing(), Engine(src, pol, cfg) as eng:
         rec = TraceRecorder(eng) if trace else None

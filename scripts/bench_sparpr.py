@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         die(f"--contexts must be a comma-separated list of positive integers (got {args.contexts!r})")
     if args.batch < 1 or args.block_size < 1:
         die("--batch and --block-size must be >= 1")
+    if args.gpu_batches < 1 or args.batch % args.gpu_batches:
+        die(f"--gpu-batches must be >= 1 and divide --batch (got {args.gpu_batches} for batch {args.batch})")
     if args.gen_len < 2:
         die(f"--gen-len must be >= 2 (decode excludes the prefill's token; got {args.gen_len})")
     for flag in ("keep_ratio", "min_keep", "gamma"):
@@ -73,7 +75,7 @@ def run_cell(src, args, ctx: int, policy: str) -> dict:
                                               probe_dir=args.offload_dir)
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
                     block_size=args.block_size, offload_dir=args.offload_dir,
-                    cache_gpu_percent=args.cache_gpu_percent, seed=args.seed)
+                    cache_gpu_percent=args.cache_gpu_percent, seed=args.seed, gpu_batches=args.gpu_batches)
     moved, bw, modes, stats = r["bytes_moved"], r["disk_read_Bps"], r["disk_mode"], r["kv_policy_stats"]
     steps = r["step_s"]
     prefill, decode = r["prefill_s"], r["decode_s"]

@@ -78,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         die(f"--systems must be a subset of {','.join(SYSTEMS)} (got {bad or 'nothing'})")
     if args.batch < 1 or args.block_size < 1:
         die("--batch and --block-size must be >= 1")
+    if args.gpu_batches < 1 or args.batch % args.gpu_batches:
+        die(f"--gpu-batches must be >= 1 and divide --batch (got {args.gpu_batches} for batch {args.batch})")
     if args.gen_len < 2 or args.predict_gen_len < 2:
         die("--gen-len and --predict-gen-len must be >= 2 (decode excludes the prefill's token)")
     for flag in ("keep_ratio", "min_keep", "gamma"):
@@ -111,7 +113,7 @@ def run_engine(src, args, ctx: int, policy: str) -> dict:
                                               gamma=args.gamma, probe_dir=args.offload_dir)
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
                     block_size=args.block_size, offload_dir=args.offload_dir, seed=args.seed,
-                    trace=True, memory=True)
+                    trace=True, memory=True, gpu_batches=args.gpu_batches)
     tot = (r["kv_policy_stats"] or {}).get("totals", {})
     spec, n = src.spec, ctx + args.gen_len
     # what the compute tier holds: the weights, the gathered KV of the layer computing and of the
