@@ -11,6 +11,7 @@ import torch
 from ...runtime.costs import (CostModel, cost_ratio, dtype_name, keep_target, kv_rebuild_flops,
                               merge_spans, plan_recovery, should_fall_back)
 from ...storage.tiers import Tier
+from ..dkv.importance import hint_sealed_blocks
 from ..block_table import BlockTable
 from ..policy import Selection, register
 from .base import BudgetPolicy, masked_mean_keys, selection_from_tokens, token_budget
@@ -233,6 +234,7 @@ class SparPR(BudgetPolicy):
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
         super().on_prefill(table, layer, q, k, valid)
+        hint_sealed_blocks(table, q, k, valid)  # DKV cold blocks with a query-aware residual pick
         if table not in self._sums:
             self.attach(table, layer)
         s, bs = self._sums[table], table.bs
