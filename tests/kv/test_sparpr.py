@@ -390,3 +390,23 @@ def test_bad_selection_knobs_are_refused(bad):
 def test_summary_tokens_must_divide_the_block_size():
     with pytest.raises(ValueError, match="does not divide"):
         SparPR(summary_tokens=3, quest_only=True).attach(resident(bs=8), 0)
+
+
+def test_dkv_cold_blocks_get_the_prefills_importance(tiny_llama_dir, tmp_path, monkeypatch):
+    """--kv-policy sparpr --cold-codec dkv: every block sealed by the prefill is encoded with the
+    query-aware importance (DKV's residual pick), none without it."""
+    from flexgen_sparpr.kv.dkv.codec import DKVCodec
+    calls = []
+    real = DKVCodec.encode
+
+    def encode(self, kv, importance=None):
+        calls.append(importance is not None)
+        return real(self, kv, importance=importance)
+    monkeypatch.setattr(DKVCodec, "encode", encode)
+    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path), kv_policy="sparpr",
+                       policy_args={"keep_ratio": 0.5, "costs": fixed()}, cold_codec="dkv",
+                       codec_args={"rank": 2, "residuals": 2, "residual_pick": "attention"})
+    with Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=2, cache_gpu_percent=0), cfg) as eng:
+        eng.prefill(PROMPTS, 2)
+        sealed = sum(t.length // t.bs for t in eng.tables.values())
+    assert len(calls) == sealed > 0 and all(calls)
