@@ -21,7 +21,7 @@ from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, pads_valid, prefill_attention
 from .kv_tables import build_tables
 from .prefetch import Ahead, early_selection
-from .recovery import Fetched, gather_selection, rebuild_kv
+from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv
 from .config import ConfigError, EngineConfig, Policy
 from .sampling import Sampler
 from .weights import WeightStore
@@ -105,6 +105,7 @@ class Engine:
                 bar.close()
         self.tables: dict[tuple[int, int], BlockTable] = {}
         self._observers: tuple[KVPolicy, ...] = ()
+        self._ring = GatherRing()  # the decode cells' gather buffers, reused
         self._generation = 0
         self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
 
@@ -190,7 +191,7 @@ class Engine:
             (self.policy.cpu_cache_compute and self.devices.is_cuda)
 
     def _gather_with_spare(self, t: BlockTable, sel: Selection) -> Fetched:
-        return gather_selection(t, sel, self.dtype, self.devices.compute)
+        return gather_selection(t, sel, self.dtype, self.devices.compute, self._ring)
 
     # --- compute ---
     def _attention(self, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bool):

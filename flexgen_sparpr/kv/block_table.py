@@ -232,13 +232,15 @@ class BlockTable:
         return nbytes
 
     def gather(self, blocks: list[int] | None = None, out: torch.Tensor | None = None,
-               seqs: torch.Tensor | None = None):
+               seqs: torch.Tensor | None = None, zero_unread: bool = True):
         """KV of the given blocks (ascending; default all) on compute.
 
         Returns kv: [planes, B, Hkv, T, D] and pos: [T] (absolute token positions). A fully resident
         cache read in full with no `out` buffer is returned as a view, with no copy. seqs: [B, n]
         bool, the sequences that need each block (None: all); rows of a sealed offloaded block no
-        sequence needs are zeros, not read, where the block's home allows it (`reads_rows`).
+        sequence needs are not read, where the block's home allows it (`reads_rows`), and are set
+        to zeros unless zero_unread is False (an `out` known to hold finite values: masked-out
+        rows need only be finite, so attention gives them exactly zero weight).
         """
         nb = self.num_blocks
         blocks = list(range(nb)) if blocks is None else blocks
@@ -262,7 +264,7 @@ class BlockTable:
             elif need is None or all(need[i]) or not self.reads_rows(b):
                 self._load(b, dst, disk_reads=disk_reads)
             else:
-                for r0, r1 in _runs([not x for x in need[i]]):
+                for r0, r1 in _runs([not x for x in need[i]]) if zero_unread else ():
                     dst[:, r0:r1].zero_()  # rows no sequence reads: zeros (masked out), never garbage
                 self._load(b, dst, _runs(need[i]), disk_reads=disk_reads)
             t += n

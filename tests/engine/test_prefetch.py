@@ -80,3 +80,19 @@ def test_early_and_late_selection_agree(tiny_model_dir, tmp_path, monkeypatch):
     assert early[0] == late[0]
     for a, b in zip(early[1], late[1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_gather_ring_takes_two_buffers_in_turn():
+    """Cells take the ring's buffers in turn (one computing, one prefetching); they start as
+    zeros, grow when short, and are reused (no fresh tensor per cell)."""
+    from flexgen_sparpr.engine.recovery import GatherRing
+    ring, cpu = GatherRing(), torch.device("cpu")
+    a = ring.take((2, 3), torch.float32, cpu)
+    b = ring.take((2, 3), torch.float32, cpu)
+    assert a.data_ptr() != b.data_ptr() and not a.any() and not b.any()
+    a.fill_(1.0)
+    c = ring.take((2, 3), torch.float32, cpu)
+    assert c.data_ptr() == a.data_ptr() and bool((c == 1).all())  # reused, stale but finite
+    d = ring.take((4, 4), torch.float32, cpu)  # larger than buffer b: a new, larger one
+    assert d.shape == (4, 4) and d.data_ptr() != b.data_ptr()
+    assert ring.take((1, 6), torch.float32, cpu).data_ptr() == a.data_ptr()  # fits: reused
