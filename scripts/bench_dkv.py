@@ -43,7 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--block", type=int, default=256, help="--dkv-block")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--residuals", type=int, default=16)
-    ap.add_argument("--residual-pick", default="error", choices=list(PICKS),
+    ap.add_argument("--residual-pick", default="attention", choices=list(PICKS),
                     help="which rows a block keeps exact (--dkv-residual-pick)")
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--dense-layers", type=int, default=0)

@@ -23,7 +23,7 @@ DEFAULTS = {
     "no_recompute": False, "no_fallback": False, "summary_tokens": 4,
     # DKV (--kv-policy dkv, or --cold-codec dkv under another policy)
     "cold_codec": "raw", "dkv_block": 256, "dkv_rank": 32, "dkv_residuals": 16, "dkv_topk": 8,
-    "dkv_recent": 1, "dkv_sparse_prefill": False, "dkv_route": "lowrank", "dkv_residual_pick": "error",
+    "dkv_recent": 1, "dkv_sparse_prefill": False, "dkv_route": "lowrank", "dkv_residual_pick": "attention",
     # hardware files and --policy auto (runtime/hardware.py, runtime/placement.py)
     "hardware": None, "policy": None,
 }
@@ -135,7 +135,8 @@ def add_dkv_flags(p: argparse.ArgumentParser) -> None:
                    f"{d['dkv_residuals']})")
     g.add_argument("--dkv-residual-pick", metavar="{error,attention,mixed}", help="which rows a block "
                    "keeps exact: the worst-reconstructed (error), the ones the prompt's last 32 queries attend "
-                   "most (attention; prompt blocks only, later blocks by error), or half each (mixed) "
+                   "most or that follow what they attend (attention; prompt blocks only, later blocks by "
+                   "error), or half each (mixed) "
                    f"(default {d['dkv_residual_pick']})")
     g.add_argument("--dkv-topk", type=int, help=f"dkv: compressed blocks each query attends in low-rank "
                    f"form; 0 = all (default {d['dkv_topk']})")

@@ -7,9 +7,10 @@ row (the row nearest the block's mean), X - a ~= C @ W^T, C: [bs, r] coefficient
 top-r right singular vectors of X - a with its K and V halves each scaled to unit RMS (scales
 folded back into W's rows). m rows are kept exact (residuals), and the basis is then fit again to
 the other rows (`refit`). Which rows (`residual_pick`): "error", the m rows the first fit
-reconstructs worst; "attention", the m rows with the largest query-aware importance handed to
-encode (kv/dkv/importance.py: the attention mass the prompt's last queries give them);
-"mixed", ceil(m/2) by importance, the rest by error. Without an importance every pick is "error".
+reconstructs worst; "attention" (default), the m rows with the largest query-aware importance
+handed to encode (kv/dkv/importance.py: the attention mass the prompt's last queries give a
+token or the few tokens before it); "mixed", ceil(m/2) by importance, the rest by error. Without
+an importance (blocks sealed during decode) every pick is "error".
 
 Bytes of one encoded block (the `nbytes` formula; e = the dtype's size, 4-byte indices):
     B * (F + F * r + bs * r + m * F) * e  [padded to 8]  +  B * (m + 1) * 4
@@ -46,7 +47,7 @@ class DKVCodec:
     compressed = True
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int = 32, residuals: int = 16,
-                 refit: bool = True, residual_pick: str = "error"):
+                 refit: bool = True, residual_pick: str = "attention"):
         planes, b, hkv, bs, d = shape
         if planes != 2:
             raise ValueError("DKV encodes K and V together (planes = 2)")

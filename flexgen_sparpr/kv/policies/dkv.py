@@ -54,7 +54,7 @@ class DKV(KVPolicy):
     prefill_topk: int = 8
     dense_layers: int = 0  # the first layers keep an exact cache (as Quest leaves its first two)
     route: str = "lowrank"  # block relevance: "lowrank" attention mass, or "mean" key . query
-    residual_pick: str = "error"  # which rows stay exact: "error", "attention" or "mixed"
+    residual_pick: str = "attention"  # which rows stay exact: "error", "attention" or "mixed"
     pick_window: int = WINDOW  # the prompt's last queries that score tokens for the pick
     pick_follow: int = FOLLOW  # a token inherits the score of this many tokens before it
 
