@@ -26,8 +26,7 @@ from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, rando
 from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
 from flexgen_sparpr.engine.executor import Engine  # noqa: E402
 from flexgen_sparpr.kv.dkv.codec import PICKS, DKVCodec  # noqa: E402
-from flexgen_sparpr.kv.dkv.importance import hint_sealed_blocks  # noqa: E402
-from flexgen_sparpr.kv.policy import KVPolicy, make_policy  # noqa: E402
+from flexgen_sparpr.kv.policy import make_policy  # noqa: E402
 from flexgen_sparpr.models.spec import opt_spec  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
@@ -77,14 +76,6 @@ def compression_rows(block: int, rank: int, residuals: int) -> list[list]:
     return rows
 
 
-class PickHints(KVPolicy):
-    """Prefill observer for sparpr+dkv: hands the DKV cold codec its query-aware importance
-    (until SparPR's own on_prefill does; then this only repeats the same hints)."""
-
-    def on_prefill(self, table, layer, q, k, valid) -> None:
-        hint_sealed_blocks(table, q, k, valid)
-
-
 def engine_for(src, config: str, args, batch: int, offload: str) -> Engine:
     dkv = {"rank": args.rank, "residuals": args.residuals, "residual_pick": args.residual_pick}
     if config == "dense":
@@ -114,9 +105,8 @@ def run_config(src, config, args, trials, tok, offload) -> list[dict]:
     with engine_for(src, config, args, len(trials), offload) as eng:
         runs = [(config, None)] if not config.startswith("sparpr") else [(f"{config}@{k}", k) for k in args.keep]
         observers = tuple(make_policy("sparpr", keep_ratio=k, probe_dir=offload) for _, k in runs if k)
-        hints = (PickHints(),) if config == "sparpr+dkv" and args.residual_pick != "error" else ()
         with timer() as t_pre:
-            st = eng.prefill([t.ids for t in trials], args.gen_len, observers=observers + hints)
+            st = eng.prefill([t.ids for t in trials], args.gen_len, observers=observers)
         prefill_s = t_pre()
         snap = eng.snapshot(st)
         for (name, _), pol in zip(runs, observers or (None,)):
