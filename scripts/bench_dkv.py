@@ -49,11 +49,20 @@ def parse_args(argv=None):
     ap.add_argument("--route", default="lowrank", choices=["lowrank", "mean"], help="dkv block routing")
     ap.add_argument("--gen-len", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--depths", default="0.25,0.75,0.5,0.1,0.9",
+                    help="needle depths, trial i uses depths[i %% n]; 0.25,0.75 with the same --seed gives "
+                         "scripts/needle.py's prompts (default: %(default)s)")
     ap.add_argument("--offload-dir", default=None, help="disk tier folder (default: a temporary one)")
     ap.add_argument("--out", default=str(REPO / "results/dkv"))
     args = ap.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     args.keep = [float(k) for k in args.keep.split(",") if k]
+    try:
+        args.depths = [float(x) for x in args.depths.split(",") if x]
+    except ValueError:
+        die(f"--depths must be a comma list of numbers in [0, 1] (got {args.depths!r})")
+    if not args.depths or not all(0 <= x <= 1 for x in args.depths):
+        die(f"--depths must be a comma list of numbers in [0, 1] (got {args.depths})")
     if set(args.configs) - set(CONFIGS):
         die(f"unknown configs {sorted(set(args.configs) - set(CONFIGS))} (known: {', '.join(CONFIGS)})")
     if args.trials < 1 or args.gen_len < 1 or not all(0 < k <= 1 for k in args.keep):
@@ -157,7 +166,7 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
     builder = NeedlePrompts(tok, REPO / "tests/data/alice29.txt", "The secret passkey is")
     rng = random.Random(args.seed)
-    depths = (0.25, 0.75, 0.5, 0.1, 0.9)
+    depths = args.depths
     plans = {n: [builder.build(n, depths[i % len(depths)], random_key(rng, 5), rng) for i in range(args.trials)]
              for n in args.lengths}
     payload = {"config": {k: v for k, v in vars(args).items()}, "command": " ".join(["scripts/bench_dkv.py", *(argv or
