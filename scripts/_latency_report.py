@@ -176,7 +176,11 @@ def modeled_markdown(md: dict, pl: dict) -> str:
         "- FlexGen dense: the placement runtime/placement.py `choose` picks for this file (its grid over "
         "FlexGen's --percent). SparPR: the same placement, reading 50 % or 10 % of the offloaded blocks per "
         "step (the paper's two fidelity settings; it does not state the latency run's budget) and storing "
-        "hidden-state checkpoints beside the blocks (+50 % writes for OPT).",
+        "hidden-state checkpoints beside the blocks (+50 % writes for OPT). SparPR runs as 2 GPU batches "
+        "of 2 (the weights still load once per layer for both), so each cell's selection comes from its exact "
+        "early query and its reads overlap the previous cell's compute like dense's (engine/prefetch.py); with "
+        "one GPU batch its reads would add to each layer's time (the measured CPU runs above are that case, "
+        "and the model counts them so).",
         f"- Calibration: {cal['source']} (prefill_eff {cal['prefill_eff']}, decode_eff {cal['decode_eff']}, "
         f"io_eff {cal['io_eff']}). This machine's fit does not transfer to a GPU; the 'derated I/O' columns "
         f"use its measured io_eff {der['io_eff']:.2f} instead as the pessimistic bound. The model's error on "

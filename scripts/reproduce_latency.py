@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cap-gib", type=float, default=1.0, help="compute-tier memory cap in GiB (default: 1.0)")
     ap.add_argument("--upstream-timeout", type=float, default=480,
                     help="seconds before upstream FlexGen is stopped; longer contexts are then skipped (default: 480)")
-    ap.add_argument("--calib-contexts", default="512,1536",
+    ap.add_argument("--calib-contexts", default="512,3072",
                     help="contexts of the calibration pairs, after one discarded warm-up run (default: %(default)s)")
     ap.add_argument("--hardware", help="this machine's hardware file (default: measure it, quick profile)")
     ap.add_argument("--predict-hardware", default=",".join(PREDICT_HW), help="hardware files to predict OPT-6.7B on")
@@ -197,11 +197,11 @@ def run_hf(src, args, ctx: int, cap: float) -> dict:
             t0 = time.perf_counter()
             out = model(input_ids=ids, use_cache=True)
             prefill = time.perf_counter() - t0
-            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)  # transformers 5: `cache`
             t0 = time.perf_counter()
             for _ in range(args.gen_len - 1):  # greedy decode, the same loop as generate without its checks
-                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                out = model(input_ids=nxt, cache=cache, use_cache=True)
+                cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             decode = time.perf_counter() - t0
     return {"ok": True, "prefill_s": prefill, "decode_s": decode, "need": need, "weights_room": room,
             "modules_on_disk": on_disk, "peak_rss_bytes": peak.report()["host_rss_peak_bytes"]}
@@ -226,7 +226,8 @@ def validate(cell: dict, spec, args, hw, cal) -> dict:
     pl = Placement(cache=(0, 0, 100), block_size=args.block_size, dtype_bytes=4,
                    checkpoints=cell["policy"] == "sparpr")
     keep = cell.get("effective_keep") or 1.0
-    an = analytic_trace(spec, args.batch, cell["context"], args.gen_len, pl, keep=keep)
+    an = analytic_trace(spec, args.batch, cell["context"], args.gen_len, pl, keep=keep,
+                        serial_kv=cell["policy"] == "sparpr" and args.gpu_batches == 1)
     p_rec, p_an = predict(tr, hw, "float32", cal), predict(an, hw, "float32", cal)
     meas = cell["prefill_s"] + cell["decode_s"]
     sums = lambda t, link: sum(s.bytes.get(link, 0) for s in t)  # noqa: E731

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from .prefetch import Ahead, early_selection
 from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv
 from .config import ConfigError, EngineConfig, Policy
 from .sampling import Sampler
+from .state import GenerationResult, GenState, Snapshot
 from .weights import WeightStore
 
 
@@ -32,34 +33,6 @@ class Layer:
     kind: str  # embed | attn | mlp | block (attn + mlp, when not sep_layer) | head
     index: int
     names: dict[str, str]
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[list[int]]  # generated ids per sequence (prompt excluded)
-    step_times: list[float]  # wall seconds per generated token; [0] is prefill
-    logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V], if kept
-
-
-@dataclass
-class GenState:
-    """Where a generation stands: everything decode needs to go on."""
-
-    plen: int
-    max_new: int
-    pads: torch.Tensor  # [B] left-pad counts
-    sampler: Sampler
-    keep_logits: bool
-    done: torch.Tensor  # [B] bool
-    tokens: list[torch.Tensor] = field(default_factory=list)  # per step [B]
-    step_times: list[float] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass
-class Snapshot:
-    state: GenState
-    tables: dict
 
 
 class _Done(Future):
@@ -214,7 +187,8 @@ class Engine:
         else:
             if fetched is None and not self._reads_in_place(t):
                 sel = pol.plan(t, layer_idx)
-                fetched = self._gather_with_spare(t, sel if sel is not None else pol.select(t, layer_idx, q))
+                with self.devices.counters.tag("serial"):  # read inside the cell: no compute hides it
+                    fetched = self._gather_with_spare(t, sel if sel is not None else pol.select(t, layer_idx, q))
             if fetched is not None:
                 rebuild_kv(fetched, a, w, pads)
             o, kv, kpos, jobs = decode_attention_step(

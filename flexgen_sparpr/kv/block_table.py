@@ -205,6 +205,8 @@ class BlockTable:
         t0 = time.perf_counter()
         nbytes = sum(self._disk_store.map(read, jobs))
         self.devices.counters.add("disk", "cpu", nbytes, time.perf_counter() - t0)
+        if self.devices.is_cuda:  # counted here, on the calling thread (LinkCounters.tag is per thread)
+            self.devices.counters.add("cpu", "compute", nbytes)
 
     def _read_disk_block(self, b: int, out: torch.Tensor, rows: list[tuple[int, int]]) -> int:
         """One disk block into out; encoded blocks whole, raw ones one read per run of sequences
@@ -222,8 +224,6 @@ class BlockTable:
                 self._disk.read_at(slot, r0 * self.seq_nbytes, host)
             nbytes += n
             data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
-            if dev.is_cuda:
-                dev.counters.add("cpu", "compute", n)
             if coded:
                 out.copy_(self.codec.decode(data))
             else:

@@ -10,6 +10,10 @@ from the placement and the context, FLOPs from the spec) for models too big to r
 layer j+1 (weights, KV blocks) and stores layer j-1's sealed blocks while layer j computes, so
 a layer costs max(compute, I/O); with every layer alike a step costs
     L x max(compute/L, io/L) + head = max(compute_layers, io) + head + L x overhead
+except for reads made inside a layer's compute (`serial_bytes`: a query-aware policy such as
+SparPR with one GPU batch selects only once the layer's query exists, so its reads cannot be
+prefetched), which add to the step instead of hiding behind compute:
+    max(compute_layers, io - io_serial) + io_serial + head + L x overhead
 where compute = FLOPs / (device FLOP/s x efficiency of the phase), io = sum over links of
 bytes / link bandwidth (one I/O queue: the hops of a block run one after the other) and
 overhead is a fixed per-layer cost (kernel launches, Python). Efficiencies and overhead are
@@ -47,6 +51,7 @@ class StepTrace:
     flops: dict[str, float] = field(default_factory=dict)
     mem_bytes: float = 0.0  # bytes compute reads from its own memory (weights, attended KV)
     measured_s: float | None = None
+    serial_bytes: dict[str, int] = field(default_factory=dict)  # of `bytes`: read inside the compute
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,10 +193,11 @@ def act_link_bytes(spec: ModelSpec, batch: int, pl: Placement, new_tokens: int) 
 
 
 def analytic_trace(spec: ModelSpec, batch: int, prompt_len: int, gen_len: int, pl: Placement,
-                   keep: float = 1.0, rebuilt_blocks: float = 0) -> list[StepTrace]:
+                   keep: float = 1.0, rebuilt_blocks: float = 0, serial_kv: bool = False) -> list[StepTrace]:
     """The trace a run would produce, without running it: step 0 the prefill, then gen_len - 1
     decode steps. keep: share of the sealed offloaded blocks each decode step reads (1: dense;
-    SparPR: its effective keep ratio); its attention reads keep x context tokens plus the new one."""
+    SparPR: its effective keep ratio); its attention reads keep x context tokens plus the new one.
+    serial_kv: the decode steps' KV reads happen inside the compute (SparPR with one GPU batch)."""
     max_len, out = prompt_len + gen_len, []
     wb = weight_link_bytes(spec, pl)
     for i in range(gen_len):
@@ -201,10 +207,11 @@ def analytic_trace(spec: ModelSpec, batch: int, prompt_len: int, gen_len: int, p
         pairs = prefill_pairs(n) if i == 0 else _read_tokens(ctx, keep, pl.block_size) + 1
         rebuilt = rebuilt_blocks * pl.block_size if i else 0
         attended = n if i == 0 else pairs
+        serial = {k: int(round(kvb[k])) for k in ("disk->cpu", "cpu->compute")} if serial_kv and i else {}
         out.append(StepTrace("prefill" if i == 0 else "decode", ctx, n, batch, spec.num_layers,
                              bytes={k: int(round(wb[k] + kvb[k] + act[k])) for k in LINKS},
                              flops=step_flops(spec, batch, n, pairs, rebuilt),
-                             mem_bytes=step_mem_bytes(spec, batch, attended, pl.dtype_bytes)))
+                             mem_bytes=step_mem_bytes(spec, batch, attended, pl.dtype_bytes), serial_bytes=serial))
     return out
 
 
@@ -224,24 +231,27 @@ class TraceRecorder:
     def __init__(self, engine):
         self.engine = engine
         self.spec, self.batch = engine.spec, engine.policy.batch_size
-        self._raw: list[tuple[bool, int, int, dict[str, int], float]] = []
-        self._last = engine.devices.counters.snapshot()
+        self._raw: list[tuple[bool, int, int, dict[str, int], float, dict[str, int]]] = []
+        c = engine.devices.counters
+        self._last, self._last_serial = c.snapshot(), c.tagged("serial")
         engine.on_step.append(self._on_step)
 
     def _on_step(self, prefill: bool, st) -> None:
-        now = self.engine.devices.counters.snapshot()
+        c = self.engine.devices.counters
+        now, serial = c.snapshot(), c.tagged("serial")
         moved = {k: now.get(k, 0) - self._last.get(k, 0) for k in LINKS}
-        self._last = now
+        inside = {k: serial.get(k, 0) - self._last_serial.get(k, 0) for k in LINKS if serial.get(k, 0)}
+        self._last, self._last_serial = now, serial
         i = len(st.tokens) - 1
         ctx, n = (0, st.plen) if prefill else (st.plen + i - 1, 1)
-        self._raw.append((prefill, ctx, n, moved, st.step_times[-1]))
+        self._raw.append((prefill, ctx, n, moved, st.step_times[-1], inside))
 
     def trace(self) -> list[StepTrace]:
         pol = self.engine.kv_policy
         stats = pol.stats() if hasattr(pol, "stats") else None
         by_ctx = {s["context"]: s for s in stats["steps"]} if stats else {}
         bs, out = self.engine.cfg.block_size, []
-        for prefill, ctx, n, moved, secs in self._raw:
+        for prefill, ctx, n, moved, secs, inside in self._raw:
             if prefill:
                 pairs, rebuilt = prefill_pairs(n), 0.0
             elif ctx in by_ctx:  # per layer and sequence: the policy sums over calls and sequences
@@ -254,7 +264,8 @@ class TraceRecorder:
             out.append(StepTrace("prefill" if prefill else "decode", ctx, n, self.batch, self.spec.num_layers,
                                  bytes=moved, flops=step_flops(self.spec, self.batch, n, pairs, rebuilt),
                                  mem_bytes=step_mem_bytes(self.spec, self.batch, n if prefill else pairs,
-                                                          self.engine.dtype.itemsize), measured_s=secs))
+                                                          self.engine.dtype.itemsize), measured_s=secs,
+                                 serial_bytes=inside))
         return out
 
 
@@ -303,22 +314,30 @@ def step_parts(step: StepTrace, hw: Hardware, dtype: str, cal: Calibration) -> d
     comp = max(flop_s, mem_s)
     head = comp * step.flops.get("head", 0) / total
     io = sum(step.bytes.get(link, 0) / link_bandwidth(hw, link) for link in LINKS) / cal.io_eff
-    return {"compute_s": comp - head, "head_s": head, "io_s": io, "overhead_s": step.num_layers * cal.layer_overhead_s}
+    serial = sum(step.serial_bytes.get(link, 0) / link_bandwidth(hw, link) for link in LINKS) / cal.io_eff
+    return {"compute_s": comp - head, "head_s": head, "io_s": io, "io_serial_s": min(io, serial),
+            "overhead_s": step.num_layers * cal.layer_overhead_s}
+
+
+def _step_s(p: dict[str, float]) -> float:
+    """FlexGen's overlap: the prefetched I/O hides behind compute, the serial reads do not."""
+    return max(p["compute_s"], p["io_s"] - p["io_serial_s"]) + p["io_serial_s"] + p["head_s"] + p["overhead_s"]
 
 
 def predict_step(step: StepTrace, hw: Hardware, dtype: str, cal: Calibration) -> float:
-    """max(compute, I/O) over the layers (FlexGen's overlap), plus the head and fixed overhead."""
-    p = step_parts(step, hw, dtype, cal)
-    return max(p["compute_s"], p["io_s"]) + p["head_s"] + p["overhead_s"]
+    """max(compute, prefetched I/O) over the layers, plus the serial reads, the head and the
+    fixed overhead."""
+    return _step_s(step_parts(step, hw, dtype, cal))
 
 
 def predict(trace: list[StepTrace], hw: Hardware, dtype: str, cal: Calibration) -> dict:
     """Predicted prefill, decode and end-to-end seconds of a trace, the summed parts, and which
     side bound the decode steps."""
     parts = [step_parts(s, hw, dtype, cal) for s in trace]
-    secs = [max(p["compute_s"], p["io_s"]) + p["head_s"] + p["overhead_s"] for p in parts]
+    secs = [_step_s(p) for p in parts]
     pre = sum(t for t, s in zip(secs, trace) if s.kind == "prefill")
-    io_bound = sum(1 for p, s in zip(parts, trace) if s.kind == "decode" and p["io_s"] >= p["compute_s"])
+    io_bound = sum(1 for p, s in zip(parts, trace)
+                   if s.kind == "decode" and p["io_s"] - p["io_serial_s"] >= p["compute_s"])
     return {"prefill_s": pre, "decode_s": sum(secs) - pre, "total_s": sum(secs),
             "io_s": sum(p["io_s"] for p in parts), "compute_s": sum(p["compute_s"] + p["head_s"] for p in parts),
             "decode_io_bound_steps": io_bound, "decode_steps": sum(1 for s in trace if s.kind == "decode")}

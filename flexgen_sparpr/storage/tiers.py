@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -23,11 +24,30 @@ class LinkCounters:
         self._lock = threading.Lock()
         self._bytes: dict[str, int] = defaultdict(int)
         self._timed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # link -> [bytes, s]
+        self._tagged: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # tag -> link -> bytes
+        self._local = threading.local()
+
+    @contextmanager
+    def tag(self, name: str):
+        """Bytes this thread adds meanwhile are also counted under `name` (e.g. "serial": reads
+        made inside a layer's compute, which the time model does not overlap)."""
+        old, self._local.tag = getattr(self._local, "tag", None), name
+        try:
+            yield
+        finally:
+            self._local.tag = old
+
+    def tagged(self, name: str) -> dict[str, int]:
+        with self._lock:
+            return dict(self._tagged.get(name, {}))
 
     def add(self, src: str, dst: str, nbytes: int, seconds: float | None = None) -> None:
         link = f"{src}->{dst}"
+        tag = getattr(self._local, "tag", None)
         with self._lock:
             self._bytes[link] += int(nbytes)
+            if tag is not None:
+                self._tagged[tag][link] += int(nbytes)
             if seconds is not None and seconds > 0:
                 self._timed[link][0] += nbytes
                 self._timed[link][1] += seconds
@@ -46,6 +66,7 @@ class LinkCounters:
         """Clear the byte counts (measured bandwidths are kept: they describe the machine)."""
         with self._lock:
             self._bytes.clear()
+            self._tagged.clear()
 
     def total(self) -> int:
         return sum(self.snapshot().values())

@@ -84,6 +84,18 @@ def test_overlap_model_takes_the_slower_side_plus_head_and_overhead():
     assert predict_step(compute_bound, h, "float32", cal) == pytest.approx(2e12 / 0.5e12 + 8e-3)
 
 
+def test_serial_reads_add_to_the_step_instead_of_hiding_behind_compute():
+    h, cal = hw(), Calibration(decode_eff=0.25, io_eff=0.5)
+    kw = dict(bytes={"disk->cpu": 1e9}, flops={"mlp": 1e12})  # compute 4 s, I/O 1 s
+    hidden = StepTrace("decode", 10, 1, 4, 8, **kw)
+    serial = StepTrace("decode", 10, 1, 4, 8, **kw, serial_bytes={"disk->cpu": 4e8})  # 0.4 s of it serial
+    assert predict_step(hidden, h, "float32", cal) == pytest.approx(4.0)
+    assert predict_step(serial, h, "float32", cal) == pytest.approx(4.0 + 0.4)
+    io_bound = StepTrace("decode", 10, 1, 4, 8, bytes={"disk->cpu": 4e9}, flops={"mlp": 1e11},
+                         serial_bytes={"disk->cpu": 1e9})  # I/O 4 s (1 s serial), compute 0.4 s
+    assert predict_step(io_bound, h, "float32", cal) == pytest.approx(3.0 + 1.0)
+
+
 def test_decode_compute_is_a_roofline_with_memory_bandwidth():
     h = hw(compute_memory_bw=100e9)
     step = StepTrace("decode", 10, 1, 4, 1, flops={"mlp": 1e9}, mem_bytes=50e9)
@@ -133,12 +145,13 @@ def test_device_bytes_needed_adds_weights_kv_and_activations():
     assert need["total"] == need["weights"] + need["kv"] + need["activations"] > 8 * 2 ** 30
 
 
-def _run(model_dir, tmp_path, kv_policy="dense", policy_args=None, prompt=11, gen=6, bs=4):
+def _run(model_dir, tmp_path, kv_policy="dense", policy_args=None, prompt=11, gen=6, bs=4, ngb=1):
     src = resolve_source(str(model_dir), "")
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=bs, offload_dir=str(tmp_path),
                        kv_policy=kv_policy, policy_args=policy_args or {})
     prompts = [[(7 * i + j) % 250 + 4 for j in range(prompt)] for i in range(2)]
-    with Engine(src, Policy(gpu_batch_size=2, cache_gpu_percent=0, cache_cpu_percent=0), cfg) as eng:
+    policy = Policy(gpu_batch_size=2 // ngb, num_gpu_batches=ngb, cache_gpu_percent=0, cache_cpu_percent=0)
+    with Engine(src, policy, cfg) as eng:
         rec = TraceRecorder(eng)
         st = eng.prefill(prompts, gen)
         eng.decode(st)
@@ -159,6 +172,19 @@ def test_recorded_trace_bytes_match_the_counters_and_the_analytic_trace(tiny_opt
         assert rec.measured_s > 0 and model.measured_s is None
     t = predict(trace, hw(compute="cpu", h2d_bw=0, d2h_bw=0), "float32", Calibration())
     assert t["total_s"] == pytest.approx(t["prefill_s"] + t["decode_s"]) and t["decode_steps"] == 5
+
+
+def test_trace_marks_the_reads_made_inside_the_compute(tiny_opt_dir, tmp_path):
+    """SparPR with one GPU batch reads its blocks inside each layer's compute (serial_bytes =
+    every decode read); dense prefetches them, and so does SparPR with two GPU batches."""
+    costs = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e10}, live=False)
+    args = dict(keep_ratio=0.5, costs=costs, fallback=False)
+    _, one, _ = _run(tiny_opt_dir, tmp_path / "1", "sparpr", args, prompt=40, gen=4)
+    _, two, _ = _run(tiny_opt_dir, tmp_path / "2", "sparpr", args, prompt=40, gen=4, ngb=2)
+    _, dense, _ = _run(tiny_opt_dir, tmp_path / "d", prompt=40, gen=4)
+    for s in one[1:]:
+        assert s.serial_bytes == {"disk->cpu": s.bytes["disk->cpu"]} and s.bytes["disk->cpu"] > 0
+    assert all(not s.serial_bytes for s in one[:1] + two + dense)
 
 
 def test_sparpr_trace_counts_what_the_policy_read(tiny_opt_dir, tmp_path):

@@ -128,3 +128,20 @@ def test_link_counters_thread_safe():
     for t in ts:
         t.join()
     assert c.snapshot() == {"a->b": 8000}
+
+
+def test_link_counters_tag_counts_this_threads_bytes_only():
+    import threading
+    from flexgen_sparpr.storage.tiers import LinkCounters
+    c = LinkCounters()
+    c.add("disk", "cpu", 5)
+    with c.tag("serial"):
+        c.add("disk", "cpu", 7)
+        t = threading.Thread(target=c.add, args=("disk", "cpu", 100))  # another thread: untagged
+        t.start()
+        t.join()
+    c.add("cpu", "disk", 3)
+    assert c.snapshot() == {"disk->cpu": 112, "cpu->disk": 3}
+    assert c.tagged("serial") == {"disk->cpu": 7} and c.tagged("other") == {}
+    c.reset()
+    assert c.tagged("serial") == {}

@@ -1,0 +1,37 @@
+"""Where a generation stands: what decode needs to go on, what it returns, and a snapshot
+that lets one prefill serve several decodes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import Sampler
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per sequence (prompt excluded)
+    step_times: list[float]  # wall seconds per generated token; [0] is prefill
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V], if kept
+
+
+@dataclass
+class GenState:
+    """Where a generation stands: everything decode needs to go on."""
+
+    plen: int
+    max_new: int
+    pads: torch.Tensor  # [B] left-pad counts
+    sampler: Sampler
+    keep_logits: bool
+    done: torch.Tensor  # [B] bool
+    tokens: list[torch.Tensor] = field(default_factory=list)  # per step [B]
+    step_times: list[float] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Snapshot:
+    state: GenState
+    tables: dict
