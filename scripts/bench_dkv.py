@@ -44,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--residuals", type=int, default=16)
     ap.add_argument("--residual-pick", default="attention", choices=list(PICKS),
                     help="which rows a block keeps exact (--dkv-residual-pick)")
+    ap.add_argument("--pick-follow", type=int, default=None,
+                    help="dkv: a token inherits the pick score of this many tokens before it (default: the policy's)")
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--dense-layers", type=int, default=0)
     ap.add_argument("--route", default="lowrank", choices=["lowrank", "mean"], help="dkv block routing")
@@ -92,7 +94,8 @@ def engine_for(src, config: str, args, batch: int, offload: str) -> Engine:
     elif config.startswith("dkv"):
         cfg = EngineConfig(device="cpu", block_size=args.block, kv_policy="dkv",
                            policy_args=dkv | {"topk": args.topk, "dense_layers": args.dense_layers, "route": args.route,
-                                              "sparse_prefill": config == "dkv-sparse-prefill"})
+                                              "sparse_prefill": config == "dkv-sparse-prefill"}
+                           | ({"pick_follow": args.pick_follow} if args.pick_follow is not None else {}))
     else:  # sparpr decodes from a dense-policy prefill of a disk cache (raw, or in DKV form)
         cold = {"cold_codec": "dkv", "codec_args": dkv} if config == "sparpr+dkv" else {}
         cfg = EngineConfig(device="cpu", block_size=args.block, offload_dir=offload, direct_io=True, **cold)
