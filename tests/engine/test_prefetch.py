@@ -96,3 +96,24 @@ def test_gather_ring_takes_two_buffers_in_turn():
     d = ring.take((4, 4), torch.float32, cpu)  # larger than buffer b: a new, larger one
     assert d.shape == (4, 4) and d.data_ptr() != b.data_ptr()
     assert ring.take((1, 6), torch.float32, cpu).data_ptr() == a.data_ptr()  # fits: reused
+
+
+@pytest.mark.parametrize("name", ["quest", "flexgen-topk"])
+def test_other_query_aware_policies_select_early_too(name, tiny_model_dir, tmp_path, monkeypatch, spy):
+    """Every policy that needs the query takes the early path with 2 GPU batches, with the same
+    tokens as selecting at compute time."""
+    def run(out):
+        args = {"keep_ratio": 0.3} | ({"dense_layers": 0} if name == "quest" else {})  # both layers sparse
+        cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(out), kv_policy=name, policy_args=args)
+        policy = Policy(gpu_batch_size=1, num_gpu_batches=2, cache_gpu_percent=0)
+        with Engine(resolve_source(str(tiny_model_dir), ""), policy, cfg) as eng:
+            st = eng.prefill(PROMPTS, GEN, keep_logits=True)
+            eng.decode(st)
+            return torch.stack(st.tokens, 1).tolist(), st.logits
+    early = run(tmp_path / "a")
+    assert spy["early"] == spy["prefetched"] == spy["steps"] == 2 * 2 * (GEN - 1)
+    monkeypatch.setattr(executor, "early_selection", lambda *a: None)
+    late = run(tmp_path / "b")
+    assert early[0] == late[0]
+    for a, b in zip(early[1], late[1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
