@@ -24,13 +24,13 @@ class Ahead(NamedTuple):
     weights: dict | Future  # the next cell's layer weights (a Future while they load)
     x: torch.Tensor | None  # [B, 1, hidden] its input hidden state
     pos: torch.Tensor  # [B, 1] its positions
-    same: bool  # False: the next cell's input is not known yet (one GPU batch)
+    input_ready: bool  # False: the next cell's input is still being computed (one GPU batch)
 
 
 def early_selection(eng, layer, table, ahead: Ahead | None) -> Selection | None:
     """The policy's selection for the next cell from its exact query, or None when the query
     cannot be had without waiting (no input yet, or its weights still loading)."""
-    if ahead is None or not ahead.same or ahead.x is None or layer.kind not in ("attn", "block"):
+    if ahead is None or not ahead.input_ready or ahead.x is None or layer.kind not in ("attn", "block"):
         return None
     w = ahead.weights
     if isinstance(w, Future):
