@@ -247,9 +247,8 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
     SparPR at keep 0.5 and 0.1 (the paper's two settings) on the same placement, all-on-device."""
     from flexgen_sparpr.models.spec import opt_spec
     from flexgen_sparpr.runtime.hardware import load_hardware
-    from flexgen_sparpr.runtime.placement import NoPlacementFits, Workload, choose
-    from flexgen_sparpr.runtime.timemodel import (Calibration, Placement, analytic_trace, device_bytes_needed,
-                                                  predict)
+    from flexgen_sparpr.runtime.placement import NoPlacementFits, Workload, choose, device_bytes_needed
+    from flexgen_sparpr.runtime.timemodel import Calibration, Placement, analytic_trace, predict
     hw, spec = load_hardware(_hw_path(path)), opt_spec("opt-6.7b")
     dtype = "float16" if hw.is_cuda else "float32"
     nbytes = 2 if hw.is_cuda else 4

@@ -195,3 +195,14 @@ def choose(wl: Workload, hw: Hardware, step: int = 5) -> Plan:
     return Plan(percent=best["percent"], gpu_batch_size=best["split"][0], num_gpu_batches=best["split"][1],
                 prefill_s=best["prefill_s"], decode_step_s=best["decode_step_s"], total_s=best["total_s"],
                 bottleneck=best["bottleneck"], memory=best["memory"])
+
+
+# --- memory: does an all-on-device run fit? ---
+def device_bytes_needed(spec: ModelSpec, batch: int, context: int, dtype_bytes: int) -> dict[str, int]:
+    """Weights + full KV cache + the prefill's largest activations, all on the compute device
+    (what a system that holds everything on the device needs; no allocator slack counted)."""
+    w = spec.num_params() * dtype_bytes
+    kv = 2 * batch * context * spec.num_layers * spec.kv_dim * dtype_bytes
+    act = batch * context * (spec.hidden + spec.ffn) * dtype_bytes
+    act += batch * spec.num_heads * context * context * dtype_bytes  # eager attention's [B, H, S, S] scores
+    return {"weights": w, "kv": kv, "activations": act, "total": w + kv + act}

@@ -392,14 +392,3 @@ def _lstsq2(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, floa
     if det <= 1e-9 * s00 * s11 or s11 == 0:
         return (y0 / s00 if s00 else 0.0), 0.0
     return (y0 * s11 - y1 * s01) / det, (s00 * y1 - s01 * y0) / det
-
-
-# --- memory: does an all-on-device run fit? ---
-def device_bytes_needed(spec: ModelSpec, batch: int, context: int, dtype_bytes: int) -> dict[str, int]:
-    """Weights + full KV cache + the prefill's largest activations, all on the compute device
-    (what a system that holds everything on the device needs; no allocator slack counted)."""
-    w = spec.num_params() * dtype_bytes
-    kv = 2 * batch * context * spec.num_layers * spec.kv_dim * dtype_bytes
-    act = batch * context * (spec.hidden + spec.ffn) * dtype_bytes
-    act += batch * spec.num_heads * context * context * dtype_bytes  # eager attention's [B, H, S, S] scores
-    return {"weights": w, "kv": kv, "activations": act, "total": w + kv + act}

@@ -12,8 +12,9 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.models.spec import ModelSpec, opt_spec
 from flexgen_sparpr.runtime.costs import CostModel
 from flexgen_sparpr.runtime.hardware import Hardware
+from flexgen_sparpr.runtime.placement import device_bytes_needed
 from flexgen_sparpr.runtime.timemodel import (LINKS, Calibration, Placement, StepTrace, TraceRecorder,
-                                              analytic_trace, calibrate, device_bytes_needed, layer_weight_bytes,
+                                              analytic_trace, calibrate, layer_weight_bytes,
                                               predict, predict_step, step_flops, step_parts, weight_link_bytes)
 from flexgen_sparpr.weights.resolve import resolve_source
 
