@@ -25,7 +25,7 @@ from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv
 from .config import ConfigError, EngineConfig, Policy
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
-from .weights import WeightStore
+from .weights import WeightStore, sub_weights
 
 
 @dataclass
@@ -207,8 +207,7 @@ class Engine:
         if layer.kind == "mlp":
             return a.mlp(w, x), []
         if layer.kind == "block":
-            wa = {key[2:]: t for key, t in w.items() if key.startswith("a.")}
-            wm = {key[2:]: t for key, t in w.items() if key.startswith("m.")}
+            wa, wm = sub_weights(w, "a."), sub_weights(w, "m.")
             x, jobs = self._attention(wa, x, layer.index, k, pos, pads, fetched, prefill)
             return a.mlp(wm, x), jobs
         return a.head(w, x[:, -1]).float(), []  # logits: [B, vocab]

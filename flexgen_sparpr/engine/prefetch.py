@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..kv.policy import Selection
+from .weights import sub_weights
 
 
 class Ahead(NamedTuple):
@@ -38,7 +39,7 @@ def early_selection(eng, layer, table, ahead: Ahead | None) -> Selection | None:
             return None
         w = eng._adopt(w.result())
     if layer.kind == "block":
-        w = {key[2:]: t for key, t in w.items() if key.startswith("a.")}
+        w = sub_weights(w, "a.")
     a = eng.arch
     q = a.query(w, a.attn_input(w, eng._unpark(ahead.x)), ahead.pos)  # q: [B, H, 1, D]
     return eng.kv_policy.select(table, layer.index, q)

@@ -103,3 +103,8 @@ class WeightStore:
 def _is_projection(name: str) -> bool:
     """A linear layer's weight (not an embedding or position table, not a norm)."""
     return name.endswith("proj.weight") or name.endswith(("fc1.weight", "fc2.weight"))
+
+
+def sub_weights(w: dict, prefix: str) -> dict:
+    """The weights of one half of a fused layer ("a." attention, "m." MLP), prefix dropped."""
+    return {key[len(prefix):]: t for key, t in w.items() if key.startswith(prefix)}

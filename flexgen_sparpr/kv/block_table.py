@@ -208,9 +208,10 @@ class BlockTable:
         if self.devices.is_cuda:  # counted here, on the calling thread (LinkCounters.tag is per thread)
             self.devices.counters.add("cpu", "compute", nbytes)
 
-    def _read_disk_block(self, b: int, out: torch.Tensor, rows: list[tuple[int, int]]) -> int:
-        """One disk block into out; encoded blocks whole, raw ones one read per run of sequences
-        (sequence-major on disk). Returns the bytes read."""
+    def _read_disk_block(self, b: int, out: torch.Tensor, rows: list[tuple[int, int]], decode: bool = True) -> int:
+        """One disk block into out; encoded blocks whole (decoded, or as their encoded row when
+        not `decode`), raw ones one read per run of sequences (sequence-major on disk). Returns
+        the bytes read."""
         slot, dev, b_all = self.slot[b], self.devices, self.block_shape[1]
         coded = Tier.DISK in self.coded
         runs = [(0, b_all)] if coded else rows
@@ -225,7 +226,7 @@ class BlockTable:
             nbytes += n
             data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
             if coded:
-                out.copy_(self.codec.decode(data))
+                out.copy_(self.codec.decode(data) if decode else data, non_blocking=not decode)
             else:
                 planes, _, h, bs, d = self.block_shape
                 out[:, r0:r1].copy_(data.view(self.dtype).view(r1 - r0, planes, h, bs, d).transpose(0, 1))
@@ -279,22 +280,19 @@ class BlockTable:
         compute (for policies that attend the encoded form, e.g. DKV)."""
         dev, nb = self.devices, self.codec.nbytes
         out = torch.empty((len(blocks), nb), dtype=torch.uint8, device=dev.compute)
+        disk_reads = []
         for i, b in enumerate(blocks):
             home, slot = self.homes[b], self.slot[b]
             if home not in self.coded or self.block_len(b) < self.bs:
                 raise ValueError(f"block {b} is not a sealed encoded block")
             if home == Tier.DISK:
-                host = dev.empty_host((nb,), torch.uint8)
-                t0 = time.perf_counter()
-                self._disk.read(slot, host)
-                dev.counters.add("disk", "cpu", nb, time.perf_counter() - t0)
-                out[i].copy_(host, non_blocking=True)
-                if dev.is_cuda:
-                    dev.counters.add("cpu", "compute", nb)
+                disk_reads.append((b, out[i], None, False))  # read together, not decoded
             else:
                 out[i].copy_(self._rows[home][slot], non_blocking=True)
                 if home == Tier.CPU:
                     dev.counters.add("cpu", "compute", nb)
+        if disk_reads:
+            self._read_disk(disk_reads)
         return out
 
     # --- rewinding (one prefill, several decodes) ---
