@@ -125,6 +125,7 @@ def run_engine(src, args, ctx: int, policy: str) -> dict:
             "disk_read_Bps": r["disk_read_Bps"], "disk_mode": r["disk_mode"],
             "peak_rss_bytes": r["memory"]["host_rss_peak_bytes"], "effective_keep": tot.get("effective_keep"),
             "blocks_recomputed": tot.get("blocks_recomputed"), "fallbacks": tot.get("fallbacks"),
+            "checkpoints": bool(((r["kv_policy_stats"] or {}).get("checkpoint_tables") or {}).get("kept")),
             "trace": r["trace"]}
 
 
@@ -224,7 +225,7 @@ def validate(cell: dict, spec, args, hw, cal) -> dict:
     from flexgen_sparpr.runtime.timemodel import LINKS, Placement, analytic_trace, predict
     tr = cell["trace"]
     pl = Placement(cache=(0, 0, 100), block_size=args.block_size, dtype_bytes=4,
-                   checkpoints=cell["policy"] == "sparpr")
+                   checkpoints=cell.get("checkpoints", False))  # SparPR's, where a rebuild can pay
     keep = cell.get("effective_keep") or 1.0
     an = analytic_trace(spec, args.batch, cell["context"], args.gen_len, pl, keep=keep,
                         serial_kv=cell["policy"] == "sparpr" and args.gpu_batches == 1)

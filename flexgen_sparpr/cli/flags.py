@@ -20,7 +20,7 @@ DEFAULTS = {
     "do_sample": False, "temperature": 1.0, "top_p": 1.0, "stop": None, "warmup": True,
     # SparPR (--kv-policy sparpr)
     "min_keep": 0.1, "gamma": 0.9, "no_dynamic_budget": False, "quest_only": False,
-    "no_recompute": False, "no_fallback": False, "summary_tokens": 4,
+    "no_recompute": False, "no_fallback": False, "summary_tokens": 4, "checkpoints": "auto",
     # DKV (--kv-policy dkv, or --cold-codec dkv under another policy)
     "cold_codec": "raw", "dkv_block": 256, "dkv_rank": 32, "dkv_residuals": 16, "dkv_topk": 8,
     "dkv_recent": 1, "dkv_sparse_prefill": False, "dkv_route": "lowrank", "dkv_residual_pick": "attention",
@@ -102,6 +102,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="sparpr ablation: copy every selected block (no checkpoint recompute)")
     g.add_argument("--no-fallback", action="store_true", default=None,
                    help="sparpr ablation: never fall back to dense")
+    g.add_argument("--checkpoints", choices=["auto", "always"], help="sparpr: keep hidden-state checkpoints "
+                   "always, or (auto) only where the measured costs say a rebuild can pay (default auto)")
     g.add_argument("--direct-io", action="store_true", default=None, help="disk tier bypasses the page cache (O_DIRECT)")
     g.add_argument("--io-threads", type=int, help="I/O threads of the overlapped schedule (default 2)")
     g.add_argument("--seed", type=int, help="seed for sampling and dummy weights (default 0)")

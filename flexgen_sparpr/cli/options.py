@@ -85,7 +85,8 @@ def _sparpr_args(merged: dict, policy: Policy, hw: Hardware | None = None) -> di
             raise ConfigError(f"--{flag.replace('_', '-')} must be in (0, 1] (got {merged[flag]})")
     args = {"min_keep": merged["min_keep"], "gamma": merged["gamma"], "quest_only": merged["quest_only"],
             "dynamic_budget": not merged["no_dynamic_budget"], "recompute": not merged["no_recompute"],
-            "fallback": not merged["no_fallback"], "summary_tokens": merged["summary_tokens"]}
+            "fallback": not merged["no_fallback"], "summary_tokens": merged["summary_tokens"],
+            "checkpoints": merged["checkpoints"]}
     st = merged["summary_tokens"]
     if st < 0 or (0 < st < merged["block_size"] and merged["block_size"] % st):
         raise ConfigError(f"--summary-tokens must be 0 or divide --block-size {merged['block_size']} (got {st})")

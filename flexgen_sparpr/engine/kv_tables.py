@@ -12,7 +12,7 @@ def build_tables(eng, max_len: int, generation: int, observers: tuple[KVPolicy, 
     """{(layer, batch): BlockTable} for `max_len` tokens, attached to the engine's KV policy."""
     spec, pol, cfg, kvp = eng.spec, eng.policy, eng.cfg, eng.kv_policy
     homes = block_homes(-(-max_len // cfg.block_size), pol.cache_percents)
-    ckpt = any(p.needs_checkpoints for p in (kvp, *observers))
+    keepers = [p for p in (kvp, *observers) if p.needs_checkpoints]
     kv_shape = (2, pol.gpu_batch_size, spec.num_kv_heads, cfg.block_size, spec.head_dim)
     args = dict(cfg.codec_args)
     recent = args.pop("recent", 1)  # sealed blocks kept exact besides their encoded form
@@ -30,9 +30,10 @@ def build_tables(eng, max_len: int, generation: int, observers: tuple[KVPolicy, 
                            coded_tiers=coded, **common)
             if cold is not None and codec is cold:
                 t.exact_recent = recent
-            if ckpt:  # checkpoints live on the same tiers as the blocks they rebuild
+            kvp.attach(t, i)
+            if any(p.wants_checkpoints(t, spec.hidden) for p in keepers):
+                # on the same tiers as the blocks they rebuild (before any block is appended)
                 t.checkpoints = BlockTable(name=f"g{generation}-l{i}-b{k}-ckpt", num_kv_heads=1,
                                            head_dim=spec.hidden, planes=1, **common)
-            kvp.attach(t, i)
             tables[(i, k)] = t
     return tables

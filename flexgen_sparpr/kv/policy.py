@@ -53,6 +53,11 @@ class KVPolicy:
     needs_checkpoints = False  # True: the engine keeps each block's K/V-projection input
     attends = False  # True: the policy computes decode attention itself (`attend`), e.g. DKV
 
+    def wants_checkpoints(self, table: BlockTable, hidden: int) -> bool:
+        """Whether the engine should keep this table's hidden-state checkpoints (hidden: their
+        width); asked once per table, after `attach`."""
+        return self.needs_checkpoints
+
     def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype, layer: int):
         """How the engine stores this policy's sealed blocks of a layer on every tier; None: the
         engine's choice (raw, or --compress-cache / --cold-codec)."""

@@ -16,8 +16,8 @@ from flexgen_sparpr.engine.config import ConfigError, EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies import token_budget
-from flexgen_sparpr.kv.policies.sparpr import SparPR, block_scores, masked_mean_keys
-from flexgen_sparpr.runtime.costs import CostModel
+from flexgen_sparpr.kv.policies.sparpr import CKPT_MARGIN, SparPR, block_scores, masked_mean_keys
+from flexgen_sparpr.runtime.costs import CostModel, kv_rebuild_flops
 from flexgen_sparpr.storage.disk import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
@@ -199,6 +199,24 @@ def test_dynamic_budget_shrinks_as_copying_gets_dearer(filled):
     assert pol.target_keep(t, pol.block_costs(t, hidden=8))[0] == 0.1  # 0.2 ** 2 is below the floor
 
 
+def test_checkpoints_kept_only_where_a_rebuild_can_pay(filled):
+    """auto: checkpoints for a table only while rebuilding a block costs < CKPT_MARGIN x copying
+    it; always: regardless; no recompute: never."""
+    t = filled
+    copy = t.codec.nbytes / 1e9  # seconds to copy one block at 1 GB/s
+    ckpt = t.block_shape[1] * t.bs * 8 * 4 / 1e9  # its checkpoint's copy (hidden 8, float32)
+    flops = kv_rebuild_flops(t.block_shape[1], t.bs, 8, t.block_shape[2] * t.block_shape[4])
+    for rebuild_x, keep in ((0.75, True), (CKPT_MARGIN * 0.99, True), (CKPT_MARGIN * 1.01, False), (10, False)):
+        flop_s = rebuild_x * copy - ckpt  # rebuild = checkpoint copy + matmuls = rebuild_x * copy
+        pol = SparPR(keep_ratio=0.5, costs=fixed(disk_Bps=1e9, flops=flops / flop_s))
+        assert pol.wants_checkpoints(t, hidden=8) == keep, rebuild_x
+        assert pol.stats()["checkpoint_tables"] == {"kept": int(keep), "asked": 1}
+        assert SparPR(keep_ratio=0.5, costs=pol.costs, checkpoints="always").wants_checkpoints(t, hidden=8)
+        assert not SparPR(keep_ratio=0.5, costs=pol.costs, recompute=False).wants_checkpoints(t, hidden=8)
+    with pytest.raises(ValueError, match="checkpoints"):
+        SparPR(checkpoints="never")
+
+
 def test_fallback_exactly_when_sparse_costs_more_than_gamma_dense(store):
     t = disk_table(store, "fallback")
     fill(t, 42, seed=6)
@@ -260,7 +278,9 @@ def test_cli_passes_sparpr_flags_only_to_sparpr():
                        "--no-fallback", "--quest-only", "--percent", "100", "0", "0", "0", "100", "0",
                        "--offload-dir", "/somewhere")
     assert args == dict(keep_ratio=0.5, min_keep=0.2, gamma=0.8, dynamic_budget=True, recompute=True,
-                        fallback=False, quest_only=True, summary_tokens=4, probe_dir="/somewhere")
+                        fallback=False, quest_only=True, summary_tokens=4, checkpoints="auto",
+                        probe_dir="/somewhere")
+    assert engine_args("--kv-policy", "sparpr", "--checkpoints", "always")["checkpoints"] == "always"
     assert "probe_dir" not in engine_args("--kv-policy", "sparpr", "--no-recompute")
     assert engine_args("--kv-policy", "sparpr", "--summary-tokens", "16")["summary_tokens"] == 16
     assert engine_args("--kv-policy", "sparpr", "--summary-tokens", "128")["summary_tokens"] == 128  # one a block

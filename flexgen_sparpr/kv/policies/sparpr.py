@@ -25,6 +25,9 @@ class _Summaries:
     pads: torch.Tensor | None = None  # [B] left pads, once the prefill was seen
 
 
+CKPT_MARGIN = 2.0  # keep checkpoints while a rebuild costs < this x a copy (at start-up costs)
+
+
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None  # JSON has no inf / nan
 
@@ -152,6 +155,7 @@ class SparPR(BudgetPolicy):
     head_score: str = "softmax"  # how heads' q . summary add up (block_scores)
     summary_tokens: int = 4  # tokens per summary (divides the block size); 0 or >= block size: one per block
     per_sequence: bool = True  # each sequence its own top-k (the union moves); False: one set per batch
+    checkpoints: str = "auto"  # auto: only where a rebuild can pay (CKPT_MARGIN); always
     costs: CostModel | None = None  # None: measured by the start-up probe
     probe_dir: str | None = None  # folder whose disk bandwidth is probed (the offload dir)
 
@@ -165,6 +169,8 @@ class SparPR(BudgetPolicy):
             raise ValueError(f"head_score must be one of {', '.join(HEAD_SCORES)} (got {self.head_score!r})")
         if self.summary_tokens < 0:
             raise ValueError(f"summary_tokens must be >= 0 (got {self.summary_tokens})")
+        if self.checkpoints not in ("auto", "always"):
+            raise ValueError(f"checkpoints must be auto or always (got {self.checkpoints!r})")
         if self.recent_blocks < 0:
             raise ValueError(f"recent_blocks must be >= 0 (got {self.recent_blocks})")
         if self.quest_only:  # the selection stage alone: the three runtime decisions are off
@@ -173,6 +179,7 @@ class SparPR(BudgetPolicy):
         self._probed = False
         self._sums: weakref.WeakKeyDictionary[BlockTable, _Summaries] = weakref.WeakKeyDictionary()
         self.step_stats = StepStats()
+        self.ckpt_tables = [0, 0]  # auto: tables that kept checkpoints, tables asked
 
     # --- what every step reads ---
     def floor(self, table: BlockTable) -> int:
@@ -204,6 +211,21 @@ class SparPR(BudgetPolicy):
         flops = kv_rebuild_flops(b, bs, hidden, hkv * d)
         return {t: (cm.copy_s(table.codec.nbytes, t, table.devices),
                     cm.recompute_s(ckpt_bytes, flops, t, table.devices, table.dtype)) for t in set(table.homes)}
+
+    def wants_checkpoints(self, table: BlockTable, hidden: int) -> bool:
+        """Keep this table's checkpoints only if a rebuild can pay: for some offloaded home tier,
+        rebuilding a block costs less than CKPT_MARGIN x copying it at the start-up costs (the
+        margin leaves room for the live bandwidth to fall below the probe's). Otherwise every
+        prefill would write them (+50 % prefill writes for OPT) for nothing."""
+        if not self.needs_checkpoints:
+            return False
+        if self.checkpoints == "always":
+            return True
+        costs = self.block_costs(table, hidden)
+        self.ckpt_tables[1] += 1
+        keep = any(rec < CKPT_MARGIN * copy for tier, (copy, rec) in costs.items() if tier != Tier.COMPUTE)
+        self.ckpt_tables[0] += keep
+        return keep
 
     # --- summaries ---
     def attach(self, table: BlockTable, layer: int) -> None:
@@ -355,6 +377,8 @@ class SparPR(BudgetPolicy):
         """JSON-able: the knobs, the cost model, totals and one record per decode step."""
         config = {k: getattr(self, k) for k in ("keep_ratio", "min_keep", "gamma", "recent_blocks", "dynamic_budget",
                                                 "recompute", "fallback", "quest_only", "head_score",
-                                                "per_sequence", "summary_tokens")}
+                                                "per_sequence", "summary_tokens", "checkpoints")}
         return {"policy": self.name, "config": config,
-                "costs": self.costs.to_dict() if self.costs is not None else None, **self.step_stats.report()}
+                "costs": self.costs.to_dict() if self.costs is not None else None,
+                "checkpoint_tables": {"kept": self.ckpt_tables[0], "asked": self.ckpt_tables[1]},
+                **self.step_stats.report()}
