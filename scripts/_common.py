@@ -123,8 +123,10 @@ def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int
 
 def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense", policy_args: dict | None = None,
                 block_size: int = 64, offload_dir: str, cache_gpu_percent: float = 0, seed: int = 0,
-                trace: bool = False, memory: bool = False, gpu_batches: int = 1) -> dict:
-    """One fresh engine on the CPU (float32), the KV cache's other share on the disk tier with
+                trace: bool = False, memory: bool = False, gpu_batches: int = 1, device: str = "cpu",
+                dtype: str = "float32") -> dict:
+    """One fresh engine (on the CPU in float32 unless told; "auto": CUDA in float16 when there is
+    one), the KV cache's other share on the disk tier with
     O_DIRECT, one greedy generation of random prompts: prefill, then gen_len - 1 decode steps.
 
     Returns prefill/decode seconds, per-step seconds, the bytes moved per link during decode,
@@ -137,11 +139,11 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     from flexgen_sparpr.runtime.timemodel import TraceRecorder
 
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
-    cfg = EngineConfig(device="cpu", dtype="float32", block_size=block_size, direct_io=True,
+    cfg = EngineConfig(device=device, dtype=dtype, block_size=block_size, direct_io=True,
                        offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {})
     pol = Policy(gpu_batch_size=batch // gpu_batches, num_gpu_batches=gpu_batches,
                  cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=0)
-    peak = PeakMemory(torch.device("cpu"))
+    peak = PeakMemory(cfg.torch_device())
     with peak if memory else _nothing(), Engine(src, pol, cfg) as eng:
         rec = TraceRecorder(eng) if trace else None
         st = eng.prefill(prompts, gen_len)
@@ -151,7 +153,7 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
         out = {"prefill_s": res.step_times[0], "decode_s": sum(res.step_times[1:]), "step_s": res.step_times[1:],
                "bytes_moved": moved, "disk_read_Bps": eng.devices.counters.bandwidth("disk", "cpu"),
                "disk_mode": sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else [],
-               "tokens": res.tokens,
+               "tokens": res.tokens, "device": str(eng.devices.compute), "dtype": str(eng.dtype).removeprefix("torch."),
                "kv_policy_stats": eng.kv_policy.stats() if hasattr(eng.kv_policy, "stats") else None}
         if rec is not None:
             out["trace"] = rec.trace()

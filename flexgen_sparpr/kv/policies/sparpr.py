@@ -19,10 +19,16 @@ from .base import BudgetPolicy, masked_mean_keys, selection_from_tokens, token_b
 
 @dataclass(eq=False)
 class _Summaries:
-    mean: torch.Tensor  # [num_blocks, B, Hkv, P, D] cache dtype: mean key of each part of a sealed block
-    live: torch.Tensor  # [num_blocks, B, P] bool: the part holds a valid token
+    # sequence-major, so that scoring a prefix of blocks reads a view, not a copy
+    mean: torch.Tensor  # [B, Hkv, num_blocks, P, D] cache dtype: mean key of each part of a sealed block
+    live: torch.Tensor  # [B, num_blocks, P] bool: the part holds a valid token
     known: list[bool]
     pads: torch.Tensor | None = None  # [B] left pads, once the prefill was seen
+
+    def put(self, ids, mean: torch.Tensor, live: torch.Tensor) -> None:
+        """Blocks `ids` (a slice or list) from masked_mean_keys' mean [n, B, Hkv, P, D], live [n, B, P]."""
+        self.mean[:, :, ids] = mean.permute(1, 2, 0, 3, 4).to(self.mean.dtype)
+        self.live[:, ids] = live.permute(1, 0, 2)
 
 
 CKPT_MARGIN = 2.0  # keep checkpoints while a rebuild costs < this x a copy (at start-up costs)
@@ -89,7 +95,7 @@ HEAD_SCORES = ("sum", "softmax")
 
 
 def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_score: str = "sum") -> torch.Tensor:
-    """q: [B, H, 1, D]; summ: [nb, B, Hkv, P, D]; live: [nb, B, P] -> [B, nb] (-inf: no valid token).
+    """q: [B, H, 1, D]; summ: [B, Hkv, nb, P, D]; live: [B, nb, P] -> [B, nb] (-inf: no valid token).
 
     A part's score is the sum over query heads h of f_h(q_h . summ[g(h)]), g(h) = h // (H / Hkv);
     a block scores its best part (P = 1: the block's own mean). "sum": f is the identity.
@@ -97,14 +103,15 @@ def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_s
     are), so each head adds one unit of mass and a head with large logits cannot outvote the
     others; still a sum over heads of a monotone function of each head's inner products."""
     b, h, _, d = q.shape
-    nb, _, hkv, parts, _ = summ.shape
-    live = live.permute(1, 0, 2).reshape(b, nb * parts)  # live: [B, nb * P]
-    summ = summ.float().permute(1, 2, 0, 3, 4).reshape(b, hkv, nb * parts, d)  # summ: [B, Hkv, nb * P, D]
+    _, hkv, nb, parts, _ = summ.shape
+    live = live.reshape(b, nb * parts)  # live: [B, nb * P]
+    summ = summ.reshape(b, hkv, nb * parts, d)  # summ: [B, Hkv, nb * P, D] (a view of a block prefix)
+    qs = q.to(summ.dtype)  # products in the summaries' dtype, summed in float32 (no copy of them)
     if head_score == "sum":  # sum_h q_h . s_g(h) = sum_g (sum of g's query heads) . s_g
-        qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-        part = torch.einsum("bgd,bgnd->bn", qg, summ)  # part: [B, nb * P]
+        qg = qs.view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
+        part = torch.einsum("bgd,bgnd->bn", qg, summ).float()  # part: [B, nb * P]
     else:
-        per = torch.einsum("bgjd,bgnd->bgjn", q.float().view(b, hkv, h // hkv, d), summ)  # [B, Hkv, G, nb * P]
+        per = torch.einsum("bgjd,bgnd->bgjn", qs.view(b, hkv, h // hkv, d), summ).float()  # [B, Hkv, G, nb * P]
         per = (per / math.sqrt(d)).masked_fill(~live[:, None, None], -math.inf)
         part = per.softmax(dim=-1).sum(dim=(1, 2))  # part: [B, nb * P]
     return part.masked_fill(~live, -math.inf).view(b, nb, parts).amax(dim=-1)  # [B, nb]
@@ -235,9 +242,9 @@ class SparPR(BudgetPolicy):
             self.cost_model(table)  # start-up: probe (or read the cache) before the first step
         _, b, hkv, bs, d = table.block_shape
         parts, nb, dev = self.parts(table), table.capacity // bs, table.devices.compute
-        mean = torch.zeros(nb, b, hkv, parts, d, dtype=table.dtype, device=dev)  # the cache's dtype: half the bytes
+        mean = torch.zeros(b, hkv, nb, parts, d, dtype=table.dtype, device=dev)  # the cache's dtype: half the bytes
         sums = self._sums[table] = _Summaries(mean,
-                                              torch.zeros(nb, b, parts, dtype=torch.bool, device=dev), [False] * nb)
+                                              torch.zeros(b, nb, parts, dtype=torch.bool, device=dev), [False] * nb)
         ref = weakref.ref(sums)  # the table holds the hook; the hook must not hold the table
 
         def on_seal(block: int, kv: torch.Tensor) -> None:
@@ -251,7 +258,8 @@ class SparPR(BudgetPolicy):
                 pos = block * bs + torch.arange(bs, device=keys.device)
                 valid = (pos[None, :] >= s.pads[:, None])[:, None]  # valid: [B, 1, bs]
             mean, live = masked_mean_keys(keys, valid, parts)
-            s.mean[block], s.live[block], s.known[block] = mean[0], live[0], True
+            s.put(slice(block, block + 1), mean, live)
+            s.known[block] = True
         table.on_seal.append(on_seal)
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
@@ -264,8 +272,8 @@ class SparPR(BudgetPolicy):
         sealed = table.length // bs
         if sealed and table.length == k.shape[2]:  # a prefill into an empty table: exact means
             keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
-            s.mean[:sealed], s.live[:sealed] = masked_mean_keys(
-                keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)), self.parts(table))
+            s.put(slice(0, sealed), *masked_mean_keys(
+                keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)), self.parts(table)))
             s.known[:sealed] = [True] * sealed
 
     def parts(self, table: BlockTable) -> int:
@@ -288,10 +296,10 @@ class SparPR(BudgetPolicy):
             kv, pos = table.gather(missing)
             keys = kv[0].float().unflatten(2, (len(missing), bs))  # keys: [B, Hkv, m, bs, D]
             valid = pos.view(len(missing), bs)[None] >= self.pads(table)[:, None, None]  # [B, m, bs]
-            s.mean[missing], s.live[missing] = masked_mean_keys(keys, valid, self.parts(table))
+            s.put(missing, *masked_mean_keys(keys, valid, self.parts(table)))
             for i in missing:
                 s.known[i] = True
-        return s.mean[:sealed], s.live[:sealed]
+        return s.mean[:, :, :sealed], s.live[:, :sealed]
 
     # --- the step ---
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
