@@ -51,6 +51,10 @@ class BlockTable:
         # `importance=` (DKV's query-aware residual pick); set before the block's store job runs
         # (a prefill's on_prefill hooks run before its store jobs are submitted), used once
         self.encode_hints: dict[int, torch.Tensor] = {}
+        # also keep a coded block's exact rows (codec.exact_rows: DKV's residual rows) on compute,
+        # for a policy that attends them without moving the block (set before blocks are stored)
+        self.keep_exact_rows = False
+        self._exact_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (idx [B, m], kv)
         n = {t: self.homes.count(t) for t in Tier}
         dev = devices.compute
         b, h, bs, d = batch, num_kv_heads, block_size, head_dim
@@ -131,6 +135,7 @@ class BlockTable:
     def _seal(self, b: int, kv: torch.Tensor):
         for hook in self.on_seal:
             hook(b, kv)
+        self._exact_rows.pop(b, None)  # a rewound run's rows for this block are stale; its store refills
         home = self.homes[b]
         if home == Tier.COMPUTE and home not in self.coded:
             return None
@@ -148,6 +153,8 @@ class BlockTable:
             data = blk
         else:
             data = self.codec.encode(blk) if hint is None else self.codec.encode(blk, importance=hint)
+            if self.keep_exact_rows and hasattr(self.codec, "exact_rows"):
+                self._exact_rows[b] = self.codec.exact_rows(data)  # on compute, like the block's summaries
         if home == Tier.DISK:
             host = (data if home in self.coded else data.transpose(0, 1).contiguous()).cpu()  # seq-major
             if dev.is_cuda:
@@ -262,6 +269,8 @@ class BlockTable:
                 dst.copy_(self._writable(b)[:, :, :, :n])
             elif self.homes[b] == Tier.COMPUTE and Tier.COMPUTE not in self.coded:
                 dst.copy_(self._in_arena(b))
+            elif need is not None and not any(need[i]) and b in self._exact_rows:
+                self._fill_exact_rows(b, dst, zero_unread)  # no sequence reads it whole: nothing moves
             elif need is None or all(need[i]) or not self.reads_rows(b):
                 self._load(b, dst, disk_reads=disk_reads)
             else:
@@ -274,6 +283,19 @@ class BlockTable:
         pos = torch.cat([torch.arange(b * self.bs, b * self.bs + n, device=dev) for b, n in zip(blocks, lens)]) \
             if blocks else torch.empty(0, dtype=torch.long, device=dev)
         return out[:, :, :, :total], pos
+
+    def exact_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sealed coded block b's exact rows held on compute (`keep_exact_rows`): (idx: [B, m] token
+        index within the block, kv: [2, B, Hkv, m, D]), or None."""
+        return self._exact_rows.get(b) if b < self.length // self.bs else None
+
+    def _fill_exact_rows(self, b: int, out: torch.Tensor, zero_unread: bool) -> None:
+        """out: [2, B, Hkv, bs, D] <- block b's exact rows at their positions (the other rows zeros,
+        or left as they are when not zero_unread: a caller's mask must leave them out)."""
+        idx, kv = self._exact_rows[b]
+        if zero_unread:
+            out.zero_()
+        out.scatter_(3, idx[None, :, None, :, None].expand(kv.shape), kv.to(out.dtype))
 
     def rows(self, blocks: list[int]) -> torch.Tensor:
         """Encoded rows of sealed blocks on coded tiers, not decoded: [n, codec.nbytes] uint8 on

@@ -157,6 +157,13 @@ class DKVCodec:
         _, _, vh = torch.linalg.svd(x, full_matrices=False)  # vh: [B, min(bs, F), F]
         return vh[:, :self.rank].mT
 
+    def exact_rows(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[nbytes] uint8 -> (idx: [B, m] int64 token index within the block, kv: [2, B, Hkv, m, D])
+        the rows the block keeps exact, copied out of the row (so the row itself can be let go)."""
+        p = self.parts(row)
+        kv = p.res_rows.view(self.batch, self.residuals, 2, self.hkv, self.head_dim).permute(2, 0, 3, 1, 4)
+        return p.res_idx.long(), kv.contiguous()  # kv: [2, B, Hkv, m, D]
+
     def decode(self, row: torch.Tensor) -> torch.Tensor:
         """[nbytes] uint8 -> kv: [2, B, Hkv, bs, D] (low-rank reconstruction, residual rows exact)."""
         p = self.parts(row)

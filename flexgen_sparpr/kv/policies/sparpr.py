@@ -11,6 +11,7 @@ import torch
 from ...runtime.costs import (CostModel, cost_ratio, dtype_name, keep_target, kv_rebuild_flops,
                               merge_spans, plan_recovery, should_fall_back)
 from ...storage.tiers import Tier
+from ..dkv.exact_rows import with_exact_rows
 from ..dkv.importance import hint_sealed_blocks
 from ..block_table import BlockTable
 from ..policy import Selection, register
@@ -238,6 +239,7 @@ class SparPR(BudgetPolicy):
     def attach(self, table: BlockTable, layer: int) -> None:
         if table in self._sums:  # attached twice (engine policy and observer): one hook
             return
+        table.keep_exact_rows = True  # DKV cold blocks: their exact rows also stay on compute (select)
         if not self.quest_only:
             self.cost_model(table)  # start-up: probe (or read the cache) before the first step
         _, b, hkv, bs, d = table.block_shape
@@ -379,7 +381,9 @@ class SparPR(BudgetPolicy):
                 sel, rebuild, fell_back = Selection.all(table), [], True
         self.step_stats.add(table, sel, rebuild, spans=len(spans), n_valid=n_valid, target=target, rho=rho,
                             sparse_s=sparse_s, dense_s=dense_s, fell_back=fell_back)
-        return Selection(sel.blocks, sel.mask, recompute=tuple(rebuild), seqs=sel.seqs)
+        sel = Selection(sel.blocks, sel.mask, recompute=tuple(rebuild), seqs=sel.seqs)
+        # DKV cold blocks left out are still attended on their exact rows, held on compute (nothing moves)
+        return sel if fell_back else with_exact_rows(table, sel, self.valid_tokens(table))
 
     def stats(self) -> dict:
         """JSON-able: the knobs, the cost model, totals and one record per decode step."""
