@@ -191,7 +191,7 @@ def test_trace_marks_the_reads_made_inside_the_compute(tiny_opt_dir, tmp_path):
 def test_sparpr_trace_counts_what_the_policy_read(tiny_opt_dir, tmp_path):
     costs = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e10}, matmul_latency_s={"float32": 1e-5},
                       live=False)
-    args = dict(keep_ratio=0.25, min_keep=0.1, costs=costs, fallback=False)
+    args = dict(keep_ratio=0.25, min_keep=0.1, costs=costs, fallback=False, checkpoints="always")
     _, sparse, counters = _run(tiny_opt_dir, tmp_path / "s", "sparpr", args, prompt=40, gen=4)
     _, dense, _ = _run(tiny_opt_dir, tmp_path / "d", prompt=40, gen=4)
     for link in LINKS:
@@ -202,3 +202,6 @@ def test_sparpr_trace_counts_what_the_policy_read(tiny_opt_dir, tmp_path):
         assert s.flops["mlp"] == d.flops["mlp"] and not math.isnan(s.flops["attn_scores"])
     # checkpoints are stored beside the blocks: 1.5x the dense writes for OPT (hidden = kv_dim)
     assert sum(s.bytes["cpu->disk"] for s in sparse) == 1.5 * sum(d.bytes["cpu->disk"] for d in dense)
+    # auto: matmuls at 10 GFLOP/s against a 1 GB/s disk make a rebuild dearer than 2 copies: none written
+    _, auto, _ = _run(tiny_opt_dir, tmp_path / "a", "sparpr", args | dict(checkpoints="auto"), prompt=40, gen=4)
+    assert sum(s.bytes["cpu->disk"] for s in auto) == sum(d.bytes["cpu->disk"] for d in dense)
