@@ -178,11 +178,29 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
     return run, policy, engine
 
 
+def resident_kv_share(engine: EngineConfig, dtype_bytes: int) -> float:
+    """What the KV policy keeps on the compute device per cached token, wherever the cache
+    lives, as a share of the raw K+V (2 kv_dim values of dtype_bytes a token): SparPR's mean key
+    per `summary_tokens` (1 / (2 summary_tokens), in the cache's dtype), Quest's float32 min and
+    max key per block (2 x 4 / (2 bs dtype_bytes)), and with --cold-codec dkv the exact rows of
+    each cold block SparPR attends unselected (residuals / block)."""
+    bs, args = engine.block_size, engine.policy_args
+    if engine.kv_policy == "sparpr":
+        st = args.get("summary_tokens", 4)
+        share = (1 if not st or st >= bs else bs // st) / (2 * bs)
+        if engine.cold_codec == "dkv":
+            share += engine.codec_args.get("residuals", 16) / bs
+        return share
+    if engine.kv_policy == "quest":
+        return 4 / (bs * dtype_bytes)
+    return 0.0
+
+
 def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, spec) -> tuple:
     """--policy auto: the placement and batch split chosen by runtime/placement.py for the model
     `spec` on the hardware file (else this machine, from the cached start-up probe). The total
     batch stays gpu_batch_size x num_gpu_batches. Returns (policy, engine, plan, hardware)."""
-    from ..runtime.placement import NoPlacementFits, Workload, choose
+    from ..runtime.placement import DTYPE_BYTES, NoPlacementFits, Workload, choose
     from ..runtime.profile import hardware_from_probe
 
     hw = opts.hardware
@@ -191,7 +209,8 @@ def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, sp
         hw = hardware_from_probe(device, engine.torch_dtype(device), engine.offload_dir)
     dtype = engine.dtype if engine.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
     wl = Workload(spec, opts.prompt_len, opts.gen_len, policy.batch_size, dtype,
-                  policy.overlap, policy.compress_weight, policy.compress_cache)
+                  policy.overlap, policy.compress_weight, policy.compress_cache,
+                  resident_share=resident_kv_share(engine, DTYPE_BYTES[dtype]))
     try:
         plan = choose(wl, hw)
     except NoPlacementFits as e:

@@ -41,10 +41,16 @@ class Workload:
     overlap: bool = True
     compress_weight: bool = False
     compress_cache: bool = False
+    # what the KV policy keeps on the compute device per cached token wherever the cache lives,
+    # as a share of the raw K+V (SparPR's key summaries, Quest's key bounds, DKV's exact rows):
+    # cli/options.py resident_kv_share
+    resident_share: float = 0.0
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} (got {self.dtype})")
+        if self.resident_share < 0:
+            raise ValueError(f"resident_share must be >= 0 (got {self.resident_share})")
         if min(self.prompt_len, self.gen_len, self.batch_size) < 1:
             raise ValueError("prompt_len, gen_len and batch_size must be >= 1")
 
@@ -102,6 +108,7 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
     s_max, s_mean = p + g, p + g / 2
     kv_tok = 2 * s.kv_dim * cb                   # K and V of one token, one layer
     KV = B * s_max * kv_tok * L                  # the whole cache at its largest
+    resident = wl.resident_share * B * s_max * 2 * s.kv_dim * b * L  # the policy's share on compute
     flops_rate = hw.compute_flops(wl.dtype)
     mem_bw = hw.compute_memory_bw
 
@@ -152,11 +159,11 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
         staging = 2 * wd * Wl + 2 * cd * gbs * s_max * kv_tok  # disk reads land on the host first
         host_used = wc * W + cc * KV + HOST_RESERVE + staging + (act if act_on_cpu else 0)
         if cuda:
-            dev_used = wg * W + cg * KV + work + (0 if act_on_cpu else act)
+            dev_used = wg * W + cg * KV + work + resident + (0 if act_on_cpu else act)
             fits = (dev_used <= hw.compute_memory * (1 - DEVICE_MARGIN)) & (
                 host_used <= hw.cpu_memory * (1 - HOST_MARGIN))
         else:  # the compute tier is host memory: one pool
-            dev_used = host_used + wg * W + cg * KV + work + act
+            dev_used = host_used + wg * W + cg * KV + work + resident + act
             fits = dev_used <= min(hw.cpu_memory, hw.compute_memory) * (1 - HOST_MARGIN)
         disk_used = wd * W + cd * KV
         fits = np.broadcast_to(fits & (disk_used <= hw.disk_free * (1 - DISK_MARGIN)), total.shape)

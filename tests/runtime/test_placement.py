@@ -84,11 +84,41 @@ def test_grid_step_is_checked():
 def test_shipped_policies_are_what_auto_picks(path):
     """The policy files say their percents come from --policy auto: keep them in step with the model."""
     from flexgen_sparpr.cli.flags import build_parser
-    from flexgen_sparpr.cli.options import resolve
+    from flexgen_sparpr.cli.options import resident_kv_share, resolve
+    from flexgen_sparpr.runtime.placement import DTYPE_BYTES
 
     run, pol, eng = resolve(build_parser().parse_args(["--config", str(path)]))
     hw = run.hardware
     dtype = eng.dtype if eng.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
-    plan = choose(Workload(opt_spec("opt-6.7b"), run.prompt_len, run.gen_len, pol.batch_size, dtype), hw)
+    plan = choose(Workload(opt_spec("opt-6.7b"), run.prompt_len, run.gen_len, pol.batch_size, dtype,
+                           resident_share=resident_kv_share(eng, DTYPE_BYTES[dtype])), hw)
     assert plan.percent == run.percent
     assert (plan.gpu_batch_size, plan.num_gpu_batches) == (pol.gpu_batch_size, pol.num_gpu_batches)
+
+
+def test_what_the_kv_policy_keeps_on_the_device_is_counted():
+    """SparPR's summaries (and DKV's exact rows) sit on the compute device wherever the cache
+    lives: the plan's device memory grows by exactly that share of the raw K+V."""
+    hw = load_hardware(HW_DIR / "a100-80gb.yaml")
+    wl = OPT67
+    plain, with_share = choose(wl, hw), choose(dataclasses.replace(wl, resident_share=0.125), hw)
+    assert plain.percent == with_share.percent
+    s = wl.spec
+    raw = wl.batch_size * (wl.prompt_len + wl.gen_len) * 2 * s.kv_dim * 2 * s.num_layers  # fp16 K+V
+    assert with_share.memory["compute"] - plain.memory["compute"] == pytest.approx(0.125 * raw)
+    with pytest.raises(ValueError, match="resident_share"):
+        dataclasses.replace(wl, resident_share=-1)
+
+
+def test_resident_share_of_each_kv_policy():
+    from flexgen_sparpr.cli.flags import build_parser
+    from flexgen_sparpr.cli.options import resident_kv_share, resolve
+
+    def share(*argv, dtype_bytes=2):
+        return resident_kv_share(resolve(build_parser().parse_args(list(argv)))[2], dtype_bytes)
+    assert share("--kv-policy", "dense") == 0.0
+    assert share("--kv-policy", "sparpr") == 1 / 8  # a mean key per 4 tokens, K only
+    assert share("--kv-policy", "sparpr", "--summary-tokens", "8") == 1 / 16
+    assert share("--kv-policy", "sparpr", "--summary-tokens", "0") == 1 / 128  # one per 64-token block
+    assert share("--kv-policy", "sparpr", "--cold-codec", "dkv") == 1 / 8 + 16 / 256
+    assert share("--kv-policy", "quest") == 4 / (64 * 2)  # float32 min and max keys of a 64-token block
