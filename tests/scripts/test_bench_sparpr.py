@@ -1,0 +1,47 @@
+"""scripts/bench_sparpr.py at a tiny size: both policies run, the files carry the run's own
+facts (no speed targets here: those live in results/), and bad input is one line and exit 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "bench_sparpr.py"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_tiny_run_writes_both_policies_and_the_bound(tmp_path):
+    out = tmp_path / "res"
+    r = run("--contexts", "256", "--gen-len", "3", "--device", "cpu", "--out", str(out),
+            "--offload-dir", str(tmp_path / "offload"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((out / "bench.json").read_text())
+    assert [(c["context"], c["policy"]) for c in data["cells"]] == [(256, "dense"), (256, "sparpr")]
+    assert all(c["device"] == "cpu" and c["dtype"] == "float32" for c in data["cells"])
+    (s,) = data["summary"]
+    assert 0 < s["cut_if_decode_free"] < 1 and 0 < s["bytes_per_token_ratio"] < 1
+    assert s["est_bytes_match"]  # SparPR's own byte estimate equals the engine's counters
+    stats = data["cells"][1]["kv_policy_stats"]
+    assert stats["checkpoint_tables"]["asked"] == 12  # opt-125m: one table per layer
+    md = (out / "bench.md").read_text()
+    assert "float32 on cpu" in md and "most a decode speed-up could cut" in md
+    assert not list(tmp_path.glob("offload/run-*"))  # the disk tier's run folder is removed
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--contexts", "abc"], "--contexts"),
+    (["--gen-len", "1"], "--gen-len"),
+    (["--keep-ratio", "0"], "--keep-ratio"),
+    (["--model", "llama-7b"], "--model"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, msg):
+    r = run(*args, "--out", str(tmp_path / "res"))
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "res").exists()
