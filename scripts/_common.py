@@ -124,7 +124,7 @@ def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int
 def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense", policy_args: dict | None = None,
                 block_size: int = 64, offload_dir: str, cache_gpu_percent: float = 0, seed: int = 0,
                 trace: bool = False, memory: bool = False, gpu_batches: int = 1, device: str = "cpu",
-                dtype: str = "float32") -> dict:
+                dtype: str = "float32", speculate: bool = False) -> dict:
     """One fresh engine (on the CPU in float32 unless told; "auto": CUDA in float16 when there is
     one), the KV cache's other share on the disk tier with
     O_DIRECT, one greedy generation of random prompts: prefill, then gen_len - 1 decode steps.
@@ -140,7 +140,8 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
 
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
     cfg = EngineConfig(device=device, dtype=dtype, block_size=block_size, direct_io=True,
-                       offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {})
+                       offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {},
+                       speculative_prefetch=speculate)
     pol = Policy(gpu_batch_size=batch // gpu_batches, num_gpu_batches=gpu_batches,
                  cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=0)
     peak = PeakMemory(cfg.torch_device())
@@ -150,7 +151,9 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
         before = eng.devices.counters.snapshot()
         res = eng.decode(st)
         moved = {k: v - before.get(k, 0) for k, v in eng.devices.counters.snapshot().items()}
+        spec = eng.devices.counters.tagged("speculative")
         out = {"prefill_s": res.step_times[0], "decode_s": sum(res.step_times[1:]), "step_s": res.step_times[1:],
+               "speculative_bytes": spec.get("disk->cpu", 0) + spec.get("cpu->compute", 0),
                "bytes_moved": moved, "disk_read_Bps": eng.devices.counters.bandwidth("disk", "cpu"),
                "disk_mode": sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else [],
                "tokens": res.tokens, "device": str(eng.devices.compute), "dtype": str(eng.dtype).removeprefix("torch."),

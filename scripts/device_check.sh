@@ -4,7 +4,8 @@
 # suite on a machine where CUDA is present (the CUDA-only tests run; the GGUF and upstream-FlexGen
 # tests need packages that are not there and are left out), then SparPR vs this engine's dense
 # offload on CUDA (scripts/bench_sparpr.py: the issue #4 latency comparison where the prefill is
-# not the CPU's). Everything lands in $OUT (the device tool brings it back), or results/device.
+# not the CPU's), without and with --speculative-prefetch. Everything lands in $OUT (the device
+# tool brings back files up to two folders down), or results/device.
 #
 #   scripts/device_check.sh                       # on the GPU machine, from the repo root
 #   DEVICE=cpu CONTEXTS=256 GEN_LEN=3 scripts/device_check.sh   # a dry run of the same steps here
@@ -28,6 +29,11 @@ EOF
 timeout 300 $PY -m pytest -q -x -p no:cacheprovider --ignore=tests/weights/test_gguf.py \
     --ignore=tests/upstream --ignore=tests/scripts 2>&1 | tee "$OUT/tests.log" || status=1
 
-timeout 420 $PY scripts/bench_sparpr.py --device "$DEVICE" --contexts "$CONTEXTS" --gen-len "$GEN_LEN" \
+timeout 300 $PY scripts/bench_sparpr.py --device "$DEVICE" --contexts "$CONTEXTS" --gen-len "$GEN_LEN" \
     --offload-dir "${OFFLOAD_DIR:-/tmp/flexgen_offload_dir}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+# the same with the speculative one-layer-early prefetch (into $OUT/spec)
+mkdir -p "$OUT/spec"
+timeout 300 $PY scripts/bench_sparpr.py --device "$DEVICE" --contexts "$CONTEXTS" --gen-len "$GEN_LEN" \
+    --speculative-prefetch --offload-dir "${OFFLOAD_DIR:-/tmp/flexgen_offload_dir}" --out "$OUT/spec" 2>&1 \
+    | tee "$OUT/spec/bench.log" || status=1
 exit $status

@@ -17,6 +17,7 @@ DEFAULTS = {
     "device": "auto", "dtype": "auto", "block_size": 64, "max_seq_len": None, "prompt": None,
     "prompt_file": None, "prompt_ids_file": None, "chat": False, "output_json": None, "config": None,
     "kv_policy": "dense", "keep_ratio": 1.0, "direct_io": False, "io_threads": 2, "seed": 0,
+    "speculative_prefetch": False,
     "do_sample": False, "temperature": 1.0, "top_p": 1.0, "stop": None, "warmup": True,
     # SparPR (--kv-policy sparpr)
     "min_keep": 0.1, "gamma": 0.9, "no_dynamic_budget": False, "quest_only": False,
@@ -105,6 +106,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoints", choices=["auto", "always"], help="sparpr: keep hidden-state checkpoints "
                    "always, or (auto) only where the measured costs say a rebuild can pay (default auto)")
     g.add_argument("--direct-io", action="store_true", default=None, help="disk tier bypasses the page cache (O_DIRECT)")
+    g.add_argument("--speculative-prefetch", action="store_true", default=None,
+                   help="with one GPU batch, gather a query-aware policy's next-layer blocks from a query guessed "
+                        "from this layer's input while it computes; the exact selection reads what the guess missed "
+                        "(same output, more bytes)")
     g.add_argument("--io-threads", type=int, help="I/O threads of the overlapped schedule (default 2)")
     g.add_argument("--seed", type=int, help="seed for sampling and dummy weights (default 0)")
     g.add_argument("--do-sample", action="store_true", default=None, help="sample instead of greedy decoding")

@@ -17,7 +17,7 @@ from .flags import DEFAULTS
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
                  "cpu_cache_compute", "attn_sparsity", "compress_weight", "compress_cache")
 _ENGINE_FLAGS = ("device", "dtype", "block_size", "offload_dir", "direct_io", "io_threads", "kv_policy",
-                 "cold_codec")
+                 "cold_codec", "speculative_prefetch")
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,9 @@ class EngineConfig:
     policy_args: dict = field(default_factory=dict)
     cold_codec: str = "raw"  # how CPU/disk-tier KV blocks are stored: raw, or dkv (anchor + low rank)
     codec_args: dict = field(default_factory=dict)  # dkv: rank, residuals, recent (exact blocks)
+    # one GPU batch: a query-aware policy's next layer is selected from this layer's input and
+    # gathered while this layer computes; the exact selection then reads only what the guess missed
+    speculative_prefetch: bool = False
 
     def __post_init__(self):
         if self.block_size < 1:

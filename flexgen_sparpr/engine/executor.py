@@ -21,7 +21,7 @@ from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, pads_valid, prefill_attention
 from .kv_tables import build_tables
 from .prefetch import Ahead, early_selection
-from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv
+from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
 from .config import ConfigError, EngineConfig, Policy
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
@@ -155,7 +155,7 @@ class Engine:
             sel = early_selection(self, layer, t, ahead)
         if sel is None:
             return _Done(None)
-        return self._submit(self._gather_with_spare, t, sel)
+        return self._submit(self._gather_guess if sel.guess else self._gather_with_spare, t, sel)
 
     def _reads_in_place(self, t: BlockTable) -> bool:
         """Caches attended without a gather: resident and read whole, or split by home
@@ -165,6 +165,11 @@ class Engine:
 
     def _gather_with_spare(self, t: BlockTable, sel: Selection) -> Fetched:
         return gather_selection(t, sel, self.dtype, self.devices.compute, self._ring)
+
+    def _gather_guess(self, t: BlockTable, sel: Selection) -> Fetched:
+        with self.devices.counters.tag("speculative"):  # what a speculative prefetch moved
+            # room for any top-up: the blocks it misses are distinct, so at most the cache's length
+            return gather_selection(t, sel, self.dtype, self.devices.compute, self._ring, room=t.length)
 
     # --- compute ---
     def _attention(self, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bool):
@@ -189,6 +194,9 @@ class Engine:
                 sel = pol.plan(t, layer_idx)
                 with self.devices.counters.tag("serial"):  # read inside the cell: no compute hides it
                     fetched = self._gather_with_spare(t, sel if sel is not None else pol.select(t, layer_idx, q))
+            elif fetched is not None and fetched.sel.guess:  # speculative prefetch: keep what the guess read
+                with self.devices.counters.tag("serial"):
+                    fetched = top_up(t, fetched, pol.select(t, layer_idx, q), self.dtype, self.devices.compute)
             if fetched is not None:
                 rebuild_kv(fetched, a, w, pads)
             o, kv, kpos, jobs = decode_attention_step(

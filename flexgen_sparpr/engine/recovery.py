@@ -20,6 +20,7 @@ class Fetched:
     sel: Selection
     hidden: torch.Tensor | None = None  # [B, Tr, hidden] checkpoints of the blocks to rebuild
     slots: torch.Tensor | None = None  # [Tr] where the rebuilt tokens go in kv
+    room: torch.Tensor | None = None  # [2, B, Hkv, T+1+R, D] kv's buffer, R tokens longer (top_up)
 
 
 def _ranges(t: BlockTable, blocks, device) -> torch.Tensor:
@@ -56,19 +57,20 @@ class GatherRing:
 
 
 def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: torch.device,
-                     ring: GatherRing | None = None) -> Fetched:
+                     ring: GatherRing | None = None, room: int = 0) -> Fetched:
     """I/O half: copy the blocks to copy, and the checkpoints of the blocks to rebuild (into the
-    ring's next buffer when given, else a new tensor)."""
+    ring's next buffer when given, else a new tensor; `room` more tokens of it for a top_up)."""
     rebuild = sorted(set(sel.recompute) & set(sel.blocks)) if t.checkpoints is not None else []
     lens = [t.block_len(b) for b in sel.blocks]
     total = sum(lens)
     _, b, hkv, _, d = t.block_shape
-    shape = (2, b, hkv, total + 1, d)
-    out = ring.take(shape, dtype, device) if ring is not None else torch.empty(shape, dtype=dtype, device=device)
+    shape = (2, b, hkv, total + 1 + room, d)
+    buf = ring.take(shape, dtype, device) if ring is not None else torch.empty(shape, dtype=dtype, device=device)
+    out = buf[:, :, :, :total + 1]  # out: [2, B, Hkv, T+1, D]
     pos = torch.cat([_ranges(t, sel.blocks, device), torch.zeros(1, dtype=torch.long, device=device)])
     if not rebuild:
         t.gather(sel.blocks, out, seqs=sel.seqs, zero_unread=ring is None)
-        return Fetched(out, pos, sel)
+        return Fetched(out, pos, sel, room=buf if room and ring is not None else None)
     copy = [blk for blk in sel.blocks if blk not in set(rebuild)]
     seqs = None if sel.seqs is None else sel.seqs[:, [i for i, blk in enumerate(sel.blocks) if blk in copy]]
     starts = dict(zip(sel.blocks, torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()))
@@ -79,6 +81,58 @@ def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: 
         out[:, :, :, slot_of(copy)] = kv
     h, _ = t.checkpoints.gather(rebuild)  # h: [1, B, 1, Tr, hidden]
     return Fetched(out, pos, sel, hidden=h[0, :, 0], slots=slot_of(rebuild))
+
+
+def _readers(sel: Selection, b: int, device) -> torch.Tensor:
+    """[B, len(blocks)] bool: which sequences read each block of sel."""
+    if sel.seqs is not None:
+        return sel.seqs.to(device)
+    return torch.ones(b, len(sel.blocks), dtype=torch.bool, device=device)
+
+
+def top_up(t: BlockTable, f: Fetched, sel: Selection, dtype: torch.dtype, device: torch.device) -> Fetched:
+    """f was gathered for a guessed selection; sel is the exact one. Keeps what f read that sel
+    wants and reads now only the (block, sequence) pairs the guess missed, appended after f's
+    tokens (a block may then sit twice, each copy masked to its own sequences). Attention over
+    the result equals attention over sel gathered afresh: the same tokens are attended, the
+    others are masked out. A guess or a selection with rebuilds is gathered afresh instead."""
+    if sel.recompute or f.hidden is not None:
+        return gather_selection(t, sel, dtype, device)
+    b, hkv = t.block_shape[1], t.block_shape[2]
+    lens = [t.block_len(x) for x in sel.blocks]
+    want = sel.mask if sel.mask is not None else \
+        torch.ones(b, hkv, sum(lens), dtype=torch.bool, device=device)  # want: [B, Hkv, T_sel]
+    start = dict(zip(sel.blocks, torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()))
+    need, had = _readers(sel, b, device), _readers(f.sel, b, device)  # [B, n_sel], [B, n_guess]
+    col, sel_col = {x: i for i, x in enumerate(f.sel.blocks)}, {x: j for j, x in enumerate(sel.blocks)}
+    tf = f.kv.shape[3] - 1
+    keep = torch.zeros(b, hkv, tf, dtype=torch.bool, device=device)  # keep: [B, Hkv, T_guess]
+    missing, miss_seqs, at = [], [], 0
+    for x in f.sel.blocks:  # what the guess read and sel wants
+        n = t.block_len(x)
+        if x in sel_col:
+            j = sel_col[x]
+            keep[:, :, at:at + n] = want[:, :, start[x]:start[x] + n] & (had[:, col[x]] & need[:, j])[:, None, None]
+        at += n
+    for j, x in enumerate(sel.blocks):  # what it did not
+        m = need[:, j] & ~had[:, col[x]] if x in col else need[:, j]
+        if bool(m.any()):
+            missing.append(x)
+            miss_seqs.append(m)
+    if not missing:
+        return Fetched(f.kv, f.pos, Selection(f.sel.blocks, keep, seqs=f.sel.seqs))
+    seqs = torch.stack(miss_seqs, dim=1)  # seqs: [B, n_missing]
+    tm = sum(t.block_len(x) for x in missing)
+    add = torch.cat([want[:, :, start[x]:start[x] + t.block_len(x)] & seqs[:, i, None, None]
+                     for i, x in enumerate(missing)], dim=2)  # add: [B, Hkv, T_m]
+    pos = torch.cat([f.pos[:tf], _ranges(t, missing, f.pos.device), f.pos[tf:]])
+    if f.room is not None and f.room.shape[3] >= tf + tm + 1:  # in place after the guessed tokens
+        kv = f.room[:, :, :, :tf + tm + 1]  # kv: [2, B, Hkv, T+1, D]
+        t.gather(missing, kv[:, :, :, tf:], seqs=seqs, zero_unread=False)  # stale rows are masked out
+    else:
+        kv_m, _ = t.gather(missing, seqs=seqs)  # kv_m: [2, B, Hkv, T_m, D] (unread rows zeroed)
+        kv = torch.cat([f.kv[:, :, :, :tf], kv_m.to(dtype), f.kv[:, :, :, tf:]], dim=3)  # [2, B, Hkv, T+1, D]
+    return Fetched(kv, pos, Selection(f.sel.blocks + missing, torch.cat([keep, add], dim=2)))
 
 
 def rebuild_kv(f: Fetched, arch, w, pads: torch.Tensor | None) -> None:

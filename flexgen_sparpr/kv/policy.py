@@ -39,6 +39,7 @@ class Selection:
     mask: torch.Tensor | None = None  # [B, Hkv, T] bool over the gathered tokens; None = all
     recompute: tuple[int, ...] = ()  # blocks (of `blocks`) rebuilt from hidden-state checkpoints
     seqs: torch.Tensor | None = None  # [B, len(blocks)] bool: sequences that read each block; None = all
+    guess: bool = False  # chosen one layer early from the previous layer's input (engine/prefetch.py)
 
     @staticmethod
     def all(table: BlockTable) -> "Selection":
@@ -90,6 +91,11 @@ class KVPolicy:
     def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         """What to read for query q: [B, H, 1, D] (called only when plan returned None)."""
         return Selection.all(table)
+
+    def speculate(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
+        """`select` for a guessed query (the engine's speculative prefetch): the same choice,
+        with no side effects a policy keeps per step (statistics)."""
+        return self.select(table, layer, q)
 
     def observe(self, table: BlockTable, layer: int, q: torch.Tensor, kv: torch.Tensor,
                 pos: torch.Tensor, sel: Selection) -> None:
