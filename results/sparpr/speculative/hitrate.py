@@ -1,7 +1,14 @@
-"""How well does layer j+1's selection from layer j's input (one layer early) cover the exact one?"""
+"""How well does layer j+1's selection from layer j's input (one layer early) cover the exact one?
+
+Ad-hoc measurement behind docs/sparpr.md's speculative-prefetch numbers (README.md beside it):
+  .venv/bin/python results/sparpr/speculative/hitrate.py smollm2 2048 0.25
+  .venv/bin/python results/sparpr/speculative/hitrate.py opt 2048 0.25
+Batch 4, 8 new tokens, SparPR selection only (quest_only), cache on the compute tier (where it
+lives does not change what is selected)."""
 import sys, random, os
 from pathlib import Path
-sys.path.insert(0, "/work/main/scripts")
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "scripts"))
 import torch
 from flexgen_sparpr.weights.resolve import resolve_source
 from flexgen_sparpr.engine.config import EngineConfig, Policy
@@ -16,7 +23,7 @@ if model == "smollm2":
     from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key
     src = resolve_source("smollm2-135m", "")
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
-    b = NeedlePrompts(tok, Path("/work/main/tests/data/alice29.txt"))
+    b = NeedlePrompts(tok, REPO / "tests" / "data" / "alice29.txt")
     rng = random.Random(0)
     prompts = [b.build(ctx, d, random_key(rng, 5), rng).ids for d in (0.25, 0.75, 0.5, 0.1)]
 else:
