@@ -3,18 +3,14 @@ facts (no speed targets here: those live in results/), and bad input is one line
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "bench_sparpr.py"
+from tests.scripts.runner import run_script
 
 
 def run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO)
+    return run_script("bench_sparpr.py", *args)
 
 
 def test_tiny_run_writes_both_policies_and_the_bound(tmp_path):

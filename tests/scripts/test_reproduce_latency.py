@@ -3,18 +3,14 @@ have their structure and positive numbers (no speed targets here: those live in 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "reproduce_latency.py"
+from tests.scripts.runner import run_script
 
 
 def run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO)
+    return run_script("reproduce_latency.py", *args)
 
 
 def test_quick_run_writes_measured_and_modeled_results(tmp_path):
