@@ -7,7 +7,8 @@
 # not the CPU's), without and with --speculative-prefetch. Everything lands in $OUT (the device
 # tool brings back files up to two folders down), or results/device.
 #
-#   scripts/device_check.sh                       # on the GPU machine, from the repo root
+#   scripts/device_check.sh   # on the GPU machine, from the repo root: at most 550 s (150 + 2 x 200),
+#                             # inside the device tool's 600 s a call
 #   DEVICE=cpu CONTEXTS=256 GEN_LEN=3 scripts/device_check.sh   # a dry run of the same steps here
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,14 +27,14 @@ print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 EOF
 
-timeout 300 $PY -m pytest -q -x -p no:cacheprovider --ignore=tests/weights/test_gguf.py \
+timeout 150 $PY -m pytest -q -x -p no:cacheprovider --ignore=tests/weights/test_gguf.py \
     --ignore=tests/upstream --ignore=tests/scripts 2>&1 | tee "$OUT/tests.log" || status=1
 
-timeout 300 $PY scripts/bench_sparpr.py --device "$DEVICE" --contexts "$CONTEXTS" --gen-len "$GEN_LEN" \
+timeout 200 $PY scripts/bench_sparpr.py --device "$DEVICE" --contexts "$CONTEXTS" --gen-len "$GEN_LEN" \
     --offload-dir "${OFFLOAD_DIR:-/tmp/flexgen_offload_dir}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
 # the same with the speculative one-layer-early prefetch (into $OUT/spec)
 mkdir -p "$OUT/spec"
-timeout 300 $PY scripts/bench_sparpr.py --device "$DEVICE" --contexts "$CONTEXTS" --gen-len "$GEN_LEN" \
+timeout 200 $PY scripts/bench_sparpr.py --device "$DEVICE" --contexts "$CONTEXTS" --gen-len "$GEN_LEN" \
     --speculative-prefetch --offload-dir "${OFFLOAD_DIR:-/tmp/flexgen_offload_dir}" --out "$OUT/spec" 2>&1 \
     | tee "$OUT/spec/bench.log" || status=1
 exit $status
