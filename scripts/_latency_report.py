@@ -151,7 +151,12 @@ def modeled_markdown(md: dict, pl: dict) -> str:
         aod = ("OOM (needs " + _f(r["all_on_device_need_bytes"] / GiB, 1) + " GiB)") if r["all_on_device"] is None \
             else _f(r["all_on_device"] / 60, 2) + " min"
         pc, px = PAPER_CUT.get(r["context"]), PAPER_X.get(r["context"])
-        out.append([r["context"], " ".join(str(p) for p in r["placement"]), _f(d / 60, 2), _f(a / 60, 2),
+        where = " ".join(str(p) for p in r["placement"])
+        sp = r.get("sparpr_placement") or {}
+        if any(list(v) != list(r["placement"]) for v in sp.values()):
+            where = f"dense {where}; " + "; ".join(f"SparPR {k}: " + " ".join(str(p) for p in v)
+                                                   for k, v in sp.items())
+        out.append([r["context"], where, _f(d / 60, 2), _f(a / 60, 2),
                     _f(b / 60, 2), f"{100 * (1 - a / d):.0f}% / {100 * (1 - b / d):.0f}%",
                     f"{d / a:.2f} / {d / b:.2f}", aod,
                     "FlexGen times out; SparPR 44 min" if r["context"] == 8192 else
@@ -174,7 +179,9 @@ def modeled_markdown(md: dict, pl: dict) -> str:
         "(runtime/timemodel.py `analytic_trace`), the analytic trace that matched the engine's recorded bytes "
         "on this machine (results/latency_measured.md).",
         "- FlexGen dense: the placement runtime/placement.py `choose` picks for this file (its grid over "
-        "FlexGen's --percent). SparPR: the same placement, reading 50 % or 10 % of the offloaded blocks per "
+        "FlexGen's --percent). SparPR: the placement `choose` picks for it (its key summaries on the device, "
+        "1/8 of the cache's bytes wherever the cache lives, and a step reading only its keep; shown when it "
+        "differs), reading 50 % or 10 % of the offloaded blocks per "
         "step (the paper's two fidelity settings; it does not state the latency run's budget) and storing "
         "hidden-state checkpoints beside the blocks (+50 % writes for OPT). SparPR runs as 2 GPU batches "
         "of 2 (the weights still load once per layer for both), so each cell's selection comes from its exact "

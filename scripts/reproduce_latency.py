@@ -225,7 +225,8 @@ def validate(cell: dict, spec, args, hw, cal) -> dict:
     from flexgen_sparpr.runtime.timemodel import LINKS, Placement, analytic_trace, predict
     tr = cell["trace"]
     pl = Placement(cache=(0, 0, 100), block_size=args.block_size, dtype_bytes=4,
-                   checkpoints=cell.get("checkpoints", False))  # SparPR's, where a rebuild can pay
+                   # SparPR's, where a rebuild can pay (runs saved before that rule always kept them)
+                   checkpoints=cell.get("checkpoints", cell["policy"] == "sparpr"))
     keep = cell.get("effective_keep") or 1.0
     an = analytic_trace(spec, args.batch, cell["context"], args.gen_len, pl, keep=keep,
                         serial_kv=cell["policy"] == "sparpr" and args.gpu_batches == 1)
@@ -256,6 +257,9 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
     assumed = Calibration(source="the file's effective figures as given (already derated), no per-layer overhead")
     derated = Calibration(io_eff=min(1.0, cal_cpu.io_eff),
                           source=f"as given, links at this machine's fitted io_eff {cal_cpu.io_eff:.2f}")
+    from flexgen_sparpr.cli.options import resident_kv_share
+    from flexgen_sparpr.engine.config import EngineConfig
+    sparpr_share = resident_kv_share(EngineConfig(kv_policy="sparpr", block_size=args.block_size), nbytes)
     rows = []
     for ctx in args.contexts_model:
         row = {"context": ctx}
@@ -268,15 +272,21 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
                                 Placement(block_size=args.block_size, dtype_bytes=nbytes, is_cuda=hw.is_cuda))
             row["all_on_device"] = predict(tr, hw, dtype, assumed)["total_s"]
         try:
-            plan = choose(Workload(spec, ctx, args.predict_gen_len, args.batch, dtype), hw)
+            plans = {1.0: choose(Workload(spec, ctx, args.predict_gen_len, args.batch, dtype), hw)}
+            # SparPR's own placements: its key summaries sit on the device wherever the cache lives,
+            # and a step reads only its keep of the cache
+            for keep in (0.5, 0.1):
+                plans[keep] = choose(Workload(spec, ctx, args.predict_gen_len, args.batch, dtype,
+                                              resident_share=sparpr_share, kv_read_share=keep), hw)
         except NoPlacementFits as e:
             row["placement"], row["error"] = None, str(e)
             rows.append(row)
             continue
-        row["placement"] = list(plan.percent)
+        row["placement"] = list(plans[1.0].percent)
+        row["sparpr_placement"] = {str(k): list(plans[k].percent) for k in (0.5, 0.1)}
         for name, keep in (("dense", 1.0), ("sparpr_keep0.5", 0.5), ("sparpr_keep0.1", 0.1)):
-            pl = Placement.from_percent(plan.percent, block_size=args.block_size, dtype_bytes=nbytes,
-                                        is_cuda=hw.is_cuda, checkpoints=keep < 1)
+            pl = Placement.from_percent(plans[keep].percent, block_size=args.block_size,
+                                        dtype_bytes=nbytes, is_cuda=hw.is_cuda, checkpoints=keep < 1)
             tr = analytic_trace(spec, args.batch, ctx, args.predict_gen_len, pl, keep=keep)
             p, d = predict(tr, hw, dtype, assumed), predict(tr, hw, dtype, derated)
             row[name] = {"total_s": p["total_s"], "prefill_s": p["prefill_s"], "decode_s": p["decode_s"],

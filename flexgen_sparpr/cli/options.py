@@ -196,11 +196,21 @@ def resident_kv_share(engine: EngineConfig, dtype_bytes: int) -> float:
     return 0.0
 
 
+def workload_for(spec, prompt_len: int, gen_len: int, policy: Policy, engine: EngineConfig, dtype: str):
+    """The placement search's Workload for a run: with what the KV policy keeps on the device
+    (resident_kv_share) and the share of the cache a decode step reads (its keep ratio)."""
+    from ..runtime.placement import DTYPE_BYTES, Workload
+    keep = engine.policy_args.get("keep_ratio", 1.0) if engine.kv_policy != "dense" else 1.0
+    return Workload(spec, prompt_len, gen_len, policy.batch_size, dtype, policy.overlap, policy.compress_weight,
+                    policy.compress_cache, resident_share=resident_kv_share(engine, DTYPE_BYTES[dtype]),
+                    kv_read_share=keep)
+
+
 def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, spec) -> tuple:
     """--policy auto: the placement and batch split chosen by runtime/placement.py for the model
     `spec` on the hardware file (else this machine, from the cached start-up probe). The total
     batch stays gpu_batch_size x num_gpu_batches. Returns (policy, engine, plan, hardware)."""
-    from ..runtime.placement import DTYPE_BYTES, NoPlacementFits, Workload, choose
+    from ..runtime.placement import NoPlacementFits, choose
     from ..runtime.profile import hardware_from_probe
 
     hw = opts.hardware
@@ -208,9 +218,7 @@ def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, sp
         device = engine.torch_device()
         hw = hardware_from_probe(device, engine.torch_dtype(device), engine.offload_dir)
     dtype = engine.dtype if engine.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
-    wl = Workload(spec, opts.prompt_len, opts.gen_len, policy.batch_size, dtype,
-                  policy.overlap, policy.compress_weight, policy.compress_cache,
-                  resident_share=resident_kv_share(engine, DTYPE_BYTES[dtype]))
+    wl = workload_for(spec, opts.prompt_len, opts.gen_len, policy, engine, dtype)
     try:
         plan = choose(wl, hw)
     except NoPlacementFits as e:

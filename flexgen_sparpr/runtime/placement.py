@@ -45,12 +45,16 @@ class Workload:
     # as a share of the raw K+V (SparPR's key summaries, Quest's key bounds, DKV's exact rows):
     # cli/options.py resident_kv_share
     resident_share: float = 0.0
+    # the share of the cache one decode step reads and attends (a sparse KV policy's keep ratio)
+    kv_read_share: float = 1.0
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} (got {self.dtype})")
         if self.resident_share < 0:
             raise ValueError(f"resident_share must be >= 0 (got {self.resident_share})")
+        if not 0 < self.kv_read_share <= 1:
+            raise ValueError(f"kv_read_share must be in (0, 1] (got {self.kv_read_share})")
         if min(self.prompt_len, self.gen_len, self.batch_size) < 1:
             raise ValueError("prompt_len, gen_len and batch_size must be >= 1")
 
@@ -140,11 +144,12 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
         act_hop = B * s.hidden * b if act_on_cpu else 0.0  # hidden states in from and out to the host
         # decode layer: weights cross once per step (shared by the GPU batches), the cache is read
         # once, the new token's K/V are written home
-        kv_read = B * s_mean * kv_tok
+        kv_read = B * s_mean * kv_tok * wl.kv_read_share
         dec, bott = layer_time(h2d=off_w * Wl + off_c * kv_read + act_hop,
                                d2h=off_c * B * kv_tok + act_hop,
                                dread=wd * Wl + cd * kv_read, dwrite=cd * B * kv_tok,
-                               flops=2 * B * Pl + 4 * B * s_mean * s.hidden, dev_bytes=ngb * Wl + kv_read, ngb=ngb)
+                               flops=2 * B * Pl + 4 * B * s_mean * s.hidden * wl.kv_read_share,
+                               dev_bytes=ngb * Wl + kv_read, ngb=ngb)
         pre, _ = layer_time(h2d=off_w * Wl + act_hop * p, d2h=off_c * B * p * kv_tok + act_hop * p,
                             dread=wd * Wl, dwrite=cd * B * p * kv_tok,
                             flops=2 * B * p * Pl + 2 * B * p * p * s.hidden,
@@ -153,6 +158,7 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
         # working set on the compute device: streamed layers double-buffered, the KV of one
         # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill
         # activations (q, k, v, attention out, MLP hidden) and logits
+        # (a sparse policy's gather buffer is sized as dense's: the union of a batch's picks can be all)
         work = (2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * s_max * kv_tok
                 + gbs * p * (5 * s.hidden + s.ffn) * b + gbs * s.vocab * 4)
         act = B * p * s.hidden * b                         # hidden states of every batch

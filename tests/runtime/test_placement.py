@@ -84,14 +84,12 @@ def test_grid_step_is_checked():
 def test_shipped_policies_are_what_auto_picks(path):
     """The policy files say their percents come from --policy auto: keep them in step with the model."""
     from flexgen_sparpr.cli.flags import build_parser
-    from flexgen_sparpr.cli.options import resident_kv_share, resolve
-    from flexgen_sparpr.runtime.placement import DTYPE_BYTES
+    from flexgen_sparpr.cli.options import resolve, workload_for
 
     run, pol, eng = resolve(build_parser().parse_args(["--config", str(path)]))
     hw = run.hardware
     dtype = eng.dtype if eng.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
-    plan = choose(Workload(opt_spec("opt-6.7b"), run.prompt_len, run.gen_len, pol.batch_size, dtype,
-                           resident_share=resident_kv_share(eng, DTYPE_BYTES[dtype])), hw)
+    plan = choose(workload_for(opt_spec("opt-6.7b"), run.prompt_len, run.gen_len, pol, eng, dtype), hw)
     assert plan.percent == run.percent
     assert (plan.gpu_batch_size, plan.num_gpu_batches) == (pol.gpu_batch_size, pol.num_gpu_batches)
 
@@ -122,3 +120,14 @@ def test_resident_share_of_each_kv_policy():
     assert share("--kv-policy", "sparpr", "--summary-tokens", "0") == 1 / 128  # one per 64-token block
     assert share("--kv-policy", "sparpr", "--cold-codec", "dkv") == 1 / 8 + 16 / 256
     assert share("--kv-policy", "quest") == 4 / (64 * 2)  # float32 min and max keys of a 64-token block
+
+
+def test_reading_less_of_the_cache_never_predicts_slower():
+    """kv_read_share (a sparse policy's keep): a decode step reads and attends that share of the
+    cache, so the best plan is never slower, and on the 8 GB laptop strictly faster."""
+    hw = load_hardware(HW_DIR / "rtx3070ti-laptop-8gb.yaml")
+    wl = dataclasses.replace(OPT67, prompt_len=1920, gen_len=128)
+    times = [choose(dataclasses.replace(wl, kv_read_share=k), hw).total_s for k in (1.0, 0.5, 0.25, 0.1)]
+    assert all(a >= b for a, b in zip(times, times[1:])) and times[0] > times[-1]
+    with pytest.raises(ValueError, match="kv_read_share"):
+        dataclasses.replace(wl, kv_read_share=0)
