@@ -103,7 +103,11 @@ def top_up(t: BlockTable, f: Fetched, sel: Selection, dtype: torch.dtype, device
     want = sel.mask if sel.mask is not None else \
         torch.ones(b, hkv, sum(lens), dtype=torch.bool, device=device)  # want: [B, Hkv, T_sel]
     start = dict(zip(sel.blocks, torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()))
-    need, had = _readers(sel, b, device), _readers(f.sel, b, device)  # [B, n_sel], [B, n_guess]
+    # a sequence needs a block when its mask keeps any of its tokens, read whole or not (a DKV
+    # block nobody reads whole is attended on its exact rows, held on compute: exact_rows.py)
+    need = torch.stack([want[:, :, start[x]:start[x] + n].any(dim=2).any(dim=1)
+                        for x, n in zip(sel.blocks, lens)], dim=1)  # need: [B, n_sel]
+    reads, had = _readers(sel, b, device), _readers(f.sel, b, device)  # [B, n_sel], [B, n_guess] read whole
     col, sel_col = {x: i for i, x in enumerate(f.sel.blocks)}, {x: j for j, x in enumerate(sel.blocks)}
     tf = f.kv.shape[3] - 1
     keep = torch.zeros(b, hkv, tf, dtype=torch.bool, device=device)  # keep: [B, Hkv, T_guess]
@@ -121,9 +125,10 @@ def top_up(t: BlockTable, f: Fetched, sel: Selection, dtype: torch.dtype, device
             miss_seqs.append(m)
     if not missing:
         return Fetched(f.kv, f.pos, Selection(f.sel.blocks, keep, seqs=f.sel.seqs))
-    seqs = torch.stack(miss_seqs, dim=1)  # seqs: [B, n_missing]
+    miss = torch.stack(miss_seqs, dim=1)  # miss: [B, n_missing]
+    seqs = miss & reads[:, [sel_col[x] for x in missing]]  # seqs: [B, n_missing] the whole-row reads
     tm = sum(t.block_len(x) for x in missing)
-    add = torch.cat([want[:, :, start[x]:start[x] + t.block_len(x)] & seqs[:, i, None, None]
+    add = torch.cat([want[:, :, start[x]:start[x] + t.block_len(x)] & miss[:, i, None, None]
                      for i, x in enumerate(missing)], dim=2)  # add: [B, Hkv, T_m]
     pos = torch.cat([f.pos[:tf], _ranges(t, missing, f.pos.device), f.pos[tf:]])
     if f.room is not None and f.room.shape[3] >= tf + tm + 1:  # in place after the guessed tokens

@@ -25,10 +25,11 @@ COSTS = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, live=False)
 
 
 def run(model_dir, out, name, speculate: bool, sep_layer: bool = True):
-    args = {"keep_ratio": 0.3} | ({"costs": COSTS} if name == "sparpr" else {}) | \
+    args = {"keep_ratio": 0.3} | ({"costs": COSTS} if name.startswith("sparpr") else {}) | \
         ({"dense_layers": 0} if name == "quest" else {})
-    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(out), kv_policy=name, policy_args=args,
-                       speculative_prefetch=speculate)
+    dkv = dict(cold_codec="dkv", codec_args={"rank": 1, "residuals": 3}) if name == "sparpr+dkv" else {}
+    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(out), kv_policy=name.removesuffix("+dkv"),
+                       policy_args=args, speculative_prefetch=speculate, **dkv)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=1, cache_gpu_percent=0, sep_layer=sep_layer)
     with Engine(resolve_source(str(model_dir), ""), policy, cfg) as eng:
         st = eng.prefill(PROMPTS, GEN, keep_logits=True)
@@ -38,7 +39,7 @@ def run(model_dir, out, name, speculate: bool, sep_layer: bool = True):
 
 
 @pytest.mark.parametrize("name, sep_layer", [("sparpr", True), ("sparpr", False), ("quest", True),
-                                             ("flexgen-topk", True)])
+                                             ("flexgen-topk", True), ("sparpr+dkv", True)])
 def test_speculation_changes_nothing_but_the_bytes(name, sep_layer, tiny_model_dir, tmp_path, monkeypatch):
     topped = []
     real = recovery.top_up
@@ -55,7 +56,7 @@ def test_speculation_changes_nothing_but_the_bytes(name, sep_layer, tiny_model_d
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     # the second of the two layers is guessed from the first one's input at every decode step
     assert len(topped) == GEN - 1 and got[3].get("disk->cpu", 0) > 0
-    if name == "sparpr":  # statistics count the exact selections only
+    if name.startswith("sparpr"):  # statistics count the exact selections only
         assert got[2]["totals"]["calls"] == ref[2]["totals"]["calls"] == 2 * (GEN - 1)
         assert got[2]["totals"]["tokens_read"] == ref[2]["totals"]["tokens_read"]
 
