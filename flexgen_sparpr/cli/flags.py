@@ -155,8 +155,15 @@ def add_dkv_flags(p: argparse.ArgumentParser) -> None:
                    help="dkv: block-sparse prefill attention (sink, local and top-k blocks per query block)")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags give one `prog: error: ...` line and exit 2, not the whole usage (see --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run offloaded generation with FlexGen's flags.")
+    p = OneLineParser(prog=prog, description="Run offloaded generation with FlexGen's flags.")
     add_flexgen_flags(p)
     add_engine_flags(p)
     add_hardware_flags(p)

@@ -9,11 +9,11 @@ import torch
 
 from ..engine.config import ConfigError
 from ..runtime.hardware import dump_hardware, save_hardware
-from .flags import DEFAULTS
+from .flags import DEFAULTS, OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="flexgen-sparpr profile",
         description="Measure host<->device bandwidth (pinned and pageable, each way; CUDA only), disk "
         "read/write bandwidth with the page cache bypassed, matmul throughput per dtype and free memory "

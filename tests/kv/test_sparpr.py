@@ -211,7 +211,9 @@ def test_checkpoints_kept_only_where_a_rebuild_can_pay(filled):
         pol = SparPR(keep_ratio=0.5, costs=fixed(disk_Bps=1e9, flops=flops / flop_s))
         assert pol.wants_checkpoints(t, hidden=8) == keep, rebuild_x
         assert pol.stats()["checkpoint_tables"] == {"kept": int(keep), "asked": 1}
-        assert SparPR(keep_ratio=0.5, costs=pol.costs, checkpoints="always").wants_checkpoints(t, hidden=8)
+        always = SparPR(keep_ratio=0.5, costs=pol.costs, checkpoints="always")
+        assert always.wants_checkpoints(t, hidden=8)
+        assert always.stats()["checkpoint_tables"] == {"kept": 1, "asked": 1}
         assert not SparPR(keep_ratio=0.5, costs=pol.costs, recompute=False).wants_checkpoints(t, hidden=8)
     with pytest.raises(ValueError, match="checkpoints"):
         SparPR(checkpoints="never")

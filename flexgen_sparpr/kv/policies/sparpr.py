@@ -171,11 +171,10 @@ class SparPR(BudgetPolicy):
         prefill would write them (+50 % prefill writes for OPT) for nothing."""
         if not self.needs_checkpoints:
             return False
-        if self.checkpoints == "always":
-            return True
-        costs = self.block_costs(table, hidden)
         self.ckpt_tables[1] += 1
-        keep = any(rec < CKPT_MARGIN * copy for tier, (copy, rec) in costs.items() if tier != Tier.COMPUTE)
+        keep = self.checkpoints == "always" or any(
+            rec < CKPT_MARGIN * copy for tier, (copy, rec) in self.block_costs(table, hidden).items()
+            if tier != Tier.COMPUTE)
         self.ckpt_tables[0] += keep
         return keep
 
