@@ -121,3 +121,16 @@ def test_attn_sparsity_maps_onto_flexgen_topk():
     assert pol.attn_sparsity == 1.0  # not applied twice
     with pytest.raises(Exception, match="cannot be combined"):
         _opts("--attn-sparsity", "0.25", "--kv-policy", "quest")
+
+
+@pytest.mark.parametrize("cmd, argv, fragment", [
+    ("run", ["--checkpoints", "never"], "invalid choice"),
+    ("run", ["--no-such-flag"], "unrecognized arguments"),
+    ("profile", ["--bogus"], "unrecognized arguments"),
+])
+def test_a_bad_flag_is_one_line_not_the_usage(capsys, cmd, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and fragment in err and f"flexgen-sparpr {cmd}: error:" in err
