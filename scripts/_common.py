@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from flexgen_sparpr.utils.args import OneLineParser  # noqa: F401  (the scripts' parser: one-line errors)
 from flexgen_sparpr.utils.files import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent

@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, die, int_list, machine_info, md_table, write_results  # noqa: E402
+from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, write_results  # noqa: E402
 
 TARGET = 1.2  # the project's goal: engine decode tok/s >= 1.2x HF's at every context on CPU
 STEM = "decode_vs_hf"
@@ -39,7 +39,7 @@ DEFAULT_TEXT = REPO / "tests" / "data" / "alice29.txt"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Timing method:\n" + __doc__.split("\n\n", 2)[2])
     ap.add_argument("--model", default="smollm2-135m",

@@ -7,7 +7,6 @@ DKV form there) and decode once per keep ratio from one prefill. Writes <out>/be
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -15,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -34,7 +33,7 @@ CONFIGS = ("dense", "dkv", "dkv-sparse-prefill", "sparpr", "sparpr+dkv")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192])
     ap.add_argument("--trials", type=int, default=4, help="prompts per length (one batch)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")

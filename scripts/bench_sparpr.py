@@ -29,14 +29,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO, add_opt_bench_args, die, int_list, machine_info, md_table, run_offload,  # noqa: E402
-                     timer, write_results)
+from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, machine_info, md_table,  # noqa: E402
+                     run_offload, timer, write_results)
 
 STEM = "bench"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     add_opt_bench_args(ap, gen_len=32)

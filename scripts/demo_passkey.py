@@ -5,7 +5,6 @@ offloading; the answer, latency, peak memory and bytes moved are printed.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -16,13 +15,14 @@ from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, rando
 from flexgen_sparpr.cli.main import guarded
 from flexgen_sparpr.cli.prompts import load_tokenizer
 from flexgen_sparpr.cli.run import run
+from flexgen_sparpr.utils.args import OneLineParser
 from flexgen_sparpr.weights.resolve import resolve_source
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = OneLineParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default 4096)")
     ap.add_argument("--depth", type=float, default=0.5, help="where the passkey sits, 0..1 (default 0.5)")
     ap.add_argument("--seed", type=int, default=0, help="picks the key and the excerpt")

@@ -6,7 +6,6 @@ snapshot of it. Writes <out>/needle.json (config + every trial), needle.md and n
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -15,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, die, int_list, machine_info, timer, write_results  # noqa: E402
+from _common import OneLineParser, REPO, die, int_list, machine_info, timer, write_results  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -130,7 +129,7 @@ def float_list(text: str) -> list[float]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--filler", default=str(REPO / "tests/data/alice29.txt"))
     ap.add_argument("--depths", type=float_list, default=[0.25, 0.75], help="trial i uses depths[i %% n]")

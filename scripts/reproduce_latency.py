@@ -32,8 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO, add_opt_bench_args, die, int_list, load_average, machine_info, timer,  # noqa: E402
-                     write_results)
+from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, load_average,  # noqa: E402
+                     machine_info, timer, write_results)
 from _latency_report import modeled_markdown, measured_markdown, plot  # noqa: E402
 
 SYSTEMS = ("upstream", "dense", "sparpr", "hf")
@@ -42,7 +42,7 @@ GiB = 1 << 30
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     add_opt_bench_args(ap, gen_len=8)

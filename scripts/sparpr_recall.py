@@ -10,7 +10,6 @@ digit recall).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
@@ -18,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, int_list, timer, write_results  # noqa: E402
+from _common import OneLineParser, REPO, int_list, timer, write_results  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -115,7 +114,7 @@ def summarise(rows, keeps):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", type=int_list, default=[2048])
     ap.add_argument("--trials", type=int, default=4)

@@ -7,14 +7,13 @@ A variant is a comma list of SparPR fields, e.g. "per_sequence=0,head_score=sum,
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, die, int_list, machine_info, timer, write_results  # noqa: E402
+from _common import OneLineParser, REPO, die, int_list, machine_info, timer, write_results  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -51,7 +50,7 @@ def parse_variant(text: str) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--variants", default="per_sequence=0,head_score=sum,summary_tokens=0;default")
     ap.add_argument("--lengths", type=int_list, default=[2048])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..utils.args import OneLineParser
+
 DEFAULTS = {
     "model": "facebook/opt-6.7b", "path": "~/opt_weights", "offload_dir": "~/flexgen_offload_dir",
     "prompt_len": 512, "gen_len": 32, "cut_gen_len": None, "debug_mode": None,
@@ -153,13 +155,6 @@ def add_dkv_flags(p: argparse.ArgumentParser) -> None:
                    f"(default {d['dkv_recent']})")
     g.add_argument("--dkv-sparse-prefill", action="store_true", default=None,
                    help="dkv: block-sparse prefill attention (sink, local and top-k blocks per query block)")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad flags give one `prog: error: ...` line and exit 2, not the whole usage (see --help)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:

@@ -9,7 +9,8 @@ import torch
 
 from ..engine.config import ConfigError
 from ..runtime.hardware import dump_hardware, save_hardware
-from .flags import DEFAULTS, OneLineParser
+from ..utils.args import OneLineParser
+from .flags import DEFAULTS
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,6 @@ OptLM, warms up as upstream's benchmark does, and reads upstream's own timers.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -21,6 +20,8 @@ import tempfile
 
 import numpy as np
 import torch
+
+from ..utils.args import OneLineParser
 
 DEFAULT_PERCENT = (100, 0, 100, 0, 100, 0)
 
@@ -184,7 +185,7 @@ def run_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="upstream FlexGen 0.1.8 on the CPU (dummy weights)")
+    ap = OneLineParser(description="upstream FlexGen 0.1.8 on the CPU (dummy weights)")
     ap.add_argument("--model", default="opt-125m")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)

