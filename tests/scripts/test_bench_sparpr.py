@@ -36,8 +36,11 @@ def test_tiny_run_writes_both_policies_and_the_bound(tmp_path):
     (["--gen-len", "1"], "--gen-len"),
     (["--keep-ratio", "0"], "--keep-ratio"),
     (["--model", "llama-7b"], "--model"),
+    (["--batch", "four"], "--batch"),  # argparse's own check: one line too, not the usage
+    (["--device", "tpu"], "--device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, msg):
     r = run(*args, "--out", str(tmp_path / "res"))
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+    assert "\n" not in r.stderr.strip()
     assert not (tmp_path / "res").exists()
