@@ -310,7 +310,7 @@ class SparPR(BudgetPolicy):
         budgets = [token_budget(target, n, self.floor(table)) for n in n_valid]
         keep = self.top_k(table, layer, q, budgets)  # keep: [B, L]
         sel = selection_from_tokens(table, keep[:, None, :].expand(-1, hkv, -1))  # mask: [B, Hkv, T]
-        rebuild, spans, sparse_s, dense_s, fell_back = [], [], math.nan, math.nan, False
+        rebuild, spans, sparse_s, dense_s, fell_back, nseq = [], [], math.nan, math.nan, False, None
         if costs is not None:
             copy = [costs[table.homes[i]][0] for i in range(sealed)]
             nseq, b = readers(table, sel), table.block_shape[1]
@@ -323,7 +323,8 @@ class SparPR(BudgetPolicy):
             if self.fallback and should_fall_back(sparse_s, dense_s, self.gamma):
                 sel, rebuild, fell_back = Selection.all(table), [], True
         self.step_stats.add(table, sel, rebuild, spans=len(spans), n_valid=n_valid, target=target, rho=rho,
-                            sparse_s=sparse_s, dense_s=dense_s, fell_back=fell_back)
+                            sparse_s=sparse_s, dense_s=dense_s, fell_back=fell_back,
+                            nseq=None if fell_back else nseq)
         sel = Selection(sel.blocks, sel.mask, recompute=tuple(rebuild), seqs=sel.seqs)
         # DKV cold blocks left out are still attended on their exact rows, held on compute (nothing moves)
         return sel if fell_back else with_exact_rows(table, sel, self.valid_tokens(table))

@@ -24,7 +24,9 @@ class StepStats:
         self.steps: list[dict] = []
 
     def add(self, table: BlockTable, sel: Selection, rebuild: list[int], spans: int, n_valid: list[int],
-            target: float, rho: float, sparse_s: float, dense_s: float, fell_back: bool) -> None:
+            target: float, rho: float, sparse_s: float, dense_s: float, fell_back: bool,
+            nseq: dict[int, int] | None = None) -> None:
+        """nseq: readers(table, sel) when the caller has it already."""
         if not self.steps or self.steps[-1]["context"] != table.length:
             self.steps.append({"context": table.length, **dict.fromkeys(self.KEYS, 0), "est_bytes": {}})
         s, sealed = self.steps[-1], table.length // table.bs
@@ -38,7 +40,7 @@ class StepStats:
                      ("est_sparse_s", sparse_s if math.isfinite(sparse_s) else 0.0),
                      ("est_dense_s", dense_s if math.isfinite(dense_s) else 0.0)):
             s[k] += v
-        nseq = readers(table, sel)
+        nseq = readers(table, sel) if nseq is None else nseq
         for i in moved:
             n = table.checkpoints.codec.nbytes if i in rebuild else table.read_bytes(i, nseq[i])
             links = (["disk->cpu"] if table.homes[i] == Tier.DISK else []) + \
