@@ -2,6 +2,7 @@
 rebuilt from hidden-state checkpoints through the K/V projections alone (SparPR's recompute)."""
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -23,10 +24,9 @@ class Fetched:
     room: torch.Tensor | None = None  # [2, B, Hkv, T+1+R, D] kv's buffer, R tokens longer (top_up)
 
 
-def _ranges(t: BlockTable, blocks, device) -> torch.Tensor:
-    if not blocks:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.cat([torch.arange(b * t.bs, b * t.bs + t.block_len(b), device=device) for b in blocks])
+def _offsets(t: BlockTable, blocks: list[int]) -> dict[int, int]:
+    """Block -> where its tokens start in a gather of `blocks` (in that order)."""
+    return dict(zip(blocks, itertools.accumulate((t.block_len(x) for x in blocks[:-1]), initial=0)))
 
 
 class GatherRing:
@@ -61,19 +61,18 @@ def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: 
     """I/O half: copy the blocks to copy, and the checkpoints of the blocks to rebuild (into the
     ring's next buffer when given, else a new tensor; `room` more tokens of it for a top_up)."""
     rebuild = sorted(set(sel.recompute) & set(sel.blocks)) if t.checkpoints is not None else []
-    lens = [t.block_len(b) for b in sel.blocks]
-    total = sum(lens)
+    total = sum(t.block_len(x) for x in sel.blocks)
     _, b, hkv, _, d = t.block_shape
     shape = (2, b, hkv, total + 1 + room, d)
     buf = ring.take(shape, dtype, device) if ring is not None else torch.empty(shape, dtype=dtype, device=device)
     out = buf[:, :, :, :total + 1]  # out: [2, B, Hkv, T+1, D]
-    pos = torch.cat([_ranges(t, sel.blocks, device), torch.zeros(1, dtype=torch.long, device=device)])
+    pos = torch.cat([t.positions(sel.blocks, device), torch.zeros(1, dtype=torch.long, device=device)])
     if not rebuild:
         t.gather(sel.blocks, out, seqs=sel.seqs, zero_unread=ring is None)
         return Fetched(out, pos, sel, room=buf if room and ring is not None else None)
     copy = [blk for blk in sel.blocks if blk not in set(rebuild)]
     seqs = None if sel.seqs is None else sel.seqs[:, [i for i, blk in enumerate(sel.blocks) if blk in copy]]
-    starts = dict(zip(sel.blocks, torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()))
+    starts = _offsets(t, sel.blocks)
     slot_of = lambda blks: torch.cat([torch.arange(starts[x], starts[x] + t.block_len(x), device=device)
                                       for x in blks])  # noqa: E731
     if copy:
@@ -102,7 +101,7 @@ def top_up(t: BlockTable, f: Fetched, sel: Selection, dtype: torch.dtype, device
     lens = [t.block_len(x) for x in sel.blocks]
     want = sel.mask if sel.mask is not None else \
         torch.ones(b, hkv, sum(lens), dtype=torch.bool, device=device)  # want: [B, Hkv, T_sel]
-    start = dict(zip(sel.blocks, torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()))
+    start = _offsets(t, sel.blocks)
     # a sequence needs a block when its mask keeps any of its tokens, read whole or not (a DKV
     # block nobody reads whole is attended on its exact rows, held on compute: exact_rows.py)
     need = torch.stack([want[:, :, start[x]:start[x] + n].any(dim=2).any(dim=1)
@@ -130,7 +129,7 @@ def top_up(t: BlockTable, f: Fetched, sel: Selection, dtype: torch.dtype, device
     tm = sum(t.block_len(x) for x in missing)
     add = torch.cat([want[:, :, start[x]:start[x] + t.block_len(x)] & miss[:, i, None, None]
                      for i, x in enumerate(missing)], dim=2)  # add: [B, Hkv, T_m]
-    pos = torch.cat([f.pos[:tf], _ranges(t, missing, f.pos.device), f.pos[tf:]])
+    pos = torch.cat([f.pos[:tf], t.positions(missing, f.pos.device), f.pos[tf:]])
     if f.room is not None and f.room.shape[3] >= tf + tm + 1:  # in place after the guessed tokens
         kv = f.room[:, :, :, :tf + tm + 1]  # kv: [2, B, Hkv, T+1, D]
         t.gather(missing, kv[:, :, :, tf:], seqs=seqs, zero_unread=False)  # stale rows are masked out

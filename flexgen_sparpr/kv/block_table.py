@@ -103,6 +103,15 @@ class BlockTable:
     def block_len(self, b: int) -> int:
         return min(self.bs, self.length - b * self.bs)
 
+    def positions(self, blocks: list[int], device: torch.device | None = None) -> torch.Tensor:
+        """[T] cache positions of the blocks' tokens, in the order given (gather's order)."""
+        dev = self.devices.compute if device is None else device
+        if not blocks:
+            return torch.empty(0, dtype=torch.long, device=dev)
+        ids = torch.tensor(blocks, device=dev)
+        pos = (ids[:, None] * self.bs + torch.arange(self.bs, device=dev)).flatten()  # pos: [n * bs]
+        return pos[pos < self.length]  # only the open (last) block can be short
+
     def _in_arena(self, b: int) -> torch.Tensor:
         s = self.slot[b] * self.bs
         return self._arena[self.homes[b]][:, :, :, s:s + self.bs]
@@ -280,9 +289,7 @@ class BlockTable:
             t += n
         if disk_reads:
             self._read_disk(disk_reads)
-        pos = torch.cat([torch.arange(b * self.bs, b * self.bs + n, device=dev) for b, n in zip(blocks, lens)]) \
-            if blocks else torch.empty(0, dtype=torch.long, device=dev)
-        return out[:, :, :, :total], pos
+        return out[:, :, :, :total], self.positions(blocks, dev)
 
     def exact_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Sealed coded block b's exact rows held on compute (`keep_exact_rows`): (idx: [B, m] token

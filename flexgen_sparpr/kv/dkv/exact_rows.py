@@ -17,13 +17,6 @@ from ..block_table import BlockTable
 from ..policy import Selection
 
 
-def _positions(table: BlockTable, blocks: list[int], device) -> torch.Tensor:
-    """[T] cache positions of the blocks' tokens, in gather order."""
-    if not blocks:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.cat([torch.arange(b * table.bs, b * table.bs + table.block_len(b), device=device) for b in blocks])
-
-
 def with_exact_rows(table: BlockTable, sel: Selection, valid: torch.Tensor) -> Selection:
     """sel plus the exact rows the table holds on compute of every sealed block, for each sequence
     that does not read the block whole (a block no sequence chose joins with no reader: nothing moves).
@@ -38,7 +31,7 @@ def with_exact_rows(table: BlockTable, sel: Selection, valid: torch.Tensor) -> S
     b_, hkv, _ = sel.mask.shape
     dev = sel.mask.device
     full = torch.zeros(b_, hkv, table.num_blocks * table.bs, dtype=torch.bool, device=dev)  # full: [B, Hkv, L']
-    full[..., _positions(table, sel.blocks, dev)] = sel.mask
+    full[..., table.positions(sel.blocks, dev)] = sel.mask
     for blk in held:  # a chosen block too: a sequence that did not choose it reads its exact rows
         idx, _ = table.exact_rows(blk)  # idx: [B, m]
         full[:, :, :sealed * table.bs].scatter_(2, (blk * table.bs + idx.to(dev))[:, None].expand(-1, hkv, -1), True)
@@ -48,4 +41,4 @@ def with_exact_rows(table: BlockTable, sel: Selection, valid: torch.Tensor) -> S
     at = {blk: j for j, blk in enumerate(blocks)}
     cols = [at[blk] for blk in sel.blocks]
     seqs[:, cols] = True if sel.seqs is None else sel.seqs
-    return Selection(blocks, full[..., _positions(table, blocks, dev)], recompute=sel.recompute, seqs=seqs)
+    return Selection(blocks, full[..., table.positions(blocks, dev)], recompute=sel.recompute, seqs=seqs)

@@ -77,12 +77,7 @@ class BudgetPolicy(KVPolicy):
 
 def gathered_positions(table: BlockTable, blocks: list[int]) -> torch.Tensor:
     """Cache positions of blocks' tokens in table.gather's order: [T]."""
-    dev = table.devices.compute
-    if not blocks:
-        return torch.empty(0, dtype=torch.long, device=dev)
-    ids = torch.tensor(blocks, device=dev)
-    pos = (ids[:, None] * table.bs + torch.arange(table.bs, device=dev)).flatten()  # pos: [nb * bs]
-    return pos[pos < table.length]  # only the last (open) block can be short
+    return table.positions(blocks)
 
 
 def selection_from_tokens(table: BlockTable, keep: torch.Tensor) -> Selection:
