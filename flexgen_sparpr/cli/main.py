@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..engine.config import ConfigError
-from ..weights.resolve import ModelNotFound
+from ..errors import ConfigError, ModelNotFound
 
 USAGE = """usage: flexgen-sparpr {run,prepare,profile} [options]
 

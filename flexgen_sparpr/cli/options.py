@@ -8,7 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from ..engine.config import ConfigError, EngineConfig, Policy
+from ..engine.config import EngineConfig, Policy
+from ..errors import ConfigError
 from ..kv.dkv.codec import PICKS
 from ..runtime.costs import CostModel
 from ..runtime.hardware import Hardware, hardware_from_dict, load_hardware

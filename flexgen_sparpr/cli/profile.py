@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.config import ConfigError
+from ..errors import ConfigError
 from ..runtime.hardware import dump_hardware, save_hardware
 from ..utils.args import OneLineParser
 from .flags import DEFAULTS

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.config import ConfigError
+from ..errors import ConfigError
 
 FLEXGEN_PROMPT = "Paris is the capital city of"
 

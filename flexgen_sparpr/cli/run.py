@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from ..engine.config import ConfigError
+from ..errors import ConfigError
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
 from ..engine.sampling import Sampler

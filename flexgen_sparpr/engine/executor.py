@@ -22,7 +22,8 @@ from .attention import decode_attention_step, pads_valid, prefill_attention
 from .kv_tables import build_tables
 from .prefetch import Ahead, early_selection
 from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
-from .config import ConfigError, EngineConfig, Policy
+from ..errors import ConfigError
+from .config import EngineConfig, Policy
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
 from .weights import WeightStore, sub_weights

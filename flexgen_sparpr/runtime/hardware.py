@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from ..engine.config import ConfigError
+from ..errors import ConfigError
 from ..utils.files import write_atomic
 
 GiB = 1 << 30

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import NoPlacementFits
 from ..models.spec import ModelSpec
 from .hardware import GiB, Hardware
 
@@ -81,10 +82,6 @@ class Plan:
                 f"{self.num_gpu_batches}; predicted {self.per_token_s(gen_len):.4f} s/token "
                 f"(prefill {self.prefill_s:.3f} s, decode step {self.decode_step_s:.4f} s, "
                 f"bound by {self.bottleneck})")
-
-
-class NoPlacementFits(ValueError):
-    """No grid point fits the tiers' memory."""
 
 
 def _pairs(step: int, with_cpu: bool) -> np.ndarray:

@@ -18,7 +18,7 @@ import torch
 
 from ..storage.disk import disk_bandwidth
 from ..utils.files import write_json_atomic
-from ..weights.prepare import default_cache_dir
+from ..utils.paths import default_cache_dir
 from .costs import dtype_name
 
 VERSION = 1

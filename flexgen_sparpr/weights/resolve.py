@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import ModelNotFound
 from ..models import build_arch
 from ..models.spec import OPT_NAMES, ModelSpec, opt_spec
-from .prepare import default_cache_dir
+from ..utils.paths import default_cache_dir
 from .sources import DummySource, GGUFSource, HFDirSource, NumpyDirSource, WeightSource
 
 DUMMY = "_DUMMY_"
@@ -18,10 +19,6 @@ SMOLLM2_SPEC = ModelSpec(
     head_dim=64, ffn=1536, vocab=49152, max_pos=8192, norm_eps=1e-5, rope_theta=100000.0,
     tie_embeddings=True, bos_id=1, eos_id=2, pad_id=2,
 )
-
-
-class ModelNotFound(ValueError):
-    """The named model has no weights on disk; the message says where they must go."""
 
 
 def smollm2_dir() -> Path:

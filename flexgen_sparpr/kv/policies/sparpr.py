@@ -149,7 +149,7 @@ class SparPR(BudgetPolicy):
         """The given cost model, else the start-up probe's (measured once per machine, cached)."""
         if self.costs is None or (self._probed and dtype_name(table.dtype) not in self.costs.matmul_flops):
             from ...runtime.probe import probe
-            from ...weights.prepare import default_cache_dir
+            from ...utils.paths import default_cache_dir
             disk_dir = self.probe_dir or default_cache_dir()
             data = probe(table.devices.compute, [table.dtype], disk_dir)
             self.costs, self._probed = CostModel.from_probe(data, disk_dir), True
