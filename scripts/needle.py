@@ -24,9 +24,8 @@ import torch  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, random_key  # noqa: E402
 from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
 from flexgen_sparpr.engine.executor import Engine  # noqa: E402
-from flexgen_sparpr.kv import policies as _registered  # noqa: E402,F401  (registers the policies)
 from flexgen_sparpr.kv.policies.h2o import H2O  # noqa: E402
-from flexgen_sparpr.kv.policy import POLICIES, make_policy  # noqa: E402
+from flexgen_sparpr.kv.policies import POLICIES, make_policy  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
 # the paper's scores (2k / 4k / 8k contexts), quoted beside ours

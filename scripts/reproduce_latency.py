@@ -257,9 +257,8 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
     assumed = Calibration(source="the file's effective figures as given (already derated), no per-layer overhead")
     derated = Calibration(io_eff=min(1.0, cal_cpu.io_eff),
                           source=f"as given, links at this machine's fitted io_eff {cal_cpu.io_eff:.2f}")
-    from flexgen_sparpr.cli.options import resident_kv_share
-    from flexgen_sparpr.engine.config import EngineConfig
-    sparpr_share = resident_kv_share(EngineConfig(kv_policy="sparpr", block_size=args.block_size), nbytes)
+    from flexgen_sparpr.kv.policies import make_policy
+    sparpr_share = make_policy("sparpr").resident_share(args.block_size, nbytes)
     rows = []
     for ctx in args.contexts_model:
         row = {"context": ctx}

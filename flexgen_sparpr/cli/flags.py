@@ -1,12 +1,15 @@
 """Command-line flags: every upstream FlexGen flag (same defaults, same meaning) plus ours.
 
 Defaults live in DEFAULTS, not in argparse, so a flag the user did not give can be told
-apart from one that merely equals its default (YAML config values sit between the two).
+apart from one that merely equals its default (YAML config values sit between the two). The KV
+policies' flags are made from their knobs (kv/knobs.py); a knob not given keeps the policy's default.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
+from ..kv import policies
 from ..utils.args import OneLineParser
 
 DEFAULTS = {
@@ -18,15 +21,9 @@ DEFAULTS = {
     "verbose": 2, "overlap": True,
     "device": "auto", "dtype": "auto", "block_size": 64, "max_seq_len": None, "prompt": None,
     "prompt_file": None, "prompt_ids_file": None, "chat": False, "output_json": None, "config": None,
-    "kv_policy": "dense", "keep_ratio": 1.0, "direct_io": False, "io_threads": 2, "seed": 0,
+    "kv_policy": policies.DEFAULT, "cold_codec": "raw", "direct_io": False, "io_threads": 2, "seed": 0,
     "speculative_prefetch": False,
     "do_sample": False, "temperature": 1.0, "top_p": 1.0, "stop": None, "warmup": True,
-    # SparPR (--kv-policy sparpr)
-    "min_keep": 0.1, "gamma": 0.9, "no_dynamic_budget": False, "quest_only": False,
-    "no_recompute": False, "no_fallback": False, "summary_tokens": 4, "checkpoints": "auto",
-    # DKV (--kv-policy dkv, or --cold-codec dkv under another policy)
-    "cold_codec": "raw", "dkv_block": 256, "dkv_rank": 32, "dkv_residuals": 16, "dkv_topk": 8,
-    "dkv_recent": 1, "dkv_sparse_prefill": False, "dkv_route": "lowrank", "dkv_residual_pick": "attention",
     # hardware files and --policy auto (runtime/hardware.py, runtime/placement.py)
     "hardware": None, "policy": None,
 }
@@ -89,24 +86,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-ids-file", help="JSON list of token-id lists (for models without a tokenizer)")
     g.add_argument("--chat", action="store_true", default=None, help="wrap the prompt in the model's chat template")
     g.add_argument("--output-json", help="write ids, texts, timings, peak memory and bytes moved here")
-    g.add_argument("--kv-policy", help="which KV blocks attention reads at decode (default dense)")
-    g.add_argument("--keep-ratio", type=float, help="KV budget: fraction of context tokens read (default 1.0)")
-    g.add_argument("--min-keep", type=float, help="sparpr: Minimum Keep Floor, the least fraction of the "
-                   "context the dynamic budget keeps (default 0.1; --keep-ratio is the ceiling)")
-    g.add_argument("--gamma", type=float, help="sparpr: Dense Fallback Threshold; read everything when the "
-                   "sparse path costs more than gamma x the dense path (default 0.9)")
-    g.add_argument("--summary-tokens", type=int, help="sparpr: tokens per key summary (a mean key per KV "
-                   "head) used to score blocks; divides --block-size; 0: one per block (default 4)")
-    g.add_argument("--no-dynamic-budget", action="store_true", default=None,
-                   help="sparpr ablation: always keep --keep-ratio (no cost-driven budget)")
-    g.add_argument("--quest-only", action="store_true", default=None, help="sparpr ablation: query-aware "
-                   "selection alone, copy only (no dynamic budget, recompute or fallback)")
-    g.add_argument("--no-recompute", action="store_true", default=None,
-                   help="sparpr ablation: copy every selected block (no checkpoint recompute)")
-    g.add_argument("--no-fallback", action="store_true", default=None,
-                   help="sparpr ablation: never fall back to dense")
-    g.add_argument("--checkpoints", choices=["auto", "always"], help="sparpr: keep hidden-state checkpoints "
-                   "always, or (auto) only where the measured costs say a rebuild can pay (default auto)")
     g.add_argument("--direct-io", action="store_true", default=None, help="disk tier bypasses the page cache (O_DIRECT)")
     g.add_argument("--speculative-prefetch", action="store_true", default=None,
                    help="with one GPU batch, gather a query-aware policy's next-layer blocks from a query guessed "
@@ -132,29 +111,47 @@ def add_hardware_flags(p: argparse.ArgumentParser) -> None:
                    "model with a cost model of the schedule (docs/hardware.md); not with --percent")
 
 
-def add_dkv_flags(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
-    g = p.add_argument_group("DKV: anchor + low-rank compressed KV blocks (docs/dkv.md)")
-    g.add_argument("--cold-codec", choices=["raw", "dkv"], help="how KV blocks on the CPU and disk tiers "
-                   "are stored: raw, or DKV form (with --kv-policy sparpr: fewer bytes per copy) (default raw)")
-    g.add_argument("--dkv-block", type=int, help=f"tokens per DKV block; with DKV in use this is the KV "
-                   f"block size unless --block-size is given (default {d['dkv_block']})")
-    g.add_argument("--dkv-rank", type=int, help=f"rank of the joint K|V SVD delta (default {d['dkv_rank']})")
-    g.add_argument("--dkv-residuals", type=int, help=f"exact residual tokens per block (default "
-                   f"{d['dkv_residuals']})")
-    g.add_argument("--dkv-residual-pick", metavar="{error,attention,mixed}", help="which rows a block "
-                   "keeps exact: the worst-reconstructed (error), the ones the prompt's last 32 queries attend "
-                   "most or that follow what they attend (attention; prompt blocks only, later blocks by "
-                   "error), or half each (mixed) "
-                   f"(default {d['dkv_residual_pick']})")
-    g.add_argument("--dkv-topk", type=int, help=f"dkv: compressed blocks each query attends in low-rank "
-                   f"form; 0 = all (default {d['dkv_topk']})")
-    g.add_argument("--dkv-route", choices=["lowrank", "mean"], help="dkv: how the top-k blocks are found: "
-                   "their attention mass scored in low-rank space, or their exact mean key (default lowrank)")
-    g.add_argument("--dkv-recent", type=int, help=f"dkv: sealed blocks kept exact besides the open one "
-                   f"(default {d['dkv_recent']})")
-    g.add_argument("--dkv-sparse-prefill", action="store_true", default=None,
-                   help="dkv: block-sparse prefill attention (sink, local and top-k blocks per query block)")
+def add_policy_flags(p: argparse.ArgumentParser) -> None:
+    """--kv-policy, --cold-codec and every registered policy's knobs: the knobs several policies
+    share in the first group, each policy's own in its group."""
+    table = policies.flags()
+    g = p.add_argument_group("KV policies (kv/policies/; each knob applies to the policies named)")
+    g.add_argument("--kv-policy", metavar="NAME", help=f"which KV blocks attention reads at decode: {', '.join(sorted(policies.POLICIES))} "
+                   f"(default {policies.DEFAULT})")
+    g.add_argument("--cold-codec", choices=["raw", *policies.codec_names()], help="how KV blocks on the CPU and "
+                   "disk tiers are stored: raw, or a policy's codec (dkv: fewer bytes per copy, with --kv-policy "
+                   "sparpr) (default raw)")
+    groups = {}
+    for dest, flag in table.items():
+        owners = sorted(flag.policies)
+        if len(owners) > 1:
+            _add_knob(g, flag)
+            continue
+        if owners[0] not in groups:
+            groups[owners[0]] = p.add_argument_group(_group_title(owners[0]))
+        _add_knob(groups[owners[0]], flag)
+
+
+def _group_title(name: str) -> str:
+    cls = policies.POLICIES[name]
+    doc = (sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines()
+    use = f"--kv-policy {name}" + (f" or --cold-codec {name}" if name in policies.codec_names() else "")
+    return f"{use}: {doc[0].rstrip('.')}" if doc else use
+
+
+def _add_knob(g, flag: "policies.Flag") -> None:
+    k = flag.knob
+    defaults = {n: ("off" if kn.negated else kn.default) for n, kn in flag.policies.items()}
+    shown = {str(v) for v in defaults.values()}
+    default = next(iter(shown)) if len(shown) == 1 else ", ".join(f"{n} {v}" for n, v in defaults.items())
+    owners = f"{', '.join(sorted(flag.policies))}; " if len(flag.policies) > 1 else ""
+    if k.type is bool:  # a switch: given or not
+        text = f"{k.help} ({owners.rstrip('; ')})" if owners else k.help
+        g.add_argument(k.flag, action="store_true", default=None, help=text.replace("%", "%%"))
+    else:
+        text = f"{k.help} ({owners}default {default})"
+        metavar = k.metavar or (None if k.choices else {int: "N", float: "X"}.get(k.type, "S"))
+        g.add_argument(k.flag, type=k.type, choices=k.choices, metavar=metavar, help=text.replace("%", "%%"))
 
 
 def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:
@@ -162,5 +159,5 @@ def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:
     add_flexgen_flags(p)
     add_engine_flags(p)
     add_hardware_flags(p)
-    add_dkv_flags(p)
+    add_policy_flags(p)
     return p

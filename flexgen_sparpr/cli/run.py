@@ -93,16 +93,27 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
                     "per_token_s": times, "projected": projected,
                     "decode_tokens_per_s": n * (steps_done - 1) / max(decode_lat, 1e-10)},
         "peak_memory": mem_report, "bytes_moved": moved, "disk_io_mode": disk_mode,
-        "policy": dataclasses.asdict(policy), "engine": dataclasses.asdict(ecfg),
+        "policy": dataclasses.asdict(policy), "engine": engine_report(ecfg),
         "torch": torch.__version__,
     }
     if plan is not None:
         out["auto_policy"] = {"hardware": hw.name, "hardware_source": hw.source, **dataclasses.asdict(plan),
                               "predicted_per_token_s": plan.per_token_s(opts.gen_len)}
-    if hasattr(eng.kv_policy, "stats"):  # per-step statistics of policies that keep them (sparpr)
-        out["kv_policy_stats"] = eng.kv_policy.stats()
+    stats = eng.kv_policy.stats()  # per-step statistics of policies that keep them (sparpr, dkv)
+    if stats is not None:
+        out["kv_policy_stats"] = stats
     if opts.output_json:
         write_json_atomic(opts.output_json, out)
+    return out
+
+
+def engine_report(ecfg) -> dict:
+    """The engine config as JSON: each policy as its name and its fields (knobs and given costs)."""
+    out = {f.name: getattr(ecfg, f.name) for f in dataclasses.fields(ecfg)}
+    for key, args in (("kv_policy", "policy_args"), ("cold_codec", "codec_args")):
+        p = out[key]
+        if not isinstance(p, str):
+            out[key], out[args] = p.name, dataclasses.asdict(p)
     return out
 
 

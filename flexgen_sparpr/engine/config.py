@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
+from ..kv import policies
+from ..kv.policy import KVPolicy
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,13 @@ class EngineConfig:
     offload_dir: str = "~/flexgen_offload_dir"
     direct_io: bool = False  # bypass the page cache on the disk tier (benchmarks)
     io_threads: int = 2
-    kv_policy: str = "dense"
+    # the KV policy: a policy (kv/policies/), or a registered name with its knobs (field names)
+    kv_policy: str | KVPolicy = policies.DEFAULT
     policy_args: dict = field(default_factory=dict)
-    cold_codec: str = "raw"  # how CPU/disk-tier KV blocks are stored: raw, or dkv (anchor + low rank)
-    codec_args: dict = field(default_factory=dict)  # dkv: rank, residuals, recent (exact blocks)
+    # how CPU/disk-tier KV blocks are stored: raw, or the codec of a policy that has one (dkv:
+    # anchor + low rank), given as a policy or a name with its knobs (codec_args)
+    cold_codec: str | KVPolicy = "raw"
+    codec_args: dict = field(default_factory=dict)
     # one GPU batch: a query-aware policy's next layer is selected from this layer's input and
     # gathered while this layer computes; the exact selection then reads only what the guess missed
     speculative_prefetch: bool = False
@@ -99,8 +104,21 @@ class EngineConfig:
             raise ConfigError("--block-size must be >= 1")
         if self.dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype})")
-        if self.cold_codec not in ("raw", "dkv"):
-            raise ConfigError(f"--cold-codec must be raw or dkv (got {self.cold_codec})")
+        if isinstance(self.kv_policy, str) and self.kv_policy not in policies.POLICIES:
+            raise ConfigError(f"unknown --kv-policy {self.kv_policy!r} (known: {', '.join(sorted(policies.POLICIES))})")
+        codecs = ["raw", *policies.codec_names()]
+        if isinstance(self.cold_codec, str) and self.cold_codec not in codecs:
+            raise ConfigError(f"--cold-codec must be {' or '.join(codecs)} (got {self.cold_codec})")
+
+    def make_kv_policy(self) -> KVPolicy:
+        """The KV policy (made here when given by name; its dataclass checks the knobs)."""
+        return policies.resolve(self.kv_policy, self.policy_args)
+
+    def make_cold_codec(self) -> KVPolicy | None:
+        """The policy whose codec stores the CPU and disk blocks, or None (raw)."""
+        if isinstance(self.cold_codec, str) and self.cold_codec == "raw":
+            return None
+        return policies.resolve(self.cold_codec, self.codec_args)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

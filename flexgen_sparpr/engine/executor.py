@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ..kv.block_table import BlockTable
-from ..kv.policy import KVPolicy, Selection, make_policy
+from ..kv import policies
+from ..kv.policy import KVPolicy, Selection
 from ..models import build_arch
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier
@@ -48,14 +49,14 @@ class Engine:
         self.arch = build_arch(self.spec)
         self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight)
         self.dtype = cfg.torch_dtype(self.devices.compute)
-        self.kv_policy: KVPolicy = make_policy(cfg.kv_policy, **cfg.policy_args)
-        if policy.cpu_cache_compute and cfg.kv_policy != "dense" and self.devices.is_cuda:
+        self.kv_policy: KVPolicy = cfg.make_kv_policy()
+        self.cold_codec: KVPolicy | None = cfg.make_cold_codec()  # its codec stores the CPU / disk blocks
+        if policy.cpu_cache_compute and not self.kv_policy.is_full_attention and self.devices.is_cuda:
             raise ConfigError("--cpu-cache-compute attends CPU blocks in place and cannot apply a "
-                              f"--kv-policy selection ({cfg.kv_policy}); use one or the other")
-        if (cfg.cold_codec != "raw" or cfg.kv_policy == "dkv") and (policy.compress_cache or cfg.kv_policy
-                                                                     == "dkv" and cfg.cold_codec != "raw"):
-            raise ConfigError("one KV codec at a time: --compress-cache, --kv-policy dkv and --cold-codec dkv "
-                              "each choose how blocks are stored")
+                              f"--kv-policy selection ({self.kv_policy.name}); use one or the other")
+        if policy.compress_cache + self.kv_policy.has_codec + (self.cold_codec is not None) > 1:
+            raise ConfigError("one KV codec at a time: --compress-cache, a --kv-policy with its own codec "
+                              f"({', '.join(policies.codec_names())}) and --cold-codec each choose how blocks are stored")
         self.layers = self._layers()
         needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0
         self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None

@@ -42,7 +42,7 @@ class BlockTable:
         # tiers whose sealed blocks are stored encoded (default: every tier, when the codec encodes)
         self.coded = frozenset() if not codec.compressed else frozenset(coded_tiers or tuple(Tier))
         # exact copies of the newest sealed encoded blocks (a lossy codec's recency window), on compute
-        self.exact_recent = 0
+        self.exact_recent = codec.exact_recent
         self._exact: dict[int, torch.Tensor] = {}
         self.slot = [self.homes[:b].count(h) for b, h in enumerate(self.homes)]
         self.length = 0

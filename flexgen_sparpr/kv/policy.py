@@ -1,33 +1,19 @@
 """KV policies: which blocks of a layer's cache attention reads at a decode step.
 
-A policy is a small class registered by name. The engine asks `plan` before the query is known
-(so the blocks can be prefetched while the previous batch computes); a policy that needs the
-query returns None there and answers `select` at compute time instead.
+A policy is a dataclass whose fields are its knobs (kv/knobs.py), in its own file under
+kv/policies/ (which registers it by name). The engine asks `plan` before the query is known (so
+the blocks can be prefetched while the previous batch computes); a policy that needs the query
+returns None there and answers `select` at compute time instead. What the engine, the CLI and
+the placement need to know about a policy are methods here, never a test of its name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .block_table import BlockTable
-
-POLICIES: dict[str, type["KVPolicy"]] = {}
-
-
-def register(name: str):
-    def deco(cls):
-        cls.name = name
-        POLICIES[name] = cls
-        return cls
-    return deco
-
-
-def make_policy(name: str, **kwargs) -> "KVPolicy":
-    from . import policies  # noqa: F401  (registers the built-in policies)
-    if name not in POLICIES:
-        raise ValueError(f"unknown --kv-policy {name!r} (known: {', '.join(sorted(POLICIES))})")
-    return POLICIES[name](**kwargs)
 
 
 @dataclass
@@ -50,9 +36,55 @@ class KVPolicy:
     """Hooks, all optional. The new token of a step is always attended; the gathered tokens are
     the blocks' tokens in block order (table.gather's order)."""
 
-    name = "base"
+    name: ClassVar[str] = "base"  # --kv-policy NAME; a class with its own name under kv/policies/ is registered
+    knob_prefix: ClassVar[str] = ""  # prefix of its knobs' flags (dkv: --dkv-rank)
     needs_checkpoints = False  # True: the engine keeps each block's K/V-projection input
     attends = False  # True: the policy computes decode attention itself (`attend`), e.g. DKV
+
+    # --- facts the engine, the CLI and the placement search ask ---
+    @classmethod
+    def matrix_knobs(cls, keep: float) -> dict:
+        """Knobs the test matrix (tests/kv/test_policies.py) runs this policy with on 2-layer tiny
+        models so that it reads about `keep` of the context (keep 1: what dense attention reads)."""
+        return {}
+
+    def check_block_size(self, block_size: int) -> None:
+        """Refuse (KnobError) knobs that do not fit the KV block size; checked once by the CLI."""
+
+    def read_share(self) -> float:
+        """Share of the cached tokens a decode step reads (the placement's estimate)."""
+        return 1.0
+
+    def resident_share(self, block_size: int, dtype_bytes: int, cold: "KVPolicy | None" = None) -> float:
+        """What the policy keeps on the compute device per cached token, wherever the cache lives,
+        as a share of the raw K+V (2 kv_dim values of dtype_bytes a token). cold: the policy whose
+        codec stores the CPU and disk blocks (--cold-codec), if any."""
+        return 0.0
+
+    def exact_rows_share(self, block_size: int) -> float:
+        """A codec policy: share of each encoded block's rows its codec keeps exact (those a
+        selecting policy can attend on the compute device without moving the block)."""
+        return 0.0
+
+    @property
+    def has_codec(self) -> bool:
+        """Whether the policy stores blocks in its own form (`codec`)."""
+        return type(self).codec is not KVPolicy.codec
+
+    @property
+    def is_full_attention(self) -> bool:
+        """Plain attention over every raw cached token: nothing selected, attended or encoded
+        by the policy (the default policy)."""
+        return self.reads_all and not self.attends and not self.has_codec
+
+    def for_machine(self, hardware=None, disk_dir: str | None = None) -> "KVPolicy":
+        """This policy for a machine: a hardware file (runtime/hardware.py), else the folder of
+        the disk tier a start-up probe may measure. Policies without a cost model ignore both."""
+        return self
+
+    def stats(self) -> dict | None:
+        """JSON-able statistics of the decode steps (--output-json's kv_policy_stats), or None."""
+        return None
 
     def wants_checkpoints(self, table: BlockTable, hidden: int) -> bool:
         """Whether the engine should keep this table's hidden-state checkpoints (hidden: their
@@ -105,8 +137,3 @@ class KVPolicy:
     def reads_all(self) -> bool:
         """True when every step reads the whole cache (lets a resident cache skip gathering)."""
         return type(self).plan is KVPolicy.plan and type(self).select is KVPolicy.select
-
-
-@register("dense")
-class Dense(KVPolicy):
-    """Every block (full attention)."""

@@ -44,7 +44,7 @@ class Workload:
     compress_cache: bool = False
     # what the KV policy keeps on the compute device per cached token wherever the cache lives,
     # as a share of the raw K+V (SparPR's key summaries, Quest's key bounds, DKV's exact rows):
-    # cli/options.py resident_kv_share
+    # the KV policy's resident_share (kv/policy.py)
     resident_share: float = 0.0
     # the share of the cache one decode step reads and attends (a sparse KV policy's keep ratio)
     kv_read_share: float = 1.0

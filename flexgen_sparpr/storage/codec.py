@@ -10,6 +10,7 @@ class RawCodec:
     """A tensor as is, in its dtype."""
 
     compressed = False
+    exact_recent = 0  # newest sealed blocks also kept exact (a lossy codec's recency window)
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
         self.shape, self.dtype = shape, dtype
@@ -21,6 +22,7 @@ class Int4Codec:
     KV blocks group along head_dim (FlexGen's cache config); weights along dim 0."""
 
     compressed = True
+    exact_recent = 0
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype,
                  cfg: CompressionConfig = CompressionConfig(num_bits=4, group_size=64, group_dim=-1)):

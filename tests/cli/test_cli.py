@@ -117,7 +117,7 @@ def test_help_mentions_every_upstream_flag():
 
 def test_attn_sparsity_maps_onto_flexgen_topk():
     _, pol, eng = _opts("--attn-sparsity", "0.25")
-    assert eng.kv_policy == "flexgen-topk" and eng.policy_args["keep_ratio"] == 0.25
+    assert eng.kv_policy.name == "flexgen-topk" and eng.kv_policy.keep_ratio == 0.25
     assert pol.attn_sparsity == 1.0  # not applied twice
     with pytest.raises(Exception, match="cannot be combined"):
         _opts("--attn-sparsity", "0.25", "--kv-policy", "quest")

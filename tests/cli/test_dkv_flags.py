@@ -1,4 +1,4 @@
-"""DKV's flags: where they land (policy args, codec args, block size) and what they refuse."""
+"""DKV's flags: where they land (the policy's knobs, the cold codec's, the block size) and what they refuse."""
 import pytest
 
 from flexgen_sparpr.cli.flags import build_parser
@@ -13,22 +13,24 @@ def _opts(*argv):
 def test_dkv_policy_args_and_block_size():
     _, _, eng = _opts("--kv-policy", "dkv", "--dkv-rank", "48", "--dkv-residuals", "8", "--dkv-topk", "4",
                       "--dkv-sparse-prefill", "--dkv-residual-pick", "attention")
-    assert eng.block_size == 256 and eng.cold_codec == "raw" and eng.codec_args == {}
-    assert eng.policy_args == {"rank": 48, "residuals": 8, "topk": 4, "recent_blocks": 1, "sparse_prefill": True,
-                               "route": "lowrank", "residual_pick": "attention"}
+    pol = eng.kv_policy
+    assert eng.block_size == 256 and eng.cold_codec == "raw" and eng.make_cold_codec() is None
+    assert (pol.name, pol.rank, pol.residuals, pol.topk, pol.recent_blocks, pol.sparse_prefill, pol.route,
+            pol.residual_pick) == ("dkv", 48, 8, 4, 1, True, "lowrank", "attention")
 
 
 def test_cold_codec_args_and_explicit_block_size():
     _, _, eng = _opts("--kv-policy", "sparpr", "--cold-codec", "dkv", "--block-size", "128", "--dkv-recent", "2",
                       "--dkv-residual-pick", "mixed")
-    assert eng.block_size == 128 and eng.cold_codec == "dkv"
-    assert eng.codec_args == {"rank": 32, "residuals": 16, "residual_pick": "mixed", "recent": 2}
-    assert "rank" not in eng.policy_args and eng.policy_args["keep_ratio"] == 1.0
+    cold = eng.make_cold_codec()
+    assert eng.block_size == 128 and cold.name == "dkv"
+    assert (cold.rank, cold.residuals, cold.residual_pick, cold.recent_blocks) == (32, 16, "mixed", 2)
+    assert eng.kv_policy.name == "sparpr" and eng.kv_policy.keep_ratio == 1.0
 
 
 def test_without_dkv_nothing_changes():
     _, _, eng = _opts("--kv-policy", "quest", "--dkv-rank", "8")
-    assert eng.block_size == 64 and eng.codec_args == {} and "rank" not in eng.policy_args
+    assert eng.block_size == 64 and eng.make_cold_codec() is None and not hasattr(eng.kv_policy, "rank")
 
 
 @pytest.mark.parametrize("argv,fragment", [

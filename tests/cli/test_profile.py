@@ -59,16 +59,16 @@ def test_run_with_a_bad_hardware_file_is_one_line_exit_2(tmp_path, capsys):
 
 def test_hardware_file_feeds_sparpr_costs():
     _, _, eng = _opts("--kv-policy", "sparpr", "--hardware", LAPTOP, "--percent", "100", "0", "0", "0", "100", "0")
-    costs = eng.policy_args["costs"]
+    costs = eng.kv_policy.costs
     assert isinstance(costs, CostModel) and costs.h2d_Bps == 10e9 and costs.disk_read_Bps == 2.5e9
-    assert "probe_dir" not in eng.policy_args  # nothing is probed
+    assert eng.kv_policy.probe_dir is None  # nothing is probed
 
 
 def test_config_hardware_section_is_read(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(Path(LAPTOP).read_text() + "engine:\n  kv_policy: sparpr\n")
     run, _, eng = _opts("--config", str(cfg))
-    assert run.hardware.name == "rtx3070ti-laptop-8gb" and eng.policy_args["costs"].h2d_Bps == 10e9
+    assert run.hardware.name == "rtx3070ti-laptop-8gb" and eng.kv_policy.costs.h2d_Bps == 10e9
 
 
 @pytest.mark.parametrize("argv, config, fragment", [
@@ -92,7 +92,7 @@ def test_policy_auto_replaces_placement_and_split():
                                                                                  plan.num_gpu_batches)
     assert (pol.w_gpu_percent, pol.w_cpu_percent, pol.cache_gpu_percent) == plan.percent[:3]
     assert pol.w_gpu_percent < 100 and hw.name == "rtx3070ti-laptop-8gb"
-    assert eng.policy_args["costs"].h2d_Bps == 10e9
+    assert eng.kv_policy.costs.h2d_Bps == 10e9
 
 
 def test_policy_auto_without_a_file_uses_the_cached_probe(tmp_path, monkeypatch):
@@ -124,5 +124,5 @@ def test_policy_auto_run_prints_and_records_the_plan(tmp_path, capsys, tiny_opt_
 def test_every_shipped_config_loads_with_config(path):
     run, pol, eng = _opts("--config", str(path))
     if path.parent.name == "policies":
-        assert run.model == "facebook/opt-6.7b" and pol.batch_size == 4 and eng.kv_policy == "sparpr"
+        assert run.model == "facebook/opt-6.7b" and pol.batch_size == 4 and eng.kv_policy.name == "sparpr"
         assert run.hardware is not None and path.stem.endswith(run.hardware.name)

@@ -11,7 +11,8 @@ import torch
 import flexgen_sparpr.engine.attention as engine_attention
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
-from flexgen_sparpr.kv.policy import POLICIES, KVPolicy, Selection, register
+from flexgen_sparpr.kv.policies import POLICIES, register
+from flexgen_sparpr.kv.policy import KVPolicy, Selection
 from flexgen_sparpr.models import build_arch
 from flexgen_sparpr.models.layers import decode_attention, topk_sparse_attention
 from flexgen_sparpr.models.spec import ModelSpec
@@ -223,7 +224,7 @@ def extra_policies():
     """Register the policies above for one test only (the registry is global)."""
     mine = {"test-plan-all": PlanAll, "test-select-all": SelectAll, "test-mask-all-true": MaskAllTrue}
     for name, cls in mine.items():
-        register(name)(cls)
+        register(cls, name)
     yield
     for name in mine:
         POLICIES.pop(name, None)

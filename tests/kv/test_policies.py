@@ -10,17 +10,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import flexgen_sparpr.kv.policies  # noqa: F401  (registers the policies)
 from flexgen_sparpr.engine import executor
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.engine.sampling import Sampler
 from flexgen_sparpr.kv.block_table import BlockTable
-from flexgen_sparpr.kv.policies import H2O, FlexGenTopK, Quest, StreamingLLM, token_budget
-from flexgen_sparpr.kv.policies.base import gathered_positions
-from flexgen_sparpr.kv.policies.h2o import prefill_column_sums
-from flexgen_sparpr.kv.policies.quest import block_upper_bound
-from flexgen_sparpr.kv.policy import POLICIES, KVPolicy
+from flexgen_sparpr.kv.policies import POLICIES
+from flexgen_sparpr.kv.policies.base import gathered_positions, token_budget
+from flexgen_sparpr.kv.policies.flexgen_topk import FlexGenTopK
+from flexgen_sparpr.kv.policies.h2o import H2O, prefill_column_sums
+from flexgen_sparpr.kv.policies.quest import Quest, block_upper_bound
+from flexgen_sparpr.kv.policies.streaming_llm import StreamingLLM
+from flexgen_sparpr.kv.policy import KVPolicy
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
 
@@ -34,14 +35,8 @@ CPU = Devices(torch.device("cpu"))
 
 
 def policy_args(name: str, keep: float) -> dict:
-    """keep_ratio for the policies that take one (dense reads everything); a policy that leaves
-    its first layers dense leaves only one here, so the 2-layer tiny models have a sparse one."""
-    fields = getattr(POLICIES[name], "__dataclass_fields__", {})
-    if "rank" in fields:  # DKV: keep 1 = full rank, every row exact, every block routed
-        return {"rank": 10 ** 6, "residuals": 10 ** 6, "topk": 0} if keep >= 1 else \
-            {"rank": 2, "residuals": 1, "topk": 1}
-    args = {"keep_ratio": keep} if "keep_ratio" in fields else {}
-    return args | ({"dense_layers": 1} if "dense_layers" in fields else {})
+    """The knobs each policy declares for the matrix at this keep ratio (KVPolicy.matrix_knobs)."""
+    return POLICIES[name].matrix_knobs(keep)
 
 
 def table(batch=1, hkv=2, d=4, bs=4, max_len=64) -> BlockTable:

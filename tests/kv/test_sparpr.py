@@ -15,7 +15,7 @@ from flexgen_sparpr.engine import executor
 from flexgen_sparpr.engine.config import ConfigError, EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
-from flexgen_sparpr.kv.policies import token_budget
+from flexgen_sparpr.kv.policies.base import token_budget
 from flexgen_sparpr.kv.policies.sparpr import CKPT_MARGIN, SparPR, block_scores, masked_mean_keys
 from flexgen_sparpr.runtime.costs import CostModel, kv_rebuild_flops
 from flexgen_sparpr.storage.disk import DiskStore
@@ -274,22 +274,24 @@ def test_bad_knobs_are_refused(bad):
 
 
 def test_cli_passes_sparpr_flags_only_to_sparpr():
-    def engine_args(*argv):
-        return resolve(build_parser().parse_args(list(argv)))[2].policy_args
+    def engine_args(*argv):  # the policy's fields, as the engine gets them
+        pol = resolve(build_parser().parse_args(list(argv)))[2].kv_policy
+        return {f: v for f, v in vars(pol).items() if not f.startswith("_") and f in pol.__dataclass_fields__}
     args = engine_args("--kv-policy", "sparpr", "--keep-ratio", "0.5", "--min-keep", "0.2", "--gamma", "0.8",
                        "--no-fallback", "--quest-only", "--percent", "100", "0", "0", "0", "100", "0",
                        "--offload-dir", "/somewhere")
-    assert args == dict(keep_ratio=0.5, min_keep=0.2, gamma=0.8, dynamic_budget=True, recompute=True,
-                        fallback=False, quest_only=True, summary_tokens=4, checkpoints="auto",
-                        probe_dir="/somewhere")
+    # --quest-only turns the three runtime decisions off
+    assert args == dict(keep_ratio=0.5, min_keep=0.2, gamma=0.8, recent_blocks=1, dynamic_budget=False,
+                        recompute=False, fallback=False, quest_only=True, head_score="softmax", summary_tokens=4,
+                        per_sequence=True, checkpoints="auto", costs=None, probe_dir="/somewhere")
     assert engine_args("--kv-policy", "sparpr", "--checkpoints", "always")["checkpoints"] == "always"
-    assert "probe_dir" not in engine_args("--kv-policy", "sparpr", "--no-recompute")
+    assert engine_args("--kv-policy", "sparpr", "--no-recompute")["probe_dir"] is None
     assert engine_args("--kv-policy", "sparpr", "--summary-tokens", "16")["summary_tokens"] == 16
     assert engine_args("--kv-policy", "sparpr", "--summary-tokens", "128")["summary_tokens"] == 128  # one a block
     for bad in ("-1", "12"):  # 12 does not divide the default block size 64
         with pytest.raises(ConfigError, match="--summary-tokens"):
             engine_args("--kv-policy", "sparpr", "--summary-tokens", bad)
-    assert engine_args("--kv-policy", "quest", "--min-keep", "0.2") == dict(keep_ratio=1.0)
+    assert engine_args("--kv-policy", "quest", "--min-keep", "0.2") == dict(keep_ratio=1.0, dense_layers=2)
     assert SparPR(**args).quest_only and not SparPR(**args).needs_checkpoints
 
 

@@ -110,10 +110,11 @@ def test_what_the_kv_policy_keeps_on_the_device_is_counted():
 
 def test_resident_share_of_each_kv_policy():
     from flexgen_sparpr.cli.flags import build_parser
-    from flexgen_sparpr.cli.options import resident_kv_share, resolve
+    from flexgen_sparpr.cli.options import resolve
 
     def share(*argv, dtype_bytes=2):
-        return resident_kv_share(resolve(build_parser().parse_args(list(argv)))[2], dtype_bytes)
+        eng = resolve(build_parser().parse_args(list(argv)))[2]
+        return eng.make_kv_policy().resident_share(eng.block_size, dtype_bytes, eng.make_cold_codec())
     assert share("--kv-policy", "dense") == 0.0
     assert share("--kv-policy", "sparpr") == 1 / 8  # a mean key per 4 tokens, K only
     assert share("--kv-policy", "sparpr", "--summary-tokens", "8") == 1 / 16

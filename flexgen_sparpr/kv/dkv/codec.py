@@ -47,7 +47,7 @@ class DKVCodec:
     compressed = True
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int = 32, residuals: int = 16,
-                 refit: bool = True, residual_pick: str = "attention"):
+                 refit: bool = True, residual_pick: str = "attention", exact_recent: int = 0):
         planes, b, hkv, bs, d = shape
         if planes != 2:
             raise ValueError("DKV encodes K and V together (planes = 2)")
@@ -56,6 +56,7 @@ class DKVCodec:
         if residual_pick not in PICKS:
             raise ValueError(f"DKV residual_pick must be one of {', '.join(PICKS)} (got {residual_pick!r})")
         self.residual_pick = residual_pick
+        self.exact_recent = exact_recent  # the newest sealed blocks also kept exact (lossy: the recency window)
         self.shape, self.dtype, self.refit = tuple(shape), dtype, refit
         self.batch, self.hkv, self.bs, self.head_dim = b, hkv, bs, d
         self.width = 2 * hkv * d  # F

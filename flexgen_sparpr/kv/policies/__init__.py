@@ -1,11 +1,112 @@
-"""The KV policies (budgeted selection, and DKV's compressed cache); importing this package
-registers them (POLICIES in kv/policy.py)."""
-from .base import BudgetPolicy, token_budget
-from .dkv import DKV
-from .flexgen_topk import FlexGenTopK
-from .h2o import H2O
-from .quest import Quest
-from .sparpr import SparPR
-from .streaming_llm import StreamingLLM
+"""The KV policies, by name. Every module in this folder that defines a KVPolicy subclass with
+its own `name` registers it: --kv-policy NAME, its knobs as flags and YAML keys, --policy auto
+and the test matrix find it here, with no other edit (docs/design.md, "Add a policy")."""
+from __future__ import annotations
 
-__all__ = ["BudgetPolicy", "DKV", "FlexGenTopK", "H2O", "Quest", "SparPR", "StreamingLLM", "token_budget"]
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+from ...errors import ConfigError
+from ..knobs import Knob, KnobError, knobs
+from ..policy import KVPolicy
+
+DEFAULT = "dense"  # what runs when no --kv-policy is given
+POLICIES: dict[str, type[KVPolicy]] = {}
+
+
+def register(cls: type[KVPolicy], name: str | None = None) -> type[KVPolicy]:
+    """Register a policy defined outside this folder (tests); `name` overrides its own."""
+    if name is not None:
+        cls.name = name
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def _discover() -> None:
+    """Import every module of this folder; register the policies each defines."""
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and issubclass(obj, KVPolicy) and obj.__module__ == module.__name__
+                    and "name" in vars(obj)):
+                register(obj)
+
+
+_discover()
+
+
+def policy_class(name: str) -> type[KVPolicy]:
+    if name not in POLICIES:
+        raise ConfigError(f"unknown --kv-policy {name!r} (known: {', '.join(sorted(POLICIES))})")
+    return POLICIES[name]
+
+
+def make_policy(name: str, **knob_values) -> KVPolicy:
+    """The policy `name` with these knobs (field names); the rest keep their defaults."""
+    return policy_class(name)(**knob_values)
+
+
+def resolve(policy: str | KVPolicy, knob_values: dict | None = None) -> KVPolicy:
+    """A policy given as an instance, or by name with its knobs (field names)."""
+    if isinstance(policy, KVPolicy):
+        if knob_values:
+            raise ConfigError("knobs are given to a policy by name; this one is already made")
+        return policy
+    return make_policy(policy, **(knob_values or {}))
+
+
+def codec_names() -> list[str]:
+    """Policies whose codec can store another policy's CPU and disk blocks (--cold-codec)."""
+    return sorted(n for n, cls in POLICIES.items() if cls.codec is not KVPolicy.codec)
+
+
+@dataclass
+class Flag:
+    """One flag / YAML key and the knobs (of one or more policies) it sets."""
+
+    knob: Knob  # the first policy's (type, help)
+    policies: dict[str, Knob]  # policy name -> its knob of this dest
+
+
+def flags() -> dict[str, Flag]:
+    """dest -> Flag over every registered policy's knobs (one flag for a dest several share)."""
+    out: dict[str, Flag] = {}
+    for name in sorted(POLICIES):
+        for k in knobs(POLICIES[name]):
+            f = out.setdefault(k.dest, Flag(k, {}))
+            if (k.type, k.negated) != (f.knob.type, f.knob.negated):
+                raise TypeError(f"{k.flag}: {name} and {', '.join(f.policies)} give it different types")
+            f.policies[name] = k
+    return out
+
+
+def build(name: str, given: dict, fields: dict | None = None, block_size: int | None = None) -> KVPolicy:
+    """Policy `name` from the flags / YAML keys given (dest -> value; other policies' are ignored)
+    and raw field values (`fields`, e.g. the YAML's policy_args), checked against the KV block
+    size when given. A refused knob is reported under its flag's name."""
+    cls = policy_class(name)
+    own = {k.name: k for k in knobs(cls)}
+    values = {k.name: k.value(given[k.dest]) for k in own.values() if k.dest in given}
+    try:
+        policy = cls(**(values | (fields or {})))
+        if block_size is not None:
+            policy.check_block_size(block_size)
+        return policy
+    except KnobError as e:
+        raise ConfigError(f"{own[e.knob].flag} {e.rule}" if e.knob in own else str(e)) from None
+    except TypeError as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
+def block_size_knob(name: str) -> Knob | None:
+    """The knob of policy `name` that is the KV block size it asks for, if any."""
+    return next((k for k in knobs(policy_class(name)) if k.block_size), None)
+
+
+def implied_by(flag: str) -> tuple[type[KVPolicy], str] | None:
+    """(policy, field) for a FlexGen flag that selects a policy with that field set to its value."""
+    for cls in POLICIES.values():
+        if getattr(cls, "flexgen_flag", None) and cls.flexgen_flag[0] == flag:
+            return cls, cls.flexgen_flag[1]
+    return None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..block_table import BlockTable
+from ..knobs import in_unit, knob
 from ..policy import KVPolicy, Selection
 
 
@@ -31,13 +32,19 @@ def token_budget(keep_ratio: float, n: int, floor: int = 0) -> int:
 class BudgetPolicy(KVPolicy):
     """Base of the policies that read a fraction `keep_ratio` of the context at a decode step."""
 
-    keep_ratio: float = 0.5
+    keep_ratio: float = knob(1.0, "KV budget: fraction of the context's tokens a decode step reads")
 
     def __post_init__(self):
-        if not 0 < self.keep_ratio <= 1:
-            raise ValueError(f"keep_ratio must be in (0, 1] (got {self.keep_ratio})")
+        in_unit(self, "keep_ratio")
         # keyed by the table object itself, weakly: a dropped table takes its state with it
         self._pads: weakref.WeakKeyDictionary[BlockTable, torch.Tensor] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def matrix_knobs(cls, keep: float) -> dict:
+        return {"keep_ratio": keep}
+
+    def read_share(self) -> float:
+        return self.keep_ratio
 
     # --- what every step must read (the test matrix checks these) ---
     def floor(self, table: BlockTable) -> int:

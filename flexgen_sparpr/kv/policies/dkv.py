@@ -1,4 +1,6 @@
-"""DKV: anchor + low-rank differential compression of cold KV blocks, low-rank decode scoring,
+"""DKV: cold KV blocks stored as anchor + low-rank delta, attended in low-rank form.
+
+Anchor + low-rank differential compression of cold KV blocks, low-rank decode scoring,
 log-sum-exp merge of partial attentions (seed 001; docs/dkv.md)."""
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from ..dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
 from ..dkv.codec import PICKS, DKVCodec
 from ..dkv.importance import FOLLOW, WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
-from ..policy import KVPolicy, register
+from ..knobs import at_least, knob, one_of
+from ..policy import KVPolicy
 from .base import masked_mean_keys
 
 
@@ -26,7 +29,6 @@ class _State:
     pads: torch.Tensor | None = None  # [B]
 
 
-@register("dkv")
 @dataclass(eq=False)
 class DKV(KVPolicy):
     """DKV, "Anchor + Low-Rank Differential KV-Cache Compression for Scalable Long-Context
@@ -46,39 +48,54 @@ class DKV(KVPolicy):
     ("attention", kv/dkv/importance.py; prefill blocks only, blocks sealed during decode fall back
     to "error"), or half each ("mixed")."""
 
-    rank: int = 32
-    residuals: int = 16
-    topk: int = 8
-    recent_blocks: int = 1
-    sparse_prefill: bool = False
-    prefill_topk: int = 8
-    dense_layers: int = 0  # the first layers keep an exact cache (as Quest leaves its first two)
-    route: str = "lowrank"  # block relevance: "lowrank" attention mass, or "mean" key . query
-    residual_pick: str = "attention"  # which rows stay exact: "error", "attention" or "mixed"
-    pick_window: int = WINDOW  # the prompt's last queries that score tokens for the pick
-    pick_follow: int = FOLLOW  # a token inherits the score of this many tokens before it
+    name = "dkv"
+    knob_prefix = "dkv"  # --dkv-rank ...: the same knobs serve --cold-codec dkv
+    block: int = knob(256, "tokens per DKV block; with DKV in use this is the KV block size unless "
+                      "--block-size is given", block_size=True)
+    rank: int = knob(32, "rank of the joint K|V SVD delta")
+    residuals: int = knob(16, "exact residual tokens per block")
+    topk: int = knob(8, "compressed blocks each query attends in low-rank form; 0 = all")
+    recent_blocks: int = knob(1, "sealed blocks kept exact besides the open one", dest="dkv_recent")
+    sparse_prefill: bool = knob(False, "block-sparse prefill attention (sink, local and top-k blocks per "
+                                "query block)")
+    prefill_topk: int = knob(8, "with --dkv-sparse-prefill: top-k key blocks per query block")
+    dense_layers: int = knob(0, "the first layers keep an exact cache (as Quest leaves its first two)")
+    route: str = knob("lowrank", "how the top-k blocks are found: their attention mass scored in low-rank "
+                      "space, or their exact mean key", choices=("lowrank", "mean"))
+    residual_pick: str = knob("attention", "which rows a block keeps exact: the worst-reconstructed (error), "
+                              "the ones the prompt's last queries attend most or that follow what they attend "
+                              "(attention; prompt blocks only, later blocks by error), or half each (mixed)",
+                              metavar="{" + ",".join(PICKS) + "}")
+    pick_window: int = knob(WINDOW, "the prompt's last queries that score tokens for the attention pick")
+    pick_follow: int = knob(FOLLOW, "a token inherits the attention pick's score of this many tokens before it")
 
     attends = True  # the engine hands this policy the whole decode attention
 
     def __post_init__(self):
-        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers", "pick_window",
-                     "pick_follow"):
-            least = 1 if name in ("rank", "pick_window") else 0
-            if getattr(self, name) < least:
-                raise ValueError(f"dkv {name} must be >= {least} (got {getattr(self, name)})")
-        if self.route not in ("lowrank", "mean"):
-            raise ValueError(f"dkv route must be lowrank or mean (got {self.route!r})")
-        if self.residual_pick not in PICKS:
-            raise ValueError(f"dkv residual_pick must be one of {', '.join(PICKS)} (got {self.residual_pick!r})")
+        for name in ("block", "rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers",
+                     "pick_window", "pick_follow"):
+            at_least(self, name, 1 if name in ("block", "rank", "pick_window") else 0)
+        one_of(self, "route", ("lowrank", "mean"))
+        one_of(self, "residual_pick", PICKS)
         self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
         self.counts = {"steps": 0, "cold_blocks": 0, "routed_blocks": 0, "residual_tokens": 0,
                        "window_tokens": 0}
         self._bytes: tuple[int, int] | None = None  # (dense, encoded) bytes of one block
 
+    @classmethod
+    def matrix_knobs(cls, keep: float) -> dict:
+        """keep 1: full rank, every row exact, every block routed (what dense attention reads)."""
+        return {"rank": 10 ** 6, "residuals": 10 ** 6, "topk": 0} if keep >= 1 else \
+            {"rank": 2, "residuals": 1, "topk": 1}
+
+    def exact_rows_share(self, block_size: int) -> float:
+        return self.residuals / block_size
+
     def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype, layer: int) -> DKVCodec | None:
         """How the engine stores this policy's sealed blocks (on every tier): raw in dense layers."""
         return None if layer < self.dense_layers else DKVCodec(block_shape, dtype, self.rank, self.residuals,
-                                                               residual_pick=self.residual_pick)
+                                                               residual_pick=self.residual_pick,
+                                                               exact_recent=self.recent_blocks)
 
     # --- state ---
     def attach(self, table: BlockTable, layer: int) -> None:
@@ -90,7 +107,6 @@ class DKV(KVPolicy):
         mean = torch.zeros(table.capacity // bs, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
         st = self._state[table] = _State(mean)
         ref = weakref.ref(st)
-        table.exact_recent = max(table.exact_recent, self.recent_blocks)  # the table keeps them exact
 
         def on_seal(block: int, kv: torch.Tensor) -> None:
             s = ref()
@@ -197,7 +213,7 @@ class DKV(KVPolicy):
             mass = torch.einsum("bgd,nbgd->bn", qg, st.mean[:ids.shape[0]])  # mass: [B, n]
         return mass.topk(kk, dim=1).indices, None
 
-    def stats(self) -> dict:
+    def stats(self) -> dict | None:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
         config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
                                                 "sparse_prefill", "prefill_topk", "dense_layers", "route",

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from ..block_table import BlockTable
-from ..policy import Selection, register
+from ..policy import Selection
 from .base import BudgetPolicy, selection_from_tokens
 
 
-@register("flexgen-topk")
 @dataclass(eq=False)
 class FlexGenTopK(BudgetPolicy):
     """Sheng et al. 2023, "FlexGen: High-Throughput Generative Inference of Large Language Models
@@ -42,6 +41,8 @@ class FlexGenTopK(BudgetPolicy):
     handing `select` the KV it gathered).
     """
 
+    name = "flexgen-topk"
+    flexgen_flag = ("attn_sparsity", "keep_ratio")  # FlexGen's --attn-sparsity S runs as this, keep_ratio S
     scans_keys = True  # select reads every block once more (the test matrix accounts for it)
 
     def plan(self, table: BlockTable, layer: int) -> None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..block_table import BlockTable
-from ..policy import Selection, register
+from ..knobs import in_unit, knob
+from ..policy import Selection
 from .base import BudgetPolicy, recent_mask, selection_from_tokens
 
 
@@ -57,7 +58,6 @@ def prefill_column_sums(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor,
     return col.view(b, hkv, s)
 
 
-@register("h2o")
 @dataclass(eq=False)
 class H2O(BudgetPolicy):
     """Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
@@ -75,13 +75,13 @@ class H2O(BudgetPolicy):
     scores; snapshots taken after decode steps are not supported.
     """
 
-    heavy_fraction: float = 0.5
+    name = "h2o"
+    heavy_fraction: float = knob(0.5, "share of the budget given to the heavy hitters (the rest: recent tokens)")
     prefill_chunk_elems: int = 1 << 24  # floats per chunk of the prefill statistics
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 <= self.heavy_fraction <= 1:
-            raise ValueError(f"heavy_fraction must be in [0, 1] (got {self.heavy_fraction})")
+        in_unit(self, "heavy_fraction", zero=True)
         self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
 
     def split(self, budget: int) -> tuple[int, int]:

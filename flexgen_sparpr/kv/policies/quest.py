@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ..block_table import BlockTable
-from ..policy import Selection, register
+from ..knobs import at_least, knob
+from ..policy import Selection
 from .base import BudgetPolicy, selection_from_tokens
 
 
@@ -25,7 +26,6 @@ class _Bounds:
     known: list[bool]
 
 
-@register("quest")
 @dataclass(eq=False)
 class Quest(BudgetPolicy):
     """Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"
@@ -43,13 +43,21 @@ class Quest(BudgetPolicy):
     `dense_layers` layers read everything, as in the paper.
     """
 
-    dense_layers: int = 2
+    name = "quest"
+    dense_layers: int = knob(2, "the first layers read every block (the paper leaves two dense)")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.dense_layers < 0:
-            raise ValueError(f"dense_layers must be >= 0 (got {self.dense_layers})")
+        at_least(self, "dense_layers", 0)
         self._bounds: weakref.WeakKeyDictionary[BlockTable, _Bounds] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def matrix_knobs(cls, keep: float) -> dict:
+        return super().matrix_knobs(keep) | {"dense_layers": 1}  # the tiny models have two layers
+
+    def resident_share(self, block_size: int, dtype_bytes: int, cold=None) -> float:
+        """A float32 min and max key per block: 2 x 4 bytes against 2 bs dtype_bytes."""
+        return 4 / (block_size * dtype_bytes)
 
     def is_dense_layer(self, layer: int) -> bool:
         return layer < self.dense_layers

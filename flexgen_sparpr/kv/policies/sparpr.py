@@ -1,7 +1,10 @@
-"""SparPR: query-aware key-block selection, a measured dynamic budget with a floor, recovery of
+"""SparPR: query-aware block selection under a measured budget, each span copied or recomputed.
+
+Selection by key summaries, a dynamic budget with a floor from the measured costs, recovery of
 each span of selected blocks by copy or checkpoint recompute, and a dense fallback."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -14,7 +17,8 @@ from ...storage.tiers import Tier
 from ..dkv.exact_rows import with_exact_rows
 from ..dkv.importance import hint_sealed_blocks
 from ..block_table import BlockTable
-from ..policy import Selection, register
+from ..knobs import KnobError, at_least, in_unit, knob, one_of
+from ..policy import Selection
 from .base import BudgetPolicy, masked_mean_keys, selection_from_tokens, token_budget
 from .sparpr_stats import StepStats, readers
 
@@ -62,7 +66,6 @@ def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_s
     return part.masked_fill(~live, -math.inf).view(b, nb, parts).amax(dim=-1)  # [B, nb]
 
 
-@register("sparpr")
 @dataclass(eq=False)
 class SparPR(BudgetPolicy):
     """SparPR, "Runtime KV-Cache Recovery for Resource-Constrained LLM Inference on Consumer
@@ -97,34 +100,35 @@ class SparPR(BudgetPolicy):
     fallback); `stats()` reports every decode step.
     """
 
-    min_keep: float = 0.1
-    gamma: float = 0.9
-    recent_blocks: int = 1
-    dynamic_budget: bool = True
-    recompute: bool = True
-    fallback: bool = True
-    quest_only: bool = False
-    head_score: str = "softmax"  # how heads' q . summary add up (block_scores)
-    summary_tokens: int = 4  # tokens per summary (divides the block size); 0 or >= block size: one per block
-    per_sequence: bool = True  # each sequence its own top-k (the union moves); False: one set per batch
-    checkpoints: str = "auto"  # auto: only where a rebuild can pay (CKPT_MARGIN); always
+    name = "sparpr"
+    min_keep: float = knob(0.1, "Minimum Keep Floor: the least fraction of the context the dynamic budget "
+                           "keeps (--keep-ratio is the ceiling)")
+    gamma: float = knob(0.9, "Dense Fallback Threshold: read everything when the sparse path costs more "
+                        "than gamma x the dense path")
+    recent_blocks: int = knob(1, "newest sealed blocks every step reads (besides the sink and the open block)")
+    dynamic_budget: bool = knob(True, "ablation: always keep --keep-ratio (no cost-driven budget)")
+    recompute: bool = knob(True, "ablation: copy every selected block (no checkpoint recompute)")
+    fallback: bool = knob(True, "ablation: never fall back to dense")
+    quest_only: bool = knob(False, "ablation: query-aware selection alone, copy only (no dynamic budget, "
+                            "recompute or fallback)")
+    head_score: str = knob("softmax", "how the query heads' q . summary add up to a block's score (block_scores)",
+                           choices=HEAD_SCORES)
+    summary_tokens: int = knob(4, "tokens per key summary (a mean key per KV head) used to score blocks; "
+                               "divides --block-size; 0: one per block")
+    per_sequence: bool = knob(True, "one block set for the whole batch instead of each sequence its own top-k")
+    checkpoints: str = knob("auto", "keep hidden-state checkpoints always, or (auto) only where the measured "
+                            "costs say a rebuild can pay", choices=("auto", "always"))
     costs: CostModel | None = None  # None: measured by the start-up probe
     probe_dir: str | None = None  # folder whose disk bandwidth is probed (the offload dir)
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 < self.min_keep <= 1:
-            raise ValueError(f"min_keep must be in (0, 1] (got {self.min_keep})")
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma must be in (0, 1] (got {self.gamma})")
-        if self.head_score not in HEAD_SCORES:
-            raise ValueError(f"head_score must be one of {', '.join(HEAD_SCORES)} (got {self.head_score!r})")
-        if self.summary_tokens < 0:
-            raise ValueError(f"summary_tokens must be >= 0 (got {self.summary_tokens})")
-        if self.checkpoints not in ("auto", "always"):
-            raise ValueError(f"checkpoints must be auto or always (got {self.checkpoints!r})")
-        if self.recent_blocks < 0:
-            raise ValueError(f"recent_blocks must be >= 0 (got {self.recent_blocks})")
+        in_unit(self, "min_keep")
+        in_unit(self, "gamma")
+        one_of(self, "head_score", HEAD_SCORES)
+        at_least(self, "summary_tokens", 0)
+        one_of(self, "checkpoints", ("auto", "always"))
+        at_least(self, "recent_blocks", 0)
         if self.quest_only:  # the selection stage alone: the three runtime decisions are off
             self.dynamic_budget = self.recompute = self.fallback = False
         self.needs_checkpoints = self.recompute
@@ -132,6 +136,29 @@ class SparPR(BudgetPolicy):
         self._sums: weakref.WeakKeyDictionary[BlockTable, _Summaries] = weakref.WeakKeyDictionary()
         self.step_stats = StepStats()
         self.ckpt_tables = [0, 0]  # auto: tables that kept checkpoints, tables asked
+
+    # --- facts ---
+    def check_block_size(self, block_size: int) -> None:
+        if 0 < self.summary_tokens < block_size and block_size % self.summary_tokens:
+            raise KnobError("summary_tokens", f"must be 0 or divide --block-size {block_size} "
+                            f"(got {self.summary_tokens})")
+
+    def resident_share(self, block_size: int, dtype_bytes: int, cold=None) -> float:
+        """A mean key per `summary_tokens` tokens in the cache's dtype: 1 / (2 summary_tokens) of
+        the raw K+V; with a cold codec, the exact rows of each cold block kept on compute (so a
+        block left out is still attended on them)."""
+        st = self.summary_tokens
+        share = (1 if not st or st >= block_size else block_size // st) / (2 * block_size)
+        return share + (cold.exact_rows_share(block_size) if cold is not None else 0.0)
+
+    def for_machine(self, hardware=None, disk_dir: str | None = None) -> "SparPR":
+        """Costs from the hardware file when given (replacing a probe folder), else the disk tier's
+        folder for the start-up probe; knobs given explicitly win."""
+        if hardware is not None and self.costs is None:
+            return dataclasses.replace(self, costs=CostModel.from_hardware(hardware), probe_dir=None)
+        if disk_dir is not None and self.costs is None and self.probe_dir is None:
+            return dataclasses.replace(self, probe_dir=disk_dir)
+        return self
 
     # --- what every step reads ---
     def floor(self, table: BlockTable) -> int:

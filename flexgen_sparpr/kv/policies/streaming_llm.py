@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..block_table import BlockTable
-from ..policy import Selection, register
+from ..knobs import at_least, knob
+from ..policy import Selection
 from .base import BudgetPolicy, first_valid_mask, recent_mask, selection_from_tokens
 
 
-@register("streaming-llm")
 @dataclass(eq=False)
 class StreamingLLM(BudgetPolicy):
     """Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks" (ICLR 2024).
@@ -22,12 +22,12 @@ class StreamingLLM(BudgetPolicy):
     are never read again once the window has passed them (the cache still holds them).
     """
 
-    num_sinks: int = 4
+    name = "streaming-llm"
+    num_sinks: int = knob(4, "the first valid tokens every step reads (the attention sinks)")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.num_sinks < 0:
-            raise ValueError(f"num_sinks must be >= 0 (got {self.num_sinks})")
+        at_least(self, "num_sinks", 0)
 
     def floor(self, table: BlockTable) -> int:
         return self.num_sinks
