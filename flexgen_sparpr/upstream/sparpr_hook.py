@@ -6,7 +6,8 @@ decode step (dense and mixed-device paths alike). The cached positions are cut i
 `block_size`; each block is summarised by its mean valid key per head, scored by the sum over
 heads of q . summary (as this engine's SparPR does), and each sequence attends only its
 top-scoring blocks within the budget (`token_budget` and `keep_target`, this engine's rules),
-plus its sink block, the last `recent_blocks` full blocks, the open block and the new token.
+plus its sink block, the last `recent_blocks` full blocks, the open block and the new token
+(the engine's budgeted pick, kv/policies/scoring.py).
 The rest are masked out exactly as upstream masks padding, so keep_ratio 1.0 changes nothing.
 
 Upstream moves its whole KV cache to the compute device before attention, so the hook changes
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kv.knobs import at_least, in_unit
 from ..kv.policies.base import token_budget
+from ..kv.policies.scoring import budgeted_pick
 from ..runtime.costs import keep_target
 
 
@@ -33,15 +36,12 @@ class SparPRConfig:
     block_size: int = 64
     recent_blocks: int = 1
 
-    def __post_init__(self):
-        if not 0 < self.keep_ratio <= 1:
-            raise ValueError(f"keep_ratio must be in (0, 1] (got {self.keep_ratio})")
-        if not 0 < self.min_keep <= 1:
-            raise ValueError(f"min_keep must be in (0, 1] (got {self.min_keep})")
+    def __post_init__(self):  # the engine's SparPR knobs' rules (kv/knobs.py)
+        in_unit(self, "keep_ratio")
+        in_unit(self, "min_keep")
         if int(self.block_size) != self.block_size or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer (got {self.block_size})")
-        if self.recent_blocks < 0:
-            raise ValueError(f"recent_blocks must be >= 0 (got {self.recent_blocks})")
+        at_least(self, "recent_blocks", 0)
 
 
 @dataclass
@@ -85,19 +85,10 @@ def sparpr_keep(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, n_head: in
     own = (ids[None, :] == (first // bs)[:, None]) | (ids >= sealed - config.recent_blocks)[None, :]  # [B, nb]
     target = keep_target(math.nan, config.keep_ratio, config.min_keep)
     floor = bs * (1 + config.recent_blocks) + n % bs
-    n_valid = valid.sum(dim=1).tolist()
-    used = ((counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)).tolist()
-    order = score.masked_fill(own | (counts == 0), -math.inf).argsort(dim=1, descending=True)  # [B, nb]
-    pick = own.clone()
-    for row in range(b):
-        room = token_budget(target, n_valid[row], floor) - used[row]
-        for blk in order[row].tolist():  # best first; a block is taken while it fits the budget
-            c = int(counts[row, blk])
-            if own[row, blk] or c == 0:
-                continue
-            if c <= room:
-                pick[row, blk] = True
-                room -= c
+    budget = torch.tensor([token_budget(target, int(m), floor) for m in valid.sum(dim=1).tolist()],
+                          device=mask.device)
+    used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)  # used: [B]
+    pick = budgeted_pick(score.masked_fill(counts == 0, -math.inf), counts, budget - used, own)  # [B, nb]
     keep[:, :sealed * bs] &= pick.repeat_interleave(bs, dim=1)
     return keep
 

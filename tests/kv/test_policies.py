@@ -284,10 +284,10 @@ def test_quest_bound_is_at_least_every_blocks_true_max(seed, bs, nblocks, d):
     keys = torch.randn(2, 2, bs * nblocks, d, generator=gen) * 3
     t.append(keys, torch.zeros_like(keys))
     q = torch.randn(2, 2, d, generator=gen) * 3
-    bd = pol._bounds[t]
+    kmin, kmax = pol.summaries(t, 0)  # [nb, B, Hkv, D]
     for blk in range(nblocks):
         true = (keys[:, :, blk * bs:(blk + 1) * bs] @ q[..., None])[..., 0].amax(-1)  # true: [B, Hkv]
-        bound = block_upper_bound(q, bd.kmin[blk], bd.kmax[blk])
+        bound = block_upper_bound(q, kmin[blk], kmax[blk])
         assert bool((bound >= true - 1e-4).all())
 
 
@@ -300,8 +300,8 @@ def test_quest_picks_blocks_by_bound_and_keeps_first_layers_dense():
     q = torch.randn(1, 1, 1, 4)
     assert pol.select(t, 1, q).mask is None and pol.plan(t, 1) is not None  # dense layer
     sel = pol.select(t, 2, q)
-    bd = pol._bounds[t]
-    bounds = [float(block_upper_bound(q[0, 0, 0], bd.kmin[i, 0, 0], bd.kmax[i, 0, 0])) for i in range(4)]
+    kmin, kmax = pol.summaries(t, 0)  # [nb, B, Hkv, D]
+    bounds = [float(block_upper_bound(q[0, 0, 0], kmin[i, 0, 0], kmax[i, 0, 0])) for i in range(4)]
     best = sorted(range(4), key=lambda i: -bounds[i])[:(9 - 2) // 4]  # budget 9, open block 2
     assert sel.blocks == sorted(best + [4])
     assert int(sel.mask.sum()) == 4 * len(best) + 2

@@ -1,7 +1,7 @@
 """Quest: query-aware block selection by an upper bound on each block's attention score."""
 from __future__ import annotations
 
-import weakref
+import math
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +9,8 @@ import torch
 from ..block_table import BlockTable
 from ..knobs import at_least, knob
 from ..policy import Selection
-from .base import BudgetPolicy, selection_from_tokens
+from .base import selection_from_tokens
+from .scoring import BlockScoringPolicy, budgeted_pick, picked_tokens
 
 
 def block_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -20,14 +21,7 @@ def block_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -
 
 
 @dataclass(eq=False)
-class _Bounds:
-    kmin: torch.Tensor  # [num_blocks, B, Hkv, D] channel-wise min of each sealed block's keys
-    kmax: torch.Tensor
-    known: list[bool]
-
-
-@dataclass(eq=False)
-class Quest(BudgetPolicy):
+class Quest(BlockScoringPolicy):
     """Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"
     (ICML 2024).
 
@@ -49,7 +43,6 @@ class Quest(BudgetPolicy):
     def __post_init__(self):
         super().__post_init__()
         at_least(self, "dense_layers", 0)
-        self._bounds: weakref.WeakKeyDictionary[BlockTable, _Bounds] = weakref.WeakKeyDictionary()
 
     @classmethod
     def matrix_knobs(cls, keep: float) -> dict:
@@ -68,55 +61,33 @@ class Quest(BudgetPolicy):
     def mandatory(self, table: BlockTable, budget: int) -> tuple[int, int]:
         return 0, table.length % table.bs
 
-    def attach(self, table: BlockTable, layer: int) -> None:
-        if table in self._bounds:  # attached twice (engine policy and observer): one hook
-            return
-        nb = table.capacity // table.bs
+    # --- summaries: kmin, kmax [num_blocks, B, Hkv, D] float32 (padding keys included) ---
+    summary_axes = (0, 0)
+
+    def empty_summaries(self, table: BlockTable) -> tuple[torch.Tensor, ...]:
         _, b, hkv, _, d = table.block_shape
-        z = torch.zeros(nb, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
-        bounds = self._bounds[table] = _Bounds(z, z.clone(), [False] * nb)
-        ref = weakref.ref(bounds)  # the table holds the hook; the hook must not hold the table
+        z = torch.zeros(table.capacity // table.bs, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
+        return z, z.clone()
 
-        def on_seal(block: int, kv: torch.Tensor) -> None:
-            bd = ref()
-            if bd is not None:
-                keys = kv[0].float()  # keys: [B, Hkv, bs, D]
-                bd.kmin[block], bd.kmax[block] = keys.amin(dim=2), keys.amax(dim=2)
-                bd.known[block] = True
-        table.on_seal.append(on_seal)
+    def summarise(self, table: BlockTable, keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return keys.amin(dim=3).permute(2, 0, 1, 3), keys.amax(dim=3).permute(2, 0, 1, 3)  # [n, B, Hkv, D]
 
+    # --- the step ---
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
         return Selection.all(table) if self.is_dense_layer(layer) else None  # else: needs the query
 
     def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         if self.is_dense_layer(layer):
             return Selection.all(table)
-        if table not in self._bounds:
-            self.attach(table, layer)
-        bd, bs, length = self._bounds[table], table.bs, table.length
-        sealed = length // bs
-        missing = [i for i in range(sealed) if not bd.known[i]]
-        if missing:  # attached after these blocks sealed: summarise them once, from the cache
-            kv, _ = table.gather(missing)
-            keys = kv[0].float().unflatten(2, (len(missing), bs))  # keys: [B, Hkv, m, bs, D]
-            bd.kmin[missing] = keys.amin(dim=3).permute(2, 0, 1, 3)
-            bd.kmax[missing] = keys.amax(dim=3).permute(2, 0, 1, 3)
-            for i in missing:
-                bd.known[i] = True
+        kmin, kmax = self.summaries(table, layer)  # kmin, kmax: [nb, B, Hkv, D]
         b, h, _, d = q.shape
-        hkv = table.block_shape[2]
+        hkv, sealed = table.block_shape[2], table.length // table.bs
         qg = q.float().view(b, hkv, h // hkv, 1, d)  # qg: [B, Hkv, G, 1, D]
-        kmin = bd.kmin[:sealed].permute(1, 2, 0, 3)[:, :, None]  # kmin: [B, Hkv, 1, nb, D]
-        kmax = bd.kmax[:sealed].permute(1, 2, 0, 3)[:, :, None]
+        kmin = kmin.permute(1, 2, 0, 3)[:, :, None]  # kmin: [B, Hkv, 1, nb, D]
+        kmax = kmax.permute(1, 2, 0, 3)[:, :, None]
         bound = block_upper_bound(qg, kmin, kmax).amax(dim=2)  # bound: [B, Hkv, nb]
-        valid = self.valid_tokens(table)  # valid: [B, L]
-        counts = valid[:, :sealed * bs].view(b, sealed, bs).sum(dim=2)  # counts: [B, nb]
-        bound = bound.masked_fill((counts == 0)[:, None, :], float("-inf"))  # all-pad blocks
-        order = bound.argsort(dim=-1, descending=True)  # order: [B, Hkv, nb]
-        taken = counts[:, None, :].expand_as(order).gather(-1, order).cumsum(dim=-1)
-        room = torch.tensor(self.budgets(table), device=q.device) - valid[:, sealed * bs:].sum(dim=1)
-        fits = (taken <= room[:, None, None]) & (bound.gather(-1, order) > float("-inf"))
-        pick = torch.zeros_like(fits).scatter_(-1, order, fits)  # pick: [B, Hkv, nb]
-        keep = torch.ones(b, hkv, length, dtype=torch.bool, device=q.device)  # the open block
-        keep[..., :sealed * bs] = pick.repeat_interleave(bs, dim=-1)
-        return selection_from_tokens(table, keep & valid[:, None, :])
+        valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
+        bound = bound.masked_fill((counts == 0)[:, None, :], -math.inf)  # all-pad blocks
+        room = torch.tensor(self.budgets(table), device=q.device) - valid[:, sealed * table.bs:].sum(dim=1)
+        pick = budgeted_pick(bound, counts[:, None, :], room[:, None])  # pick: [B, Hkv, nb]
+        return selection_from_tokens(table, picked_tokens(pick, table) & valid[:, None, :])

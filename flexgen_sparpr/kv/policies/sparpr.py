@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -19,22 +18,9 @@ from ..dkv.importance import hint_sealed_blocks
 from ..block_table import BlockTable
 from ..knobs import KnobError, at_least, in_unit, knob, one_of
 from ..policy import Selection
-from .base import BudgetPolicy, masked_mean_keys, selection_from_tokens, token_budget
+from .base import masked_mean_keys, selection_from_tokens, token_budget
+from .scoring import BlockScoringPolicy, budgeted_pick, picked_tokens
 from .sparpr_stats import StepStats, readers
-
-
-@dataclass(eq=False)
-class _Summaries:
-    # sequence-major, so that scoring a prefix of blocks reads a view, not a copy
-    mean: torch.Tensor  # [B, Hkv, num_blocks, P, D] cache dtype: mean key of each part of a sealed block
-    live: torch.Tensor  # [B, num_blocks, P] bool: the part holds a valid token
-    known: list[bool]
-    pads: torch.Tensor | None = None  # [B] left pads, once the prefill was seen
-
-    def put(self, ids, mean: torch.Tensor, live: torch.Tensor) -> None:
-        """Blocks `ids` (a slice or list) from masked_mean_keys' mean [n, B, Hkv, P, D], live [n, B, P]."""
-        self.mean[:, :, ids] = mean.permute(1, 2, 0, 3, 4).to(self.mean.dtype)
-        self.live[:, ids] = live.permute(1, 0, 2)
 
 
 CKPT_MARGIN = 2.0  # keep checkpoints while a rebuild costs < this x a copy (at start-up costs)
@@ -67,7 +53,7 @@ def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_s
 
 
 @dataclass(eq=False)
-class SparPR(BudgetPolicy):
+class SparPR(BlockScoringPolicy):
     """SparPR, "Runtime KV-Cache Recovery for Resource-Constrained LLM Inference on Consumer
     Hardware" (arXiv 2610.18140, 2026). docs/sparpr.md has the design and its reasoning.
 
@@ -133,7 +119,6 @@ class SparPR(BudgetPolicy):
             self.dynamic_budget = self.recompute = self.fallback = False
         self.needs_checkpoints = self.recompute
         self._probed = False
-        self._sums: weakref.WeakKeyDictionary[BlockTable, _Summaries] = weakref.WeakKeyDictionary()
         self.step_stats = StepStats()
         self.ckpt_tables = [0, 0]  # auto: tables that kept checkpoints, tables asked
 
@@ -205,48 +190,29 @@ class SparPR(BudgetPolicy):
         self.ckpt_tables[0] += keep
         return keep
 
-    # --- summaries ---
+    # --- summaries: the mean key of each run of summary_tokens valid tokens, and which runs hold one ---
+    # sequence-major, so that scoring a prefix of blocks reads a view, not a copy
+    summary_axes = (2, 1)  # mean: [B, Hkv, num_blocks, P, D] cache dtype; live: [B, num_blocks, P] bool
+
     def attach(self, table: BlockTable, layer: int) -> None:
-        if table in self._sums:  # attached twice (engine policy and observer): one hook
-            return
-        table.keep_exact_rows = True  # DKV cold blocks: their exact rows also stay on compute (select)
-        if not self.quest_only:
-            self.cost_model(table)  # start-up: probe (or read the cache) before the first step
+        if table not in self._sums:
+            table.keep_exact_rows = True  # DKV cold blocks: their exact rows also stay on compute (select)
+            if not self.quest_only:
+                self.cost_model(table)  # start-up: probe (or read the cache) before the first step
+        super().attach(table, layer)
+
+    def empty_summaries(self, table: BlockTable) -> tuple[torch.Tensor, ...]:
         _, b, hkv, bs, d = table.block_shape
         parts, nb, dev = self.parts(table), table.capacity // bs, table.devices.compute
         mean = torch.zeros(b, hkv, nb, parts, d, dtype=table.dtype, device=dev)  # the cache's dtype: half the bytes
-        sums = self._sums[table] = _Summaries(mean,
-                                              torch.zeros(b, nb, parts, dtype=torch.bool, device=dev), [False] * nb)
-        ref = weakref.ref(sums)  # the table holds the hook; the hook must not hold the table
+        return mean, torch.zeros(b, nb, parts, dtype=torch.bool, device=dev)
 
-        def on_seal(block: int, kv: torch.Tensor) -> None:
-            s = ref()
-            if s is None:
-                return
-            keys = kv[0].float()[:, :, None]  # keys: [B, Hkv, 1, bs, D]
-            if s.pads is None:  # mid-prefill: on_prefill redoes these blocks with the padding known
-                valid = torch.ones(b, 1, bs, dtype=torch.bool, device=keys.device)
-            else:
-                pos = block * bs + torch.arange(bs, device=keys.device)
-                valid = (pos[None, :] >= s.pads[:, None])[:, None]  # valid: [B, 1, bs]
-            mean, live = masked_mean_keys(keys, valid, parts)
-            s.put(slice(block, block + 1), mean, live)
-            s.known[block] = True
-        table.on_seal.append(on_seal)
+    def summarise(self, table: BlockTable, keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return masked_mean_keys(keys, valid, self.parts(table))  # mean: [n, B, Hkv, P, D]; live: [n, B, P]
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
         super().on_prefill(table, layer, q, k, valid)
         hint_sealed_blocks(table, q, k, valid)  # DKV cold blocks with a query-aware residual pick
-        if table not in self._sums:
-            self.attach(table, layer)
-        s, bs = self._sums[table], table.bs
-        s.pads = self.pads(table)
-        sealed = table.length // bs
-        if sealed and table.length == k.shape[2]:  # a prefill into an empty table: exact means
-            keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
-            s.put(slice(0, sealed), *masked_mean_keys(
-                keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs)), self.parts(table)))
-            s.known[:sealed] = [True] * sealed
 
     def parts(self, table: BlockTable) -> int:
         """Summaries per block: bs / summary_tokens (1 when summary_tokens is 0)."""
@@ -255,23 +221,6 @@ class SparPR(BudgetPolicy):
         if table.bs % self.summary_tokens:
             raise ValueError(f"summary_tokens {self.summary_tokens} does not divide the block size {table.bs}")
         return table.bs // self.summary_tokens
-
-    def summaries(self, table: BlockTable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean [sealed, B, Hkv, P, D], live [sealed, B, P]); blocks sealed before this policy was
-        attached are summarised once, from the cache (the only time SparPR reads an offloaded
-        block to score it)."""
-        if table not in self._sums:
-            self.attach(table, layer)
-        s, bs, sealed = self._sums[table], table.bs, table.length // table.bs
-        missing = [i for i in range(sealed) if not s.known[i]]
-        if missing:
-            kv, pos = table.gather(missing)
-            keys = kv[0].float().unflatten(2, (len(missing), bs))  # keys: [B, Hkv, m, bs, D]
-            valid = pos.view(len(missing), bs)[None] >= self.pads(table)[:, None, None]  # [B, m, bs]
-            s.put(missing, *masked_mean_keys(keys, valid, self.parts(table)))
-            for i in missing:
-                s.known[i] = True
-        return s.mean[:, :, :sealed], s.live[:, :sealed]
 
     # --- the step ---
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
@@ -295,24 +244,16 @@ class SparPR(BudgetPolicy):
         their next-best block while every sequence's valid tokens still fit its budget, and every
         sequence reads every chosen block. With one sequence the two are the same plain top-k."""
         b = q.shape[0]
-        bs, length = table.bs, table.length
-        sealed = length // bs
-        valid = self.valid_tokens(table)  # valid: [B, L]
-        counts = valid[:, :sealed * bs].view(b, sealed, bs).sum(dim=2)  # counts: [B, nb]
+        bs, sealed = table.bs, table.length // table.bs
+        valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
         score = block_scores(q, *self.summaries(table, layer), self.head_score)  # score: [B, nb]
         ids = torch.arange(sealed, device=q.device)
         sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
         own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb] always read
         used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)  # used: [B] tokens
         if self.per_sequence:  # each its own best blocks while they fit (Quest's rule, one set per sequence)
-            order = score.masked_fill(own, -math.inf).argsort(dim=-1, descending=True)  # order: [B, nb]
-            taken = (counts * ~own).gather(-1, order).cumsum(dim=-1)  # taken: [B, nb]
-            room = torch.tensor(budgets, device=q.device) - used
-            fits = (taken <= room[:, None]) & (score.masked_fill(own, -math.inf).gather(-1, order) > -math.inf)
-            pick = own | torch.zeros_like(fits).scatter_(-1, order, fits)
-            keep = torch.ones(b, length, dtype=torch.bool, device=q.device)  # the open block
-            keep[:, :sealed * bs] = pick.repeat_interleave(bs, dim=-1)
-            return keep & valid
+            pick = budgeted_pick(score, counts, torch.tensor(budgets, device=q.device) - used, own)
+            return picked_tokens(pick, table) & valid
         cand = ~own.all(dim=0) & (counts > 0).any(dim=0)  # cand: [nb] (another's sink may be one)
         ranked = score.masked_fill(~cand[None, :], -math.inf).argsort(dim=-1, descending=True)
         ranked = ranked[:, :int(cand.sum())].T.tolist()  # [rank][sequence] -> block id
@@ -324,9 +265,7 @@ class SparPR(BudgetPolicy):
                 used = [u + c for u, c in zip(used, cnt[blk])]
         pick = own.clone()
         pick[:, list(picked)] = True
-        keep = torch.ones(b, length, dtype=torch.bool, device=q.device)  # the open block
-        keep[:, :sealed * bs] = pick.repeat_interleave(bs, dim=-1)
-        return keep & valid
+        return picked_tokens(pick, table) & valid
 
     def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         sealed, hkv = table.length // table.bs, table.block_shape[2]
