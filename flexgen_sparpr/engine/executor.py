@@ -162,7 +162,7 @@ class Engine:
     def _reads_in_place(self, t: BlockTable) -> bool:
         """Caches attended without a gather: resident and read whole, or split by home
         (--cpu-cache-compute on CUDA)."""
-        return (t.resident and self.kv_policy.reads_all) or self.kv_policy.attends or \
+        return (t.store.resident and self.kv_policy.reads_all) or self.kv_policy.attends or \
             (self.policy.cpu_cache_compute and self.devices.is_cuda)
 
     def _gather_with_spare(self, t: BlockTable, sel: Selection) -> Fetched:

@@ -6,23 +6,42 @@ import torch
 from .compress import CompressedTensor, CompressionConfig, compress, compressed_nbytes, decompress
 
 
-class RawCodec:
-    """A tensor as is, in its dtype."""
+class Codec:
+    """How a block of fixed shape is laid out on a tier: as is, or (`compressed`) one flat uint8
+    row of `nbytes` bytes. The block table's store uses every codec through these alone."""
 
     compressed = False
-    exact_recent = 0  # newest sealed blocks also kept exact (a lossy codec's recency window)
+    exact_recent = 0  # newest sealed blocks also kept exact on compute (a lossy codec's recency window)
+    takes_hints = False  # encode uses a per-block hint (DKV: its tokens' importance [B, bs])
+    nbytes: int
+
+    def encode(self, block: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
+        """block: `shape` -> [nbytes] uint8 (same device)."""
+        raise NotImplementedError
+
+    def decode(self, row: torch.Tensor) -> torch.Tensor:
+        """row: [nbytes] uint8 on the compute device -> block of `shape`."""
+        raise NotImplementedError
+
+    def exact_rows(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The token rows the encoded form keeps exact, (idx: [B, m], kv: [planes, B, Hkv, m, D]) on
+        row's device, or None (no row is exact, or every one is)."""
+        return None
+
+
+class RawCodec(Codec):
+    """A tensor as is, in its dtype."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
         self.shape, self.dtype = shape, dtype
         self.nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
-class Int4Codec:
+class Int4Codec(Codec):
     """A tensor packed into one flat uint8 row: 4-bit codes, then group minima, then scales.
     KV blocks group along head_dim (FlexGen's cache config); weights along dim 0."""
 
     compressed = True
-    exact_recent = 0
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype,
                  cfg: CompressionConfig = CompressionConfig(num_bits=4, group_size=64, group_dim=-1)):
@@ -34,7 +53,7 @@ class Int4Codec:
         self._parts = [(p.dtype, p.shape, p.numel() * p.element_size()) for p in (c.data, c.mn, c.scale)]
         assert sum(n for _, _, n in self._parts) == self.nbytes
 
-    def encode(self, block: torch.Tensor) -> torch.Tensor:
+    def encode(self, block: torch.Tensor, hint: torch.Tensor | None = None) -> torch.Tensor:
         """block: `shape` -> bytes: [nbytes] uint8 (same device)."""
         c = compress(block, self.cfg)
         if self._parts is None:

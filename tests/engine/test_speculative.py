@@ -111,4 +111,4 @@ def test_top_up_attends_what_a_fresh_gather_attends_and_reads_only_the_misses(ta
     guessed = {(x, s) for s, bl in guess.items() for x in bl} | {(7, 0), (7, 1)}
     missed = {(x, s) for s, bl in {0: [0, 2, 5], 1: [0, 2, 3]}.items() for x in bl} - guessed
     by_block = {x: sum(1 for y, _ in missed if y == x) for x, _ in missed}
-    assert read == sum(t.read_bytes(x, n) for x, n in by_block.items())
+    assert read == sum(t.store.read_bytes(x, n) for x, n in by_block.items())

@@ -93,11 +93,11 @@ def test_partial_tail_of_an_offloaded_block_is_read_from_the_tail(disk):
 
 def test_resident_fast_path_returns_a_view_of_the_arena():
     t = make([C] * 4, bs=4)
-    assert t.resident
+    assert t.store.resident
     ref, njobs = fill(t, [5, 2])
     assert njobs == [0, 0]  # raw compute homes need no store job
     kv, pos = t.gather()
-    arena = t._arena[Tier.COMPUTE]
+    arena = t.store._arena[Tier.COMPUTE]
     assert kv.data_ptr() == arena.data_ptr()  # no copy
     assert kv.shape[3] == 7
     torch.testing.assert_close(kv, ref, rtol=0, atol=0)
@@ -155,7 +155,7 @@ def test_disk_and_cpu_homes_round_trip_exactly(devices_cls, disk):
     devices = devices_cls(torch.device("cpu"))
     homes = [D, D, P, P, C, C]
     t = make(homes, bs=4, devices=devices, disk=disk)
-    assert not t.resident
+    assert not t.store.resident
     ref, njobs = fill(t, [5, 3, 1, 9, 4])  # 22 tokens: 5 sealed blocks + 2 in the tail
     sealed_off_compute = sum(1 for b in range(5) if t.homes[b] != C)
     assert sum(njobs) == sealed_off_compute
@@ -194,7 +194,7 @@ def _quant_bound(ref_block):
 def test_compressed_homes_round_trip_within_quantisation_error(devices_cls, disk):
     devices = devices_cls(torch.device("cpu"))
     t = make([D, D, P, C, C], bs=4, devices=devices, disk=disk, compress=True)
-    assert not t.resident and t.codec.compressed
+    assert not t.store.resident and t.store.codec.compressed
     ref, njobs = fill(t, [6, 7, 5])  # 18 tokens: 4 sealed blocks + 2 raw in the tail
     assert sum(njobs) == 4  # compressed blocks are stored on every tier, compute included
     kv, pos = t.gather()
@@ -203,9 +203,9 @@ def test_compressed_homes_round_trip_within_quantisation_error(devices_cls, disk
     assert bool((err <= _quant_bound(ref)).all())
     assert err[:, :, :, :16].max() > 0  # really quantised
     torch.testing.assert_close(kv[:, :, :, 16:], ref[:, :, :, 16:], rtol=0, atol=0)  # raw tail
-    assert t.nbytes_on(D) == 2 * t.codec.nbytes
+    assert t.nbytes_on(D) == 2 * t.store.codec.nbytes
     raw = 2 * B * HKV * 4 * HD * 4
-    assert t.codec.nbytes < raw
+    assert t.store.codec.nbytes < raw
 
 
 def test_on_seal_hooks_see_each_sealed_block_in_order(disk):
@@ -234,7 +234,7 @@ def test_mark_and_rewind(homes, disk):
 
 def test_close_removes_the_disk_file(disk):
     t = make([D, C], bs=4, disk=disk, name="x")
-    path = t._disk.path
+    path = t.store.disk_file.path
     assert path.exists()
     t.close()
     t.close()  # twice is fine
@@ -257,11 +257,11 @@ def test_gather_with_seqs_reads_only_the_needed_rows(devices_cls, disk):
     for b in range(5):
         for s in range(B):
             got, want = kv[:, s, :, b * 4:(b + 1) * 4], ref[:, s, :, b * 4:(b + 1) * 4]
-            whole = b == 4 or not t.reads_rows(b)
+            whole = b == 4 or not t.store.reads_rows(b)
             torch.testing.assert_close(got, want if whole or seqs[s, b] else torch.zeros_like(want), rtol=0, atol=0)
     snap = devices.counters.snapshot()
     row = 2 * HKV * 4 * HD * 4  # one sequence's rows of a raw float32 block
-    assert t.seq_nbytes == row and t.read_bytes(3, 2) == 2 * row
+    assert t.store.seq_nbytes == row and t.store.read_bytes(3, 2) == 2 * row
     assert snap.get("disk->cpu", 0) == row * (0 + 2)  # block 1: nobody, block 3: both
     assert snap.get("cpu->compute", 0) == (row * (1 + 1) if devices_cls is UnfoldedDevices else 0)
 
@@ -277,14 +277,14 @@ def test_o_direct_per_sequence_reads_need_aligned_rows(tmp_path):
             k, v = torch.randn(2, 3, 2, 40, hd).unbind(0)
             for job in t.append(k, v):
                 job()
-            if t._disk.direct_mode != "o_direct":
+            if t.store.disk_file.direct_mode != "o_direct":
                 pytest.skip(f"{tmp_path} refuses O_DIRECT")
-            assert t.reads_rows(0) == aligned
+            assert t.store.reads_rows(0) == aligned
             seqs = torch.tensor([[True, False], [False, False], [True, True]])
             t.devices.counters.reset()
             kv, _ = t.gather([0, 1], seqs=seqs)
-            full = t.raw.nbytes
-            want = t.seq_nbytes * 3 if aligned else 2 * full
+            full = t.store.raw.nbytes
+            want = t.store.seq_nbytes * 3 if aligned else 2 * full
             assert t.devices.counters.snapshot()["disk->cpu"] == want
             torch.testing.assert_close(kv[0, 2], k[2, :, :32], rtol=0, atol=0)
             torch.testing.assert_close(kv[1, 0, :, :16], v[0, :, :16], rtol=0, atol=0)

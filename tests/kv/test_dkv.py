@@ -183,8 +183,8 @@ def test_state_is_compressed_and_bounded(tiny_llama_dir, tmp_path):
         pol: DKV = eng.kv_policy
         for t in eng.tables.values():
             sealed = t.length // t.bs
-            assert t.nbytes_on(Tier.COMPUTE) == sealed * t.codec.nbytes < sealed * t.raw.nbytes
-            assert len(t._exact) <= 2 and t.exact_recent == 1
+            assert t.nbytes_on(Tier.COMPUTE) == sealed * t.store.codec.nbytes < sealed * t.store.raw.nbytes
+            assert len(t.store._exact) <= 2 and t.store.codec.exact_recent == 1
         c = pol.counts
         assert c["steps"] and c["routed_blocks"] == c["steps"] * 1  # topk 1: one routed block a step
 
@@ -199,7 +199,7 @@ def test_decode_reads_the_encoded_rows_from_disk(tiny_opt_dir, tmp_path):
         eng.decode(st)
         moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
         cold = t.length // t.bs - 1  # the sealed blocks outside the exact recent window
-        assert moved == len(eng.tables) * cold * t.codec.nbytes
+        assert moved == len(eng.tables) * cold * t.store.codec.nbytes
 
 
 def test_snapshot_replay(tiny_llama_dir, tmp_path):
@@ -241,14 +241,14 @@ def test_sparpr_with_dkv_cold_codec(tiny_llama_dir, tmp_path):
                 codec_args={"rank": 2, "residuals": 1}) as eng:
         st = eng.prefill(PROMPTS, 2)
         t = eng.tables[(0, 0)]
-        assert t.codec.nbytes < t.raw.nbytes and t.codec_of(Tier.DISK) is t.codec
+        assert t.store.codec.nbytes < t.store.raw.nbytes and t.store.codec_of(Tier.DISK) is t.store.codec
         before = eng.devices.counters.snapshot().get("disk->cpu", 0)
         st.max_new = len(st.tokens) + 1
         eng.decode(st)
         moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
         # the newest sealed block is read from its exact copy on compute (the recency window)
-        assert t.exact_recent == 1
-        assert moved == len(eng.tables) * (t.length // t.bs - 1) * t.codec.nbytes
+        assert t.store.codec.exact_recent == 1
+        assert moved == len(eng.tables) * (t.length // t.bs - 1) * t.store.codec.nbytes
 
 
 def test_table_keeps_the_newest_encoded_blocks_exact():
@@ -257,8 +257,7 @@ def test_table_keeps_the_newest_encoded_blocks_exact():
     shape = (2, 1, 2, 8, 4)
     t = BlockTable(name="t", batch=1, num_kv_heads=2, head_dim=4, block_size=8, max_len=32, dtype=torch.float32,
                    homes=[Tier.COMPUTE] * 4, devices=Devices(torch.device("cpu")),
-                   codec=DKVCodec(shape, torch.float32, rank=1, residuals=0))
-    t.exact_recent = 1
+                   codec=DKVCodec(shape, torch.float32, rank=1, residuals=0, exact_recent=1))
     k, v = torch.randn(1, 2, 24, 4), torch.randn(1, 2, 24, 4)
     for job in t.append(k, v):
         job()
@@ -368,7 +367,7 @@ def test_prefill_hints_reach_the_codec_through_the_block_table(tiny_llama_dir, t
         st = eng.prefill(PROMPTS, 12)
         n_prefill = sum(t.length // t.bs for t in eng.tables.values())
         assert len(calls) == n_prefill and all(t.length // t.bs for t in eng.tables.values())
-        assert all(not t.encode_hints for t in eng.tables.values())  # each hint used once
+        assert all(not t.store.hints for t in eng.tables.values())  # each hint used once
         eng.decode(st)
         assert len(calls) > n_prefill and all(imp is None for imp, _ in calls[n_prefill:])
     for imp, res_idx in calls[:n_prefill]:

@@ -28,7 +28,7 @@ def coded_table(keep_rows: bool = True):
     t = BlockTable(name="t", batch=2, num_kv_heads=2, head_dim=4, block_size=8, max_len=32, dtype=torch.float32,
                    homes=[Tier.COMPUTE] * 4, devices=Devices(torch.device("cpu")),
                    codec=DKVCodec(shape, torch.float32, rank=1, residuals=3))
-    t.keep_exact_rows = keep_rows
+    t.store.hold_exact_rows = keep_rows
     k, v = torch.randn(2, 2, 24, 4), torch.randn(2, 2, 24, 4)
     for job in t.append(k, v):
         job()
@@ -40,7 +40,7 @@ def test_table_holds_a_coded_blocks_exact_rows_and_fills_only_them():
     t, k, v = coded_table()
     idx, kv = t.exact_rows(0)  # idx: [B, m]; kv: [2, B, Hkv, m, D]
     assert idx.shape == (2, 3) and kv.shape == (2, 2, 2, 3, 4)
-    assert torch.equal(idx, t.codec.parts(t.rows([0])[0]).res_idx.long())
+    assert torch.equal(idx, t.store.codec.parts(t.rows([0])[0]).res_idx.long())
     for b in range(2):
         assert torch.equal(kv[0, b], k[b, :, idx[b]]) and torch.equal(kv[1, b], v[b, :, idx[b]])
     # block 0 read by no sequence: only its exact rows are filled (zeros elsewhere), block 1 whole
@@ -49,7 +49,7 @@ def test_table_holds_a_coded_blocks_exact_rows_and_fills_only_them():
         rows = torch.zeros(8, dtype=torch.bool).index_fill_(0, idx[b], True)
         assert torch.equal(out[0, b, :, :8][:, rows], k[b, :, idx[b]])
         assert not out[:, b, :, :8][:, :, ~rows].any()
-    torch.testing.assert_close(out[:, :, :, 8:], t.codec.decode(t.rows([1])[0]))
+    torch.testing.assert_close(out[:, :, :, 8:], t.store.codec.decode(t.rows([1])[0]))
     assert coded_table(keep_rows=False)[0].exact_rows(0) is None  # only when a policy asks
 
 
@@ -93,4 +93,4 @@ def test_sparpr_over_exact_cold_rows_equals_dense_at_any_keep(tiny_llama_dir, tm
         t = eng.tables[(0, 0)]
         steps = eng.kv_policy.step_stats.report()["totals"]
         # whole encoded blocks, fewer than every cold block (all but the exact recent one) per step
-        assert moved % t.codec.nbytes == 0 and 0 < moved < steps["calls"] * (t.length // t.bs - 1) * t.codec.nbytes
+        assert moved % t.store.codec.nbytes == 0 and 0 < moved < steps["calls"] * (t.length // t.bs - 1) * t.store.codec.nbytes

@@ -94,9 +94,9 @@ class Recorder:
                    for i in disk}
         # blocks rebuilt from checkpoints move their checkpoint, not their KV
         rebuilt = set(fetched.sel.recompute) if fetched is not None and t.checkpoints is not None else set()
-        nbytes = sum(t.checkpoints.codec.nbytes if i in rebuilt else t.read_bytes(i, readers[i]) for i in disk)
+        nbytes = sum(t.checkpoints.store.codec.nbytes if i in rebuilt else t.store.read_bytes(i, readers[i]) for i in disk)
         if getattr(pol, "scans_keys", False):  # reads every block once more, whole, to rank keys
-            nbytes += sum(t.codec.nbytes for i in range(sealed) if t.homes[i] == Tier.DISK)
+            nbytes += sum(t.store.codec.nbytes for i in range(sealed) if t.homes[i] == Tier.DISK)
         fallback = fetched is not None and fetched.sel.mask is None and blocks == list(range(t.num_blocks))
         self.steps.append(Step(self.step, layer, see.sum(-1).tolist(), budget, missing, chosen,
                                nbytes, sorted(set(blocks) - used), fallback and sparse))

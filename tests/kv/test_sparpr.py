@@ -121,7 +121,7 @@ def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
                     readers = int(sel.mask[:, :, off:off + n].any(dim=2).any(dim=1).sum())
                     off += n
                     if b < t.length // t.bs and t.homes[b] == Tier.DISK:
-                        want += t.checkpoints.codec.nbytes if b in sel.recompute else t.read_bytes(b, readers)
+                        want += t.checkpoints.store.codec.nbytes if b in sel.recompute else t.store.read_bytes(b, readers)
                 assert len(sel.blocks) < t.num_blocks and bool(sel.recompute) == rebuild
             assert moved == want > 0
     steps = pol.stats()["steps"]
@@ -203,7 +203,7 @@ def test_checkpoints_kept_only_where_a_rebuild_can_pay(filled):
     """auto: checkpoints for a table only while rebuilding a block costs < CKPT_MARGIN x copying
     it; always: regardless; no recompute: never."""
     t = filled
-    copy = t.codec.nbytes / 1e9  # seconds to copy one block at 1 GB/s
+    copy = t.store.codec.nbytes / 1e9  # seconds to copy one block at 1 GB/s
     ckpt = t.block_shape[1] * t.bs * 8 * 4 / 1e9  # its checkpoint's copy (hidden 8, float32)
     flops = kv_rebuild_flops(t.block_shape[1], t.bs, 8, t.block_shape[2] * t.block_shape[4])
     for rebuild_x, keep in ((0.75, True), (CKPT_MARGIN * 0.99, True), (CKPT_MARGIN * 1.01, False), (10, False)):
@@ -223,7 +223,7 @@ def test_fallback_exactly_when_sparse_costs_more_than_gamma_dense(store):
     t = disk_table(store, "fallback")
     fill(t, 42, seed=6)
     q = torch.randn(2, 4, 1, 4)
-    base = dict(keep_ratio=0.4, costs=fixed(disk_Bps=t.codec.nbytes), dynamic_budget=False)  # 1 s a block
+    base = dict(keep_ratio=0.4, costs=fixed(disk_Bps=t.store.codec.nbytes), dynamic_budget=False)  # 1 s a block
     sparse = SparPR(**base, fallback=False).select(t, 0, q)
     sealed = t.length // t.bs
     # no checkpoints: every block copied, for the sequences whose mask keeps one of its tokens
@@ -231,7 +231,7 @@ def test_fallback_exactly_when_sparse_costs_more_than_gamma_dense(store):
     for b in sparse.blocks:
         readers = int(sparse.mask[:, :, off:off + t.block_len(b)].any(dim=2).any(dim=1).sum())
         off += t.block_len(b)
-        cost += t.read_bytes(b, readers) / t.codec.nbytes if b < sealed else 0.0
+        cost += t.store.read_bytes(b, readers) / t.store.codec.nbytes if b < sealed else 0.0
     ratio = cost / sealed
     assert 0 < ratio < 1
     for gamma, falls in ((ratio * (1 - 1e-9), True), (ratio * (1 + 1e-9), False), (1.0, False)):

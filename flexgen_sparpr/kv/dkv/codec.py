@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...storage.codec import Codec
+
 
 @dataclass
 class DKVParts:
@@ -41,7 +43,7 @@ def _align(n: int, to: int = 8) -> int:
 PICKS = ("error", "attention", "mixed")
 
 
-class DKVCodec:
+class DKVCodec(Codec):
     """Encodes a KV block into one flat uint8 row of fixed size `nbytes` (see the module doc)."""
 
     compressed = True
@@ -56,6 +58,7 @@ class DKVCodec:
         if residual_pick not in PICKS:
             raise ValueError(f"DKV residual_pick must be one of {', '.join(PICKS)} (got {residual_pick!r})")
         self.residual_pick = residual_pick
+        self.takes_hints = residual_pick != "error"  # the other picks read the token importance (encode)
         self.exact_recent = exact_recent  # the newest sealed blocks also kept exact (lossy: the recency window)
         self.shape, self.dtype, self.refit = tuple(shape), dtype, refit
         self.batch, self.hkv, self.bs, self.head_dim = b, hkv, bs, d

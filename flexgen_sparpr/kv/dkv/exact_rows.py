@@ -3,7 +3,7 @@ exact rows are attended, selected or not, as the dkv policy attends them (docs/d
 with SparPR").
 
 A DKV block keeps m rows exact (by default the ones the prompt's question reads). The table keeps
-a copy of them on the compute device (`BlockTable.keep_exact_rows`; m/bs of a raw block, 6 % at
+a copy of them on the compute device (`TierStore.hold_exact_rows`; m/bs of a raw block, 6 % at
 the defaults), so a block the selection leaves out is still attended on those rows: it joins the
 selection with no sequence reading it whole (`seqs` False, so nothing moves; the table fills the
 rows it holds) and a mask that keeps its exact rows only. A selected block comes back whole

@@ -16,8 +16,8 @@ tokens before it (`follow_spread`):
 
     score[t] = imp[t] + max(imp[t - follow], ..., imp[t])
 
-The block table hands each sealed block's slice of `score` to the codec's encode
-(`BlockTable.encode_hints`), which keeps the top rows exact.
+The block table's store hands each sealed block's slice of `score` to the codec's encode
+(`TierStore.hints`), which keeps the top rows exact.
 """
 from __future__ import annotations
 
@@ -67,18 +67,19 @@ def hint_sealed_blocks(table, q: torch.Tensor, k: torch.Tensor, valid: torch.Ten
                        window: int = WINDOW, follow: int = FOLLOW) -> None:
     """After a whole-prompt prefill's append (before its store jobs run): give every sealed block
     that the table stores through a query-aware DKV codec its tokens' importance [B, bs] in
-    `table.encode_hints` (observation_importance, then follow_spread). Does nothing for other codecs, raw tiers, or a prefill that does not
+    `table.store.hints` (observation_importance, then follow_spread). Does nothing for other codecs, raw tiers, or a prefill that does not
     start at position 0. q: [B, H, S, D]; k: [B, Hkv, S, D]; valid: [B, S] or None."""
-    if getattr(table.codec, "residual_pick", "error") == "error" or not table.coded:
+    store = table.store
+    if not store.codec.takes_hints or not store.coded:
         return
     bs, s = table.bs, k.shape[2]
     sealed = table.length // bs
     if not sealed or table.length != s:
         return
-    coded = [blk for blk in range(sealed) if table.homes[blk] in table.coded]
+    coded = [blk for blk in range(sealed) if table.homes[blk] in store.coded]
     if not coded:
         return
     imp = follow_spread(observation_importance(q, k, valid, window), follow)  # imp: [B, S]
     imp = imp[:, :sealed * bs].unflatten(1, (sealed, bs))  # imp: [B, n, bs]
     for blk in coded:
-        table.encode_hints[blk] = imp[:, blk].clone()  # [B, bs]
+        store.hints[blk] = imp[:, blk].clone()  # [B, bs]

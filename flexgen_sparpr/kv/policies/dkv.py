@@ -101,8 +101,8 @@ class DKV(KVPolicy):
     def attach(self, table: BlockTable, layer: int) -> None:
         if table in self._state:
             return
-        if isinstance(table.codec, DKVCodec):
-            self._bytes = (table.raw.nbytes, table.codec.nbytes)
+        if isinstance(table.store.codec, DKVCodec):
+            self._bytes = (table.store.raw.nbytes, table.store.codec.nbytes)
         _, b, hkv, bs, d = table.block_shape
         mean = torch.zeros(table.capacity // bs, b, hkv, d, dtype=torch.float32, device=table.devices.compute)
         st = self._state[table] = _State(mean)
@@ -151,7 +151,7 @@ class DKV(KVPolicy):
             kv, pos = table.gather()
             valid = pos[None, :] >= self._pads(table, pads)[:, None]  # valid: [B, T]
             return merge_attention([attention_with_lse(q, kv[0], kv[1], valid)]).to(q.dtype), jobs
-        if not isinstance(table.codec, DKVCodec):
+        if not isinstance(table.store.codec, DKVCodec):
             raise ValueError("the dkv policy attends tables the engine built with its codec "
                              "(it cannot take over a cache prefilled under another policy)")
         self.attach(table, layer)
@@ -167,7 +167,7 @@ class DKV(KVPolicy):
             for job in jobs:  # a block sealed by this very append must be encoded before it is read
                 job()
             jobs = []
-            codec: DKVCodec = table.codec
+            codec: DKVCodec = table.store.codec
             p = codec.parts(table.rows(cold))  # leading [n]
             ids = torch.tensor(cold, device=q.device)
             rk, rv, rpos = residual_kv(p, ids, bs, d)  # rk, rv: [B, Hkv, n*m, D]; rpos: [B, n*m]

@@ -171,9 +171,9 @@ class SparPR(BlockScoringPolicy):
         """Per home tier: (copy seconds, recompute seconds) of one sealed block."""
         cm, ck = self.cost_model(table), table.checkpoints
         _, b, hkv, bs, d = table.block_shape
-        ckpt_bytes = ck.codec.nbytes if ck is not None else b * bs * hidden * table.dtype.itemsize
+        ckpt_bytes = ck.store.codec.nbytes if ck is not None else b * bs * hidden * table.dtype.itemsize
         flops = kv_rebuild_flops(b, bs, hidden, hkv * d)
-        return {t: (cm.copy_s(table.codec.nbytes, t, table.devices),
+        return {t: (cm.copy_s(table.store.codec.nbytes, t, table.devices),
                     cm.recompute_s(ckpt_bytes, flops, t, table.devices, table.dtype)) for t in set(table.homes)}
 
     def wants_checkpoints(self, table: BlockTable, hidden: int) -> bool:
@@ -196,7 +196,7 @@ class SparPR(BlockScoringPolicy):
 
     def attach(self, table: BlockTable, layer: int) -> None:
         if table not in self._sums:
-            table.keep_exact_rows = True  # DKV cold blocks: their exact rows also stay on compute (select)
+            table.store.hold_exact_rows = True  # DKV cold blocks: their exact rows also stay on compute (select)
             if not self.quest_only:
                 self.cost_model(table)  # start-up: probe (or read the cache) before the first step
         super().attach(table, layer)
@@ -280,7 +280,7 @@ class SparPR(BlockScoringPolicy):
         if costs is not None:
             copy = [costs[table.homes[i]][0] for i in range(sealed)]
             nseq, b = readers(table, sel), table.block_shape[1]
-            part = [c * table.read_bytes(i, nseq.get(i, b)) / table.read_bytes(i, b) for i, c in enumerate(copy)]
+            part = [c * table.store.read_bytes(i, nseq.get(i, b)) / table.store.read_bytes(i, b) for i, c in enumerate(copy)]
             can = self.recompute and table.checkpoints is not None
             rec = [costs[t][1] if can and t != Tier.COMPUTE else math.inf for t in table.homes[:sealed]]
             spans = merge_spans([i for i in sel.blocks if i < sealed], table.homes)

@@ -42,7 +42,7 @@ class StepStats:
             s[k] += v
         nseq = readers(table, sel) if nseq is None else nseq
         for i in moved:
-            n = table.checkpoints.codec.nbytes if i in rebuild else table.read_bytes(i, nseq[i])
+            n = table.checkpoints.store.codec.nbytes if i in rebuild else table.store.read_bytes(i, nseq[i])
             links = (["disk->cpu"] if table.homes[i] == Tier.DISK else []) + \
                 (["cpu->compute"] if table.devices.is_cuda else [])
             for link in links:
