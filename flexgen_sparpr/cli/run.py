@@ -1,113 +1,173 @@
 """`flexgen-sparpr run` / `python -m flexgen_sparpr.flex_opt`: one offloaded generation,
-reported as upstream FlexGen reports it."""
+reported as upstream FlexGen reports it.
+
+Three steps, each callable from Python without argparse: `set_up` (the weights, the tokenizer,
+the prompts and, with --policy auto, the placement), `generate` (the engine's warm-up and timed
+generation) and `report` (FlexGen's summary lines and log, the JSON). `run` is the CLI: flags
+(cli/options.py `resolve`, which also takes a plain dict of flag values), then the three.
+"""
 from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..engine.config import EngineConfig, Policy
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
 from ..engine.sampling import Sampler
+from ..engine.state import GenerationResult
+from ..errors import ConfigError
 from ..utils.files import write_json_atomic
 from ..weights.resolve import DUMMY, resolve_source
-from . import report
+from . import report as fmt
 from .flags import build_parser
-from .options import apply_auto_policy, resolve
+from .options import RunOptions, apply_auto_policy, resolve
 from .prompts import build_prompts, load_tokenizer
 
 
-def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
-    args = build_parser(prog).parse_args(argv)
-    opts, policy, ecfg = resolve(args)
+@dataclass
+class Setup:
+    """A run ready to start: what to run, on which placement and engine config, with which weights,
+    tokenizer and prompt ids."""
+
+    opts: RunOptions
+    policy: Policy
+    engine: EngineConfig
+    source: object  # weights/sources.py WeightSource
+    tokenizer: object | None
+    prompts: list[list[int]]
+    pad_to: int  # the prompts are left-padded to at least this many tokens
+    stop: int | None
+    plan: object | None = None  # --policy auto: runtime/placement.py Plan
+    hardware: object | None = None  # ... and the hardware it planned for
+
+    @property
+    def prompt_len(self) -> int:
+        return max(self.pad_to, max(map(len, self.prompts)))
+
+    def say(self, *a) -> None:
+        if self.opts.verbose >= 1:
+            print(*a, flush=True)
+
+
+@dataclass
+class Generated:
+    """What the timed generation produced and measured."""
+
+    result: GenerationResult
+    bytes_moved: dict  # per link, during the timed generation
+    memory: dict  # engine/memory.py PeakMemory.report()
+    disk_modes: list | None
+    device: str
+    dtype: str
+    kv_stats: dict | None = None  # the KV policy's per-step statistics, if it keeps them
+
+
+def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig) -> Setup:
+    """The weight source, tokenizer and prompt ids; --policy auto's placement."""
     is_dummy = DUMMY in opts.path
     max_seq = opts.max_seq_len or (opts.prompt_len + opts.gen_len if is_dummy else None)
     src = resolve_source(opts.model, opts.path, max_seq, opts.seed)
-    spec = src.spec
-    plan = None
+    plan = hw = None
     if opts.policy == "auto":  # placement and batch split from the hardware file (runtime/placement.py)
-        policy, ecfg, plan, hw = apply_auto_policy(opts, policy, ecfg, spec)
+        policy, ecfg, plan, hw = apply_auto_policy(opts, policy, ecfg, src.spec)
     tok = load_tokenizer(src.tokenizer_dir) if not is_dummy else None
-    prompts = build_prompts(opts, tok, policy.batch_size, spec.vocab)
+    prompts = build_prompts(opts, tok, policy.batch_size, src.spec.vocab)
     explicit = opts.prompt or opts.prompt_file or opts.prompt_ids_file
-    pad_to = 0 if explicit else opts.prompt_len
-    plen = max(pad_to, max(map(len, prompts)))
-    stop = None if opts.stop is None else spec.eos_id if opts.stop == "eos" else _int(opts.stop, "--stop")
-    say = (lambda *a: print(*a, flush=True)) if opts.verbose >= 1 else (lambda *a: None)
-    n = policy.batch_size
-    cache_b, hidden_b = spec.cache_bytes(n, plen + opts.gen_len), spec.hidden_bytes(n, plen + opts.gen_len)
-    say(f"model size: {spec.model_bytes() / report.GB:.3f} GB, cache size: {cache_b / report.GB:.3f} GB, "
-        f"hidden size (prefill): {hidden_b / report.GB:.3f} GB")
-    if plan is not None:
-        say(f"policy auto for {hw.name} ({hw.source}): {plan.describe(opts.gen_len)}")
-    say("init weight...")
+    stop = None if opts.stop is None else src.spec.eos_id if opts.stop == "eos" else _int(opts.stop, "--stop")
+    return Setup(opts, policy, ecfg, src, tok, prompts, 0 if explicit else opts.prompt_len, stop, plan, hw)
+
+
+def generate(s: Setup) -> Generated:
+    """FlexGen's run: announce the sizes, load the weights, one short warm-up generation (unless
+    --warmup false), then the timed generation with peak memory and bytes moved."""
+    opts, spec, n = s.opts, s.source.spec, s.policy.batch_size
+    total = s.prompt_len + opts.gen_len
+    s.say(f"model size: {spec.model_bytes() / fmt.GB:.3f} GB, cache size: {spec.cache_bytes(n, total) / fmt.GB:.3f} "
+          f"GB, hidden size (prefill): {spec.hidden_bytes(n, total) / fmt.GB:.3f} GB")
+    if s.plan is not None:
+        s.say(f"policy auto for {s.hardware.name} ({s.hardware.source}): {s.plan.describe(opts.gen_len)}")
+    s.say("init weight...")
     tty = sys.stderr.isatty() and opts.verbose >= 1
-    eng = Engine(src, policy, ecfg, progress=tty)
+    eng = Engine(s.source, s.policy, s.engine, progress=tty)
     try:
         if opts.warmup:
-            say("warmup - generate")
-            eng.generate([p[:32] for p in prompts], 1)
-        say("benchmark - generate")
+            s.say("warmup - generate")
+            eng.generate([p[:32] for p in s.prompts], 1)
+        s.say("benchmark - generate")
         eng.devices.counters.reset()
-        gen_len = opts.cut_gen_len or opts.gen_len
         sampler = Sampler(opts.do_sample, opts.temperature, opts.top_p, opts.seed)
         with PeakMemory(eng.devices.compute) as mem:
-            res = eng.generate(prompts, gen_len, sampler, stop=stop, progress=tty, pad_to=pad_to)
+            res = eng.generate(s.prompts, opts.cut_gen_len or opts.gen_len, sampler, stop=s.stop, progress=tty,
+                               pad_to=s.pad_to)
         moved = eng.devices.counters.snapshot()
         disk_mode = sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else None
     finally:
         eng.close()
-    times = res.step_times
+    return Generated(res, moved, mem.report(), disk_mode, str(eng.devices.compute),
+                     str(eng.dtype).replace("torch.", ""), eng.kv_policy.stats())
+
+
+def report(s: Setup, g: Generated) -> dict:
+    """FlexGen's summary lines and benchmark log, then the JSON (written to --output-json)."""
+    opts, spec, n, plen = s.opts, s.source.spec, s.policy.batch_size, s.prompt_len
+    times = g.result.step_times
     prefill_lat = times[0]
     projected = bool(opts.debug_mode or opts.cut_gen_len)
-    decode_lat = report.project_decode_latency(times, opts.gen_len) if opts.cut_gen_len else sum(times[1:])
+    decode_lat = fmt.project_decode_latency(times, opts.gen_len) if opts.cut_gen_len else sum(times[1:])
     steps_done = opts.gen_len if opts.cut_gen_len else len(times)
     total_lat = prefill_lat + decode_lat
-    mem_report = mem.report()
-    texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens] if tok is not None else None
+    cache_b, hidden_b = spec.cache_bytes(n, plen + opts.gen_len), spec.hidden_bytes(n, plen + opts.gen_len)
+    tok = s.tokenizer
+    texts = [tok.decode(t, skip_special_tokens=True) for t in g.result.tokens] if tok is not None else None
     if texts is not None and opts.verbose >= 2:
         show = "Outputs:\n" + 70 * "-" + "\n"
         for i in sorted({0, len(texts) - 1}):
             show += f"{i}: {texts[i]}\n" + "-" * 70 + "\n"
         print(show)
     if opts.debug_mode:
-        say("step times (s): " + " ".join(f"{t:.4f}" for t in times))
-    log = report.summary(spec.model_bytes(), cache_b, hidden_b, mem_report["gpu_peak_allocated_bytes"],
-                         projected, prefill_lat, n * plen / prefill_lat, decode_lat,
-                         n * (steps_done - 1) / max(decode_lat, 1e-10), total_lat, n * steps_done / total_lat)
+        s.say("step times (s): " + " ".join(f"{t:.4f}" for t in times))
+    log = fmt.summary(spec.model_bytes(), cache_b, hidden_b, g.memory["gpu_peak_allocated_bytes"],
+                      projected, prefill_lat, n * plen / prefill_lat, decode_lat,
+                      n * (steps_done - 1) / max(decode_lat, 1e-10), total_lat, n * steps_done / total_lat)
     if not opts.no_log:
-        report.append_log(opts.log_file if opts.log_file != "auto" else report.flexgen_log_name(opts, policy), log)
-    say(log)
-    if plan is not None:
-        say(f"policy auto: predicted {plan.per_token_s(opts.gen_len):.4f} s/token, measured "
-            f"{total_lat / opts.gen_len:.4f} s/token")
-    say(f"peak host rss: {mem_report['host_rss_peak_bytes'] / report.GB:.3f} GB\t"
-        f"bytes moved: " + (", ".join(f"{k} {v / report.GB:.3f} GB" for k, v in sorted(moved.items())) or "none"))
+        fmt.append_log(opts.log_file if opts.log_file != "auto" else fmt.flexgen_log_name(opts, s.policy), log)
+    s.say(log)
+    if s.plan is not None:
+        s.say(f"policy auto: predicted {s.plan.per_token_s(opts.gen_len):.4f} s/token, measured "
+              f"{total_lat / opts.gen_len:.4f} s/token")
+    s.say(f"peak host rss: {g.memory['host_rss_peak_bytes'] / fmt.GB:.3f} GB\t"
+          f"bytes moved: " + (", ".join(f"{k} {v / fmt.GB:.3f} GB" for k, v in sorted(g.bytes_moved.items()))
+                              or "none"))
     out = {
-        "model": spec.name, "weights": src.describe(), "device": str(eng.devices.compute),
-        "dtype": str(eng.dtype).replace("torch.", ""), "prompt_len": plen, "gen_len": opts.gen_len,
-        "batch_size": n, "prompt_ids": prompts, "output_ids": res.tokens, "texts": texts,
+        "model": spec.name, "weights": s.source.describe(), "device": g.device, "dtype": g.dtype,
+        "prompt_len": plen, "gen_len": opts.gen_len, "batch_size": n, "prompt_ids": s.prompts,
+        "output_ids": g.result.tokens, "texts": texts,
         "timings": {"prefill_s": prefill_lat, "decode_s": decode_lat, "total_s": total_lat,
                     "per_token_s": times, "projected": projected,
                     "decode_tokens_per_s": n * (steps_done - 1) / max(decode_lat, 1e-10)},
-        "peak_memory": mem_report, "bytes_moved": moved, "disk_io_mode": disk_mode,
-        "policy": dataclasses.asdict(policy), "engine": engine_report(ecfg),
-        "torch": torch.__version__,
+        "peak_memory": g.memory, "bytes_moved": g.bytes_moved, "disk_io_mode": g.disk_modes,
+        "policy": dataclasses.asdict(s.policy), "engine": engine_report(s.engine), "torch": torch.__version__,
     }
-    if plan is not None:
-        out["auto_policy"] = {"hardware": hw.name, "hardware_source": hw.source, **dataclasses.asdict(plan),
-                              "predicted_per_token_s": plan.per_token_s(opts.gen_len)}
-    stats = eng.kv_policy.stats()  # per-step statistics of policies that keep them (sparpr, dkv)
-    if stats is not None:
-        out["kv_policy_stats"] = stats
+    if s.plan is not None:
+        out["auto_policy"] = {"hardware": s.hardware.name, "hardware_source": s.hardware.source,
+                              **dataclasses.asdict(s.plan), "predicted_per_token_s": s.plan.per_token_s(opts.gen_len)}
+    if g.kv_stats is not None:  # per-step statistics of policies that keep them (sparpr, dkv)
+        out["kv_policy_stats"] = g.kv_stats
     if opts.output_json:
         write_json_atomic(opts.output_json, out)
     return out
 
 
-def engine_report(ecfg) -> dict:
+def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
+    setup = set_up(*resolve(build_parser(prog).parse_args(argv)))
+    return report(setup, generate(setup))
+
+
+def engine_report(ecfg: EngineConfig) -> dict:
     """The engine config as JSON: each policy as its name and its fields (knobs and given costs)."""
     out = {f.name: getattr(ecfg, f.name) for f in dataclasses.fields(ecfg)}
     for key, args in (("kv_policy", "policy_args"), ("cold_codec", "codec_args")):

@@ -1,19 +1,12 @@
-"""The attention step of one layer for one GPU batch, over the block table."""
+"""The attention step of one layer for one GPU batch: it only attends (what it reads is
+engine/cell.py's; the new token joins the cache there)."""
 from __future__ import annotations
 
 import torch
 
 from ..kv.block_table import BlockTable
-from ..models.layers import (attention_with_lse, causal_attention, decode_attention,
-                             merge_attention, topk_sparse_attention)
+from ..models.layers import attention_with_lse, decode_attention, merge_attention, topk_sparse_attention
 from ..storage.tiers import Tier
-
-
-def prefill_attention(table: BlockTable, q, k, v, valid):
-    """q: [B, H, S, D]; k, v: [B, Hkv, S, D]; valid: [B, S]. Stores k, v; returns
-    (o: [B, H, S, D], store jobs)."""
-    o = causal_attention(q, k, v, valid)
-    return o, table.append(k, v)
 
 
 def pads_valid(pos, pads) -> torch.Tensor | None:
@@ -24,26 +17,10 @@ def pads_valid(pos, pads) -> torch.Tensor | None:
     return torch.arange(s, device=pos.device)[None, :] >= pads[:, None]
 
 
-def decode_attention_step(table: BlockTable, q, k, v, pads, fetched, *, sparsity: float = 1.0,
-                          cpu_compute: bool = False):
-    """One new token. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D]; pads: [B] left-pad counts or None;
-    fetched: (kv [2, B, Hkv, T+1, D], pos [T+1], Selection) gathered *before* this token with a
-    spare last slot, or None for a resident cache read whole, in place, after the append.
-    Returns (o: [B, H, 1, D], kv, pos, store jobs)."""
-    if cpu_compute and table.devices.is_cuda and Tier.CPU in table.homes[:table.num_blocks]:
-        o = _split_by_home(table, q, k, v, pads)
-        return o, None, None, table.append(k, v)
-    mask = None
-    if fetched is None:
-        jobs = table.append(k, v)
-        kv, pos = table.gather()
-    else:
-        kv, pos, sel = fetched.kv, fetched.pos, fetched.sel
-        kv[0, :, :, -1:].copy_(k)
-        kv[1, :, :, -1:].copy_(v)
-        pos[-1] = table.length
-        jobs = table.append(k, v)
-        mask = sel.mask
+def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0) -> torch.Tensor:
+    """One new token. q: [B, H, 1, D]; kv: [2, B, Hkv, T+1, D] the tokens read, the new one last;
+    pos: [T+1] their cache positions; mask: [B, Hkv, T] the tokens of the selection each sequence
+    and KV head attends (None: all); pads: [B] left-pad counts or None. Returns o: [B, H, 1, D]."""
     valid = None if pads is None else pos[None, :] >= pads[:, None]  # valid: [B, T+1]
     if mask is not None:
         if valid is None:
@@ -51,13 +28,14 @@ def decode_attention_step(table: BlockTable, q, k, v, pads, fetched, *, sparsity
         keep = torch.cat([mask, mask.new_ones(*mask.shape[:2], 1)], dim=-1)  # keep: [B, Hkv, T+1]
         valid = valid[:, None, :] & keep  # valid: [B, Hkv, T+1]
     if sparsity < 1:
-        return topk_sparse_attention(q, kv[0], kv[1], valid, sparsity), kv, pos, jobs
-    return decode_attention(q, kv[0], kv[1], valid), kv, pos, jobs
+        return topk_sparse_attention(q, kv[0], kv[1], valid, sparsity)
+    return decode_attention(q, kv[0], kv[1], valid)
 
 
-def _split_by_home(table: BlockTable, q, k, v, pads):
+def split_by_home(table: BlockTable, q, k, v, pads):
     """FlexGen's --cpu-cache-compute: attend the CPU-homed blocks on the CPU (only the query
-    crosses the link), the rest on the compute device, and merge by log-sum-exp."""
+    crosses the link), the rest on the compute device with the new token k, v: [B, Hkv, 1, D]
+    (not yet appended), and merge by log-sum-exp. Returns o: [B, H, 1, D]."""
     nb = table.num_blocks
     on_cpu = [b for b in range(nb) if table.homes[b] == Tier.CPU and table.block_len(b) == table.bs]
     rest = [b for b in range(nb) if b not in set(on_cpu)]

@@ -2,29 +2,33 @@
 
 While layer j computes batch k, the I/O pool loads layer j+1's weights and batch k+1's KV
 blocks, and stores the blocks batch k-1 sealed; `overlap=False` runs the same tasks inline.
+What a decode cell's attention reads is the KVReader's (engine/cell.py); the attention step
+only attends (engine/attention.py).
 """
 from __future__ import annotations
 
 import copy
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..kv.block_table import BlockTable
+from ..errors import ConfigError
 from ..kv import policies
+from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy, Selection
 from ..models import build_arch
+from ..models.layers import causal_attention
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier
-from .attention import decode_attention_step, pads_valid, prefill_attention
-from .kv_tables import build_tables
-from .prefetch import Ahead, early_selection
-from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
-from ..errors import ConfigError
+from .attention import decode_attention_step, pads_valid, split_by_home
+from .cell import KVReader
 from .config import EngineConfig, Policy
+from .io import Done, IOPool, to_compute
+from .kv_tables import build_tables
+from .prefetch import Ahead
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
 from .weights import WeightStore, sub_weights
@@ -35,12 +39,6 @@ class Layer:
     kind: str  # embed | attn | mlp | block (attn + mlp, when not sep_layer) | head
     index: int
     names: dict[str, str]
-
-
-class _Done(Future):
-    def __init__(self, value=None):
-        super().__init__()
-        self.set_result(value)
 
 
 class Engine:
@@ -60,9 +58,7 @@ class Engine:
         self.layers = self._layers()
         needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0
         self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None
-        self.io = ThreadPoolExecutor(max(1, cfg.io_threads), thread_name_prefix="flexgen-io")
-        # on CUDA the I/O tasks copy on their own stream so they overlap the compute stream
-        self._io_stream = torch.cuda.Stream(self.devices.compute) if self.devices.is_cuda else None
+        self.io = IOPool(self.devices, cfg.io_threads, policy.overlap)
         self.act_home = self.devices.effective(Tier.COMPUTE if policy.act_gpu_percent == 100 else Tier.CPU)
         bar = None
         if progress:
@@ -80,7 +76,8 @@ class Engine:
                 bar.close()
         self.tables: dict[tuple[int, int], BlockTable] = {}
         self._observers: tuple[KVPolicy, ...] = ()
-        self._ring = GatherRing()  # the decode cells' gather buffers, reused
+        self.reader = KVReader(self.kv_policy, self.arch, self.io, self.devices, self.dtype,
+                               cpu_cache_compute=policy.cpu_cache_compute, speculate=cfg.speculative_prefetch)
         self._generation = 0
         self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
 
@@ -102,76 +99,27 @@ class Engine:
         return layers + [Layer("head", -1, a.head_names())]
 
     # --- I/O tasks ---
-    def _submit(self, fn, *args) -> Future:
-        if self.policy.overlap:
-            return self.io.submit(self._io_task, fn, *args)
-        return _Done(fn(*args))
-
     def _load_weights(self, j: int) -> Future:
         """Resident layers load inline: a thread hand-off would cost more than it hides."""
         if self.weights.is_resident(j):
-            return _Done(self.weights.load(j))
-        return self._submit(self.weights.load, j)
-
-    def _io_task(self, fn, *args):
-        """Runs on a pool thread. Inference mode is per thread, so it is entered here too."""
-        with torch.inference_mode():
-            if self._io_stream is None:
-                return fn(*args)
-            # wait for what the compute stream produced (sealed blocks), copy, then finish
-            # before handing back, so the compute stream never reads a half-done copy
-            self._io_stream.wait_stream(torch.cuda.current_stream(self.devices.compute))
-            with torch.cuda.stream(self._io_stream):
-                out = fn(*args)
-            self._io_stream.synchronize()
-            return out
-
-    def _adopt(self, obj):
-        """Tensors made on the I/O stream are used on the compute stream: tell the caching
-        allocator, so their memory is not reused while the compute stream still reads it."""
-        if self._io_stream is not None and self.policy.overlap:
-            stream = torch.cuda.current_stream(self.devices.compute)
-            items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, tuple) else ()
-            for t in items:
-                if torch.is_tensor(t) and t.is_cuda:
-                    t.record_stream(stream)
-        return obj
+            return Done(self.weights.load(j))
+        return self.io.submit(self.weights.load, j)
 
     def _new_tables(self, max_len: int) -> None:
         for t in self.tables.values():
             t.close()
         self.tables.clear()
         self._generation += 1  # disk file names stay unique across generations
-        self.tables.update(build_tables(self, max_len, self._generation, self._observers))
+        self.tables.update(build_tables(
+            self.spec, self.policy, block_size=self.cfg.block_size, dtype=self.dtype, devices=self.devices,
+            disk=self.disk, kv_policy=self.kv_policy, cold_codec=self.cold_codec, max_len=max_len,
+            name=f"g{self._generation}", observers=self._observers))
 
     def _prefetch_cache(self, layer: Layer, k: int, ahead: Ahead | None = None) -> Future:
-        """Gather batch k's blocks for layer `layer` (decode only; resident caches need none);
-        a query-aware policy selects from the cell's early query (engine/prefetch.py)."""
+        """Gather batch k's blocks for layer `layer` (decode only) one cell ahead (engine/cell.py)."""
         if layer.kind not in ("attn", "block"):
-            return _Done(None)
-        t = self.tables[(layer.index, k)]
-        if self._reads_in_place(t):
-            return _Done(None)
-        sel = self.kv_policy.plan(t, layer.index)
-        if sel is None:
-            sel = early_selection(self, layer, t, ahead)
-        if sel is None:
-            return _Done(None)
-        return self._submit(self._gather_guess if sel.guess else self._gather_with_spare, t, sel)
-
-    def _reads_in_place(self, t: BlockTable) -> bool:
-        """Caches attended without a gather: resident and read whole, or split by home
-        (--cpu-cache-compute on CUDA)."""
-        return (t.store.resident and self.kv_policy.reads_all) or self.kv_policy.attends or \
-            (self.policy.cpu_cache_compute and self.devices.is_cuda)
-
-    def _gather_with_spare(self, t: BlockTable, sel: Selection) -> Fetched:
-        return gather_selection(t, sel, self.dtype, self.devices.compute, self._ring)
-
-    def _gather_guess(self, t: BlockTable, sel: Selection) -> Fetched:
-        with self.devices.counters.tag("speculative"):  # what a speculative prefetch moved
-            # room for any top-up: the blocks it misses are distinct, so at most the cache's length
-            return gather_selection(t, sel, self.dtype, self.devices.compute, self._ring, room=t.length)
+            return Done(None)
+        return self.reader.prefetch(self.tables[(layer.index, k)], layer.index, layer.kind, ahead)
 
     # --- compute ---
     def _attention(self, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bool):
@@ -184,28 +132,22 @@ class Engine:
         if prefill:
             valid = pads_valid(pos, pads)
             o = pol.prefill(t, layer_idx, q, kk, vv, valid)
-            o, jobs = prefill_attention(t, q, kk, vv, valid) if o is None else (o, t.append(kk, vv))
+            if o is None:
+                o = causal_attention(q, kk, vv, valid)
+            jobs = t.append(kk, vv)
             if valid is None:
                 valid = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
             for observer in (pol, *self._observers):
                 observer.on_prefill(t, layer_idx, q, kk, valid)
-        elif pol.attends:
+        elif pol.attends:  # the policy owns the decode attention, and the append (DKV)
             o, jobs = pol.attend(t, layer_idx, q, kk, vv, pads)
+        elif self.reader.splits_by_home(t):  # --cpu-cache-compute: CPU blocks attended where they live
+            o, jobs = split_by_home(t, q, kk, vv, pads), t.append(kk, vv)
         else:
-            if fetched is None and not self._reads_in_place(t):
-                sel = pol.plan(t, layer_idx)
-                with self.devices.counters.tag("serial"):  # read inside the cell: no compute hides it
-                    fetched = self._gather_with_spare(t, sel if sel is not None else pol.select(t, layer_idx, q))
-            elif fetched is not None and fetched.sel.guess:  # speculative prefetch: keep what the guess read
-                with self.devices.counters.tag("serial"):
-                    fetched = top_up(t, fetched, pol.select(t, layer_idx, q), self.dtype, self.devices.compute)
-            if fetched is not None:
-                rebuild_kv(fetched, a, w, pads)
-            o, kv, kpos, jobs = decode_attention_step(
-                t, q, kk, vv, pads, fetched, sparsity=self.policy.attn_sparsity,
-                cpu_compute=self.policy.cpu_cache_compute)
-            if kv is not None:
-                pol.observe(t, layer_idx, q, kv, kpos, fetched.sel if fetched else Selection.all(t))
+            fetched = self.reader.read(t, layer_idx, q, fetched, w, pads)
+            kv, kpos, mask, jobs = self.reader.add_token(t, fetched, kk, vv)
+            o = decode_attention_step(q, kv, kpos, mask, pads, sparsity=self.policy.attn_sparsity)
+            pol.observe(t, layer_idx, q, kv, kpos, fetched.sel if fetched else Selection.all(t))
         return a.attn_output(w, x, o), jobs + ckpt_jobs
 
     def _compute(self, layer: Layer, w, x, ids, k: int, pos, pads, fetched, prefill: bool):
@@ -229,11 +171,6 @@ class Engine:
             return x.to("cpu", non_blocking=True)
         return x
 
-    def _unpark(self, x: torch.Tensor) -> torch.Tensor:
-        if x is not None and x.device != self.devices.compute:
-            self.devices.counters.add("cpu", "compute", x.nbytes)
-            return x.to(self.devices.compute, non_blocking=True)
-        return x
 
     # --- the generation loop ---
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
@@ -315,7 +252,7 @@ class Engine:
 
     def set_kv_policy(self, policy: KVPolicy, attach: bool = True) -> None:
         """Swap the KV policy between runs (attach=False for one that observed the prefill)."""
-        self.kv_policy = policy
+        self.kv_policy = self.reader.policy = policy
         if attach:
             for (i, _), t in self.tables.items():
                 policy.attach(t, i)
@@ -340,7 +277,7 @@ class Engine:
         w_next = self._load_weights(0)
         fetched = None
         for j, layer in enumerate(self.layers):
-            w = self._adopt(w_next.result())
+            w = self.io.adopt(w_next.result())
             if j + 1 < len(self.layers):
                 w_next = self._load_weights(j + 1)
             stores: list[Future] = []
@@ -351,10 +288,10 @@ class Engine:
                 if not prefill and nj < len(self.layers):
                     ahead = Ahead(w if nj == j else w_next, hidden[nk], pos_all[nk * gbs:(nk + 1) * gbs], nk != k)
                     cache_next = self._prefetch_cache(self.layers[nj], nk, ahead)
-                x = self._unpark(hidden[k])
+                x = to_compute(self.devices, hidden[k])
                 y, jobs = self._compute(layer, w, x, ids[sl], k, pos_all[sl], pads[k],
-                                        self._adopt(fetched.result()) if fetched is not None else None, prefill)
-                stores += [self._submit(job) for job in jobs]
+                                        self.io.adopt(fetched.result()) if fetched is not None else None, prefill)
+                stores += [self.io.submit(job) for job in jobs]
                 if layer.kind == "head":
                     logits[k] = y
                 else:
@@ -370,7 +307,7 @@ class Engine:
         if getattr(self, "weights", None):
             self.weights.close()
         if getattr(self, "io", None):
-            self.io.shutdown(wait=True)
+            self.io.close()
         if self.disk is not None:
             self.disk.close()
             self.disk = None

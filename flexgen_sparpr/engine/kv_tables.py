@@ -2,32 +2,40 @@
 KV policy or the cold codec asks for, and hidden-state checkpoint tables when a policy needs them."""
 from __future__ import annotations
 
+import torch
+
 from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy
-from ..storage.tiers import Tier, block_homes
+from ..models.spec import ModelSpec
+from ..storage.tiers import Devices, Tier, block_homes
+from .config import Policy
 
 
-def build_tables(eng, max_len: int, generation: int, observers: tuple[KVPolicy, ...]) -> dict:
-    """{(layer, batch): BlockTable} for `max_len` tokens, attached to the engine's KV policy."""
-    spec, pol, cfg, kvp, cold = eng.spec, eng.policy, eng.cfg, eng.kv_policy, eng.cold_codec
-    homes = block_homes(-(-max_len // cfg.block_size), pol.cache_percents)
-    keepers = [p for p in (kvp, *observers) if p.needs_checkpoints]
-    kv_shape = (2, pol.gpu_batch_size, spec.num_kv_heads, cfg.block_size, spec.head_dim)
-    common = dict(batch=pol.gpu_batch_size, block_size=cfg.block_size, max_len=max_len, dtype=eng.dtype,
-                  homes=homes, devices=eng.devices, disk=eng.disk)
+def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: torch.dtype, devices: Devices,
+                 disk, kv_policy: KVPolicy, cold_codec: KVPolicy | None, max_len: int, name: str,
+                 observers: tuple[KVPolicy, ...] = ()) -> dict:
+    """{(layer, batch): BlockTable} for `max_len` tokens homed by the placement's cache percents,
+    attached to kv_policy; `cold_codec`'s codec stores the CPU and disk blocks of the layers
+    kv_policy leaves raw; checkpoint tables where kv_policy or an observer wants them. `name`
+    prefixes the tables' disk files."""
+    homes = block_homes(-(-max_len // block_size), placement.cache_percents)
+    keepers = [p for p in (kv_policy, *observers) if p.needs_checkpoints]
+    gbs = placement.gpu_batch_size
+    kv_shape = (2, gbs, spec.num_kv_heads, block_size, spec.head_dim)
+    common = dict(batch=gbs, block_size=block_size, max_len=max_len, dtype=dtype, homes=homes, devices=devices,
+                  disk=disk)
     tables = {}
     for i in range(spec.num_layers):
-        codec, coded = kvp.codec(kv_shape, eng.dtype, i), None
-        if codec is None and cold is not None:  # cold blocks only: compute-tier ones stay raw
-            codec, coded = cold.codec(kv_shape, eng.dtype, i), (Tier.CPU, Tier.DISK)
-        for k in range(pol.num_gpu_batches):
-            t = BlockTable(name=f"g{generation}-l{i}-b{k}", num_kv_heads=spec.num_kv_heads,
-                           head_dim=spec.head_dim, compress=pol.compress_cache, codec=codec,
-                           coded_tiers=coded, **common)
-            kvp.attach(t, i)
+        codec, coded = kv_policy.codec(kv_shape, dtype, i), None
+        if codec is None and cold_codec is not None:  # cold blocks only: compute-tier ones stay raw
+            codec, coded = cold_codec.codec(kv_shape, dtype, i), (Tier.CPU, Tier.DISK)
+        for k in range(placement.num_gpu_batches):
+            t = BlockTable(name=f"{name}-l{i}-b{k}", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                           compress=placement.compress_cache, codec=codec, coded_tiers=coded, **common)
+            kv_policy.attach(t, i)
             if any(p.wants_checkpoints(t, spec.hidden) for p in keepers):
                 # on the same tiers as the blocks they rebuild (before any block is appended)
-                t.checkpoints = BlockTable(name=f"g{generation}-l{i}-b{k}-ckpt", num_kv_heads=1,
-                                           head_dim=spec.hidden, planes=1, **common)
+                t.checkpoints = BlockTable(name=f"{name}-l{i}-b{k}-ckpt", num_kv_heads=1, head_dim=spec.hidden,
+                                           planes=1, **common)
             tables[(i, k)] = t
     return tables

@@ -21,7 +21,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..kv.policy import Selection
+from ..kv.block_table import BlockTable
+from ..kv.policy import KVPolicy, Selection
+from ..storage.tiers import Devices
+from .io import IOPool, to_compute
 from .weights import sub_weights
 
 
@@ -34,23 +37,24 @@ class Ahead(NamedTuple):
     input_ready: bool  # False: the next cell's input is still being computed (one GPU batch)
 
 
-def early_selection(eng, layer, table, ahead: Ahead | None) -> Selection | None:
-    """The policy's selection for the next cell from its exact query, or from a guessed one
-    (Selection.guess) when the engine speculates and the next input is not computed yet; None
-    when neither can be had without waiting (no input, or the weights still loading)."""
-    guess = ahead is not None and not ahead.input_ready and eng.cfg.speculative_prefetch
-    if ahead is None or not (ahead.input_ready or guess) or ahead.x is None or layer.kind not in ("attn", "block"):
+def early_selection(policy: KVPolicy, arch, table: BlockTable, layer: int, kind: str, ahead: Ahead | None,
+                    io: IOPool, devices: Devices, speculate: bool = False) -> Selection | None:
+    """The policy's selection for cell (layer, table) of kind attn or block, from its exact query,
+    or from a guessed one (Selection.guess) when `speculate` and the cell's input is not computed
+    yet; None when neither can be had without waiting (no input, or the weights still loading).
+    The query is the cell's attention input through the query projection alone (arch)."""
+    guess = ahead is not None and not ahead.input_ready and speculate
+    if ahead is None or not (ahead.input_ready or guess) or ahead.x is None or kind not in ("attn", "block"):
         return None
     w = ahead.weights
     if isinstance(w, Future):
         if not w.done():  # never stall the current cell on the next layer's weights
             return None
-        w = eng._adopt(w.result())
-    if layer.kind == "block":
+        w = io.adopt(w.result())
+    if kind == "block":
         w = sub_weights(w, "a.")
-    a = eng.arch
-    q = a.query(w, a.attn_input(w, eng._unpark(ahead.x)), ahead.pos)  # q: [B, H, 1, D]
+    q = arch.query(w, arch.attn_input(w, to_compute(devices, ahead.x)), ahead.pos)  # q: [B, H, 1, D]
     if not guess:
-        return eng.kv_policy.select(table, layer.index, q)
-    sel = eng.kv_policy.speculate(table, layer.index, q)
+        return policy.select(table, layer, q)
+    sel = policy.speculate(table, layer, q)
     return dataclasses.replace(sel, guess=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_sparpr.engine import executor, prefetch
+from flexgen_sparpr.engine import cell, prefetch
+from flexgen_sparpr.engine.cell import KVReader
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.policies.sparpr import SparPR
@@ -34,20 +35,19 @@ def spy(monkeypatch):
     """Counts the early selections made, the decode attention cells, and those that were
     handed their blocks already fetched (rather than selecting at compute time)."""
     seen = {"early": 0, "steps": 0, "prefetched": 0}
-    real_early, real_attention = prefetch.early_selection, Engine._attention
+    real_early, real_read = prefetch.early_selection, KVReader.read
 
-    def early(*args):
-        sel = real_early(*args)
+    def early(*args, **kw):
+        sel = real_early(*args, **kw)
         seen["early"] += sel is not None
         return sel
 
-    def attention(self, w, x, layer_idx, k, pos, pads, fetched, prefill):
-        if not prefill:
-            seen["steps"] += 1
-            seen["prefetched"] += fetched is not None
-        return real_attention(self, w, x, layer_idx, k, pos, pads, fetched, prefill)
-    monkeypatch.setattr(executor, "early_selection", early)
-    monkeypatch.setattr(Engine, "_attention", attention)
+    def read(self, t, layer, q, fetched, w, pads):  # every decode cell of a selecting policy
+        seen["steps"] += 1
+        seen["prefetched"] += fetched is not None
+        return real_read(self, t, layer, q, fetched, w, pads)
+    monkeypatch.setattr(cell, "early_selection", early)
+    monkeypatch.setattr(KVReader, "read", read)
     return seen
 
 
@@ -75,7 +75,7 @@ def test_one_gpu_batch_waits_for_the_real_query(tiny_model_dir, tmp_path, spy):
 def test_early_and_late_selection_agree(tiny_model_dir, tmp_path, monkeypatch):
     """The early query is the real one: the same tokens as selecting at compute time."""
     early = generate(tiny_model_dir, tmp_path / "a", ngb=2)
-    monkeypatch.setattr(executor, "early_selection", lambda *a: None)
+    monkeypatch.setattr(cell, "early_selection", lambda *a, **kw: None)
     late = generate(tiny_model_dir, tmp_path / "b", ngb=2)
     assert early[0] == late[0]
     for a, b in zip(early[1], late[1]):
@@ -112,7 +112,7 @@ def test_other_query_aware_policies_select_early_too(name, tiny_model_dir, tmp_p
             return torch.stack(st.tokens, 1).tolist(), st.logits
     early = run(tmp_path / "a")
     assert spy["early"] == spy["prefetched"] == spy["steps"] == 2 * 2 * (GEN - 1)
-    monkeypatch.setattr(executor, "early_selection", lambda *a: None)
+    monkeypatch.setattr(cell, "early_selection", lambda *a, **kw: None)
     late = run(tmp_path / "b")
     assert early[0] == late[0]
     for a, b in zip(early[1], late[1]):

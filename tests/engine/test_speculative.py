@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_sparpr.engine import executor, recovery
+from flexgen_sparpr.engine import cell, recovery
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.engine.recovery import GatherRing, gather_selection, top_up
@@ -47,7 +47,7 @@ def test_speculation_changes_nothing_but_the_bytes(name, sep_layer, tiny_model_d
     def spy(*args):
         topped.append(args[2])
         return real(*args)
-    monkeypatch.setattr(executor, "top_up", spy)
+    monkeypatch.setattr(cell, "top_up", spy)
     ref = run(tiny_model_dir, tmp_path / "a", name, speculate=False, sep_layer=sep_layer)
     assert not topped and not ref[3]
     got = run(tiny_model_dir, tmp_path / "b", name, speculate=True, sep_layer=sep_layer)

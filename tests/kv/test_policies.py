@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexgen_sparpr.engine import executor
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.engine.sampling import Sampler
@@ -59,13 +58,15 @@ class Step:
 
 
 class Recorder:
-    """Stands in for the engine's decode attention step and records what each call reads."""
+    """Wraps the engine's decode reads (KVReader.read: what a cell attends, before its new
+    token is appended) and records what each cell reads."""
 
     def __init__(self, eng: Engine, keep: float):
         self.eng, self.keep, self.steps, self.step = eng, keep, [], 0
-        self.real = executor.decode_attention_step
+        self.real = eng.reader.read
 
-    def __call__(self, t, q, k, v, pads, fetched, **kw):
+    def __call__(self, t, layer_idx, q, fetched, w, pads):
+        fetched = self.real(t, layer_idx, q, fetched, w, pads)
         pol: KVPolicy = self.eng.kv_policy
         layer = next(i for (i, _), tt in self.eng.tables.items() if tt is t)
         b, hkv = t.block_shape[1:3]
@@ -100,7 +101,7 @@ class Recorder:
         fallback = fetched is not None and fetched.sel.mask is None and blocks == list(range(t.num_blocks))
         self.steps.append(Step(self.step, layer, see.sum(-1).tolist(), budget, missing, chosen,
                                nbytes, sorted(set(blocks) - used), fallback and sparse))
-        return self.real(t, q, k, v, pads, fetched, **kw)
+        return fetched
 
 
 def run(model_dir, name, keep, monkeypatch=None, disk=None, sampler=None):
@@ -111,7 +112,7 @@ def run(model_dir, name, keep, monkeypatch=None, disk=None, sampler=None):
     eng = Engine(resolve_source(str(model_dir), ""), policy, cfg)
     rec = Recorder(eng, keep)
     if monkeypatch is not None:
-        monkeypatch.setattr(executor, "decode_attention_step", rec)
+        monkeypatch.setattr(eng.reader, "read", rec)
     per_step = []
     try:
         st = eng.prefill(PROMPTS, GEN, sampler, keep_logits=True)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from flexgen_sparpr.cli.flags import build_parser
 from flexgen_sparpr.cli.options import resolve
-from flexgen_sparpr.engine import executor
+from flexgen_sparpr.engine import cell
 from flexgen_sparpr.engine.config import ConfigError, EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
@@ -72,7 +72,7 @@ def test_recomputed_kv_equals_stored_kv(tiny_model_dir, tmp_path, monkeypatch):
     equal the stored K/V, and the generation equals dense."""
     pol = SparPR(keep_ratio=1.0, costs=CopyIsDear(disk_read_Bps=1.0, matmul_flops={"float32": 1.0}, live=False))
     tables, checked = [], []
-    real_select, real_rebuild = pol.select, executor.rebuild_kv
+    real_select, real_rebuild = pol.select, cell.rebuild_kv
 
     def select(table, layer, q):
         tables.append(table)
@@ -86,7 +86,7 @@ def test_recomputed_kv_equals_stored_kv(tiny_model_dir, tmp_path, monkeypatch):
             torch.testing.assert_close(f.kv[:, :, :, f.slots], stored, atol=1e-5, rtol=0)
             checked.append(len(f.sel.recompute))
     monkeypatch.setattr(pol, "select", select)
-    monkeypatch.setattr(executor, "rebuild_kv", rebuild)
+    monkeypatch.setattr(cell, "rebuild_kv", rebuild)
     assert_same(generate(tiny_model_dir, tmp_path, pol), generate(tiny_model_dir, tmp_path))
     totals = pol.stats()["totals"]
     assert checked and totals["blocks_recomputed"] == sum(checked) and totals["blocks_copied"] == 0

@@ -1,0 +1,96 @@
+"""What one decode (layer, GPU batch) cell's attention reads from its block table.
+
+The KV policy plans the cell's blocks before the query exists, or selects them from the cell's
+early query (prefetch.py) or its real one; the chosen blocks are gathered to the compute device
+(on the I/O pool, one cell ahead, when the choice is known early), a speculative gather is topped
+up with what the guess missed, and blocks to rebuild go through the K/V projections
+(recovery.py). Then the step's new token joins both the table and what attention reads. A cache
+read whole and resident (or attended by the policy itself) is read in place, with no gather.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+import torch
+
+from ..kv.block_table import BlockTable
+from ..kv.policy import KVPolicy
+from ..storage.tiers import Devices, Tier
+from .io import Done, IOPool
+from .prefetch import Ahead, early_selection
+from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
+
+
+class KVReader:
+    """The cells' KV reads for one engine. Inputs: the KV policy (swappable between runs), the
+    model's maths (`arch`: query and K/V projections), the I/O pool, the devices and dtype, and
+    two switches: FlexGen's --cpu-cache-compute and speculative prefetch."""
+
+    def __init__(self, policy: KVPolicy, arch, io: IOPool, devices: Devices, dtype: torch.dtype, *,
+                 cpu_cache_compute: bool = False, speculate: bool = False):
+        self.policy, self.arch, self.io, self.devices, self.dtype = policy, arch, io, devices, dtype
+        self.cpu_cache_compute, self.speculate = cpu_cache_compute, speculate
+        self.ring = GatherRing()  # the decode cells' gather buffers, reused
+
+    def in_place(self, t: BlockTable) -> bool:
+        """Caches attended without a gather: resident and read whole, attended by the policy, or
+        split by home (--cpu-cache-compute on CUDA)."""
+        return (t.store.resident and self.policy.reads_all) or self.policy.attends or \
+            (self.cpu_cache_compute and self.devices.is_cuda)
+
+    def splits_by_home(self, t: BlockTable) -> bool:
+        """FlexGen's --cpu-cache-compute applies: CPU blocks are attended where they live."""
+        return self.cpu_cache_compute and self.devices.is_cuda and Tier.CPU in t.homes[:t.num_blocks]
+
+    # --- one cell ahead ---
+    def prefetch(self, t: BlockTable, layer: int, kind: str, ahead: Ahead | None) -> Future:
+        """Gather the blocks cell (layer, t) will read, on the I/O pool: planned, or selected from
+        the cell's early (or guessed) query; a done future of None when nothing can start yet."""
+        if self.in_place(t):
+            return Done(None)
+        sel = self.policy.plan(t, layer)
+        if sel is None:
+            sel = early_selection(self.policy, self.arch, t, layer, kind, ahead, self.io, self.devices,
+                                  speculate=self.speculate)
+        if sel is None:
+            return Done(None)
+        return self.io.submit(self._gather_guess if sel.guess else self._gather, t, sel)
+
+    def _gather(self, t: BlockTable, sel) -> Fetched:
+        return gather_selection(t, sel, self.dtype, self.devices.compute, self.ring)
+
+    def _gather_guess(self, t: BlockTable, sel) -> Fetched:
+        with self.devices.counters.tag("speculative"):  # what a speculative prefetch moved
+            # room for any top-up: the blocks it misses are distinct, so at most the cache's length
+            return gather_selection(t, sel, self.dtype, self.devices.compute, self.ring, room=t.length)
+
+    # --- at compute time ---
+    def read(self, t: BlockTable, layer: int, q: torch.Tensor, fetched: Fetched | None, w,
+             pads: torch.Tensor | None) -> Fetched | None:
+        """What cell (layer, t) attends for query q: [B, H, 1, D]: what was prefetched, else read
+        now; a guess topped up to the exact selection; rebuilt blocks filled in (w: the layer's
+        weights). None: the cache is read in place."""
+        if fetched is None and not self.in_place(t):
+            sel = self.policy.plan(t, layer)
+            with self.devices.counters.tag("serial"):  # read inside the cell: no compute hides it
+                fetched = self._gather(t, sel if sel is not None else self.policy.select(t, layer, q))
+        elif fetched is not None and fetched.sel.guess:  # speculative prefetch: keep what the guess read
+            with self.devices.counters.tag("serial"):
+                fetched = top_up(t, fetched, self.policy.select(t, layer, q), self.dtype, self.devices.compute)
+        if fetched is not None:
+            rebuild_kv(fetched, self.arch, w, pads)
+        return fetched
+
+    def add_token(self, t: BlockTable, fetched: Fetched | None, k: torch.Tensor, v: torch.Tensor):
+        """The step's new token k, v: [B, Hkv, 1, D] joins the table and what attention reads:
+        fetched's spare last slot (fetched was gathered before this token), or, read in place, the
+        whole cache after the append. Returns (kv: [2, B, Hkv, T+1, D], pos: [T+1], mask: [B, Hkv, T]
+        or None, store jobs)."""
+        if fetched is None:
+            jobs = t.append(k, v)
+            kv, pos = t.gather()
+            return kv, pos, None, jobs
+        kv, pos = fetched.kv, fetched.pos
+        kv[0, :, :, -1:].copy_(k)
+        kv[1, :, :, -1:].copy_(v)
+        pos[-1] = t.length
+        return kv, pos, fetched.sel.mask, t.append(k, v)
