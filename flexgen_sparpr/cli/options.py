@@ -82,6 +82,7 @@ def _kv_policies(merged: dict, asked, policy: Policy) -> tuple:
     (each policy reads its own; kv/policies/), and the KV block size: --block-size, else the one a
     policy asks for (DKV's --dkv-block), else the default."""
     given = {d: merged[d] for d in policies.flags() if d in merged}
+    policies.check_given(given)  # a bad value is refused even where the chosen policy ignores it
     names = [merged["kv_policy"]] + ([merged["cold_codec"]] if merged["cold_codec"] != "raw" else [])
     for name in names:
         bk = policies.block_size_knob(name)
@@ -97,9 +98,14 @@ def _kv_policies(merged: dict, asked, policy: Policy) -> tuple:
     return kvp.for_machine(merged["hardware"], disk_dir), cold
 
 
-def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]:
-    """Merge defaults < YAML < flags into the three frozen objects; bad values raise ConfigError."""
-    given = {k: v for k, v in vars(args).items() if v is not None}
+def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, EngineConfig]:
+    """Merge defaults < YAML < flags into the three frozen objects; bad values raise ConfigError.
+    args: the parsed flags, or a dict of flag values (their dest names: `{"kv_policy": "sparpr",
+    "keep_ratio": 0.5}`) for callers without a command line."""
+    given = {k: v for k, v in (args if isinstance(args, dict) else vars(args)).items() if v is not None}
+    unknown = set(given) - set(DEFAULTS) - set(policies.flags()) - {"policy_args"}
+    if isinstance(args, dict) and unknown:
+        raise ConfigError(f"unknown options: {', '.join(sorted(unknown))}")
     merged = dict(DEFAULTS)
     data, from_config = {}, set()
     if given.get("config"):

@@ -99,6 +99,15 @@ def build(name: str, given: dict, fields: dict | None = None, block_size: int | 
         raise ConfigError(f"{name}: {e}") from None
 
 
+def check_given(given: dict) -> None:
+    """Refuse a bad value of any knob given (dest -> value), whichever policy runs: each is
+    checked by every policy that has it."""
+    for dest, flag in flags().items():
+        if dest in given:
+            for name in flag.policies:
+                build(name, {dest: given[dest]})
+
+
 def block_size_knob(name: str) -> Knob | None:
     """The knob of policy `name` that is the KV block size it asks for, if any."""
     return next((k for k in knobs(policy_class(name)) if k.block_size), None)
