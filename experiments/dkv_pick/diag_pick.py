@@ -1,8 +1,9 @@
 """Which rows does the pick keep exact in the needle's block? Are the key's digits among them?"""
 import os, random, sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from pathlib import Path
 import torch
-sys.path.insert(0, "/work/main/scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # scripts/_common.py
 from _common import REPO
 from transformers import AutoTokenizer
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key
@@ -37,7 +38,7 @@ with Engine(src, Policy(gpu_batch_size=2, cache_gpu_percent=100), cfg) as eng:
         kept_all, ranks = [], []
         for layer in range(L):
             tab = eng.tables[(layer, 0)]
-            p = tab.codec.parts(tab.rows([blk]))
+            p = tab.store.codec.parts(tab.rows([blk]))
             res = set((p.res_idx[0, b].long() + blk * 256).tolist())
             imp = imps[layer][b, blk * 256:(blk + 1) * 256] if imps else None
             kept = sum(d in res for d in digits)

@@ -1,8 +1,9 @@
 """Fidelity of DKV with a residual pick variant: answers + digits kept per layer (needle block)."""
 import os, random, sys, math
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from pathlib import Path
 import torch
-sys.path.insert(0, "/work/main/scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # scripts/_common.py
 from _common import REPO
 from transformers import AutoTokenizer
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key, passkey_hit
@@ -93,7 +94,7 @@ for n in lengths:
             c = 0
             for layer in range(src.spec.num_layers):
                 tab = eng.tables[(layer, 0)]
-                r = set((tab.codec.parts(tab.rows([blk])).res_idx[0, b].long() + blk * 256).tolist())
+                r = set((tab.store.codec.parts(tab.rows([blk])).res_idx[0, b].long() + blk * 256).tolist())
                 c += sum(d in r for d in digits)
             kept.append(f"{c}/{5 * src.spec.num_layers}")
         out = eng.decode(st, stop=eos)

@@ -16,14 +16,15 @@ MODE:
 """
 import os, random, sys, tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from pathlib import Path
 import torch
-sys.path.insert(0, "/work/main/scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # scripts/_common.py
 from _common import REPO
 from transformers import AutoTokenizer
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key, passkey_hit
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
-from flexgen_sparpr.kv.policy import make_policy
+from flexgen_sparpr.kv.policies import make_policy
 from flexgen_sparpr.kv.policies.sparpr import SparPR
 from flexgen_sparpr.weights.resolve import resolve_source
 
@@ -55,9 +56,9 @@ def top_k(self, table, layer, q, budgets):
     if mode == "needle":
         for b, blk in enumerate(nblk):
             keep[b, blk * BS:(blk + 1) * BS] = True
-    if mode == "resall" and table.codec.compressed:
+    if mode == "resall" and table.store.codec.compressed:
         cold = [blk for blk in range(sealed) if table.homes[blk] in table.coded]
-        p = table.codec.parts(table.rows(cold))
+        p = table.store.codec.parts(table.rows(cold))
         for j, blk in enumerate(cold):
             keep.view(keep.shape[0], -1)[torch.arange(keep.shape[0])[:, None], blk * BS + p.res_idx[j].long()] = True
     cur["log"][key] = keep.clone()

@@ -8,14 +8,15 @@ whole; those blocks are not counted as read here.)
 """
 import os, random, sys, tempfile, json
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from pathlib import Path
 import torch
-sys.path.insert(0, "/work/main/scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # scripts/_common.py
 from _common import REPO
 from transformers import AutoTokenizer
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key, passkey_hit
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
-from flexgen_sparpr.kv.policy import make_policy
+from flexgen_sparpr.kv.policies import make_policy
 from flexgen_sparpr.kv.policies.sparpr import SparPR
 from flexgen_sparpr.weights.resolve import resolve_source
 
@@ -67,8 +68,8 @@ for conf in configs:
                 kept = []
                 for layer in range(src.spec.num_layers):
                     tab = eng.tables[(layer, 0)]
-                    if tab.codec.compressed and tab.homes[nblk] in tab.coded:
-                        p = tab.codec.parts(tab.rows([nblk]))
+                    if tab.store.codec.compressed and tab.homes[nblk] in tab.store.coded:
+                        p = tab.store.codec.parts(tab.rows([nblk]))
                         res_rows = set((p.res_idx[0, b].long() + nblk * BS).tolist())
                         kept.append("".join("x" if d in res_rows else "." for d in digits))
                 if kept:

@@ -16,7 +16,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from _common import OneLineParser, REPO, int_list, timer, write_results  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

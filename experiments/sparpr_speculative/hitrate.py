@@ -1,13 +1,13 @@
 """How well does layer j+1's selection from layer j's input (one layer early) cover the exact one?
 
 Ad-hoc measurement behind docs/sparpr.md's speculative-prefetch numbers (README.md beside it):
-  .venv/bin/python results/sparpr/speculative/hitrate.py smollm2 2048 0.25
-  .venv/bin/python results/sparpr/speculative/hitrate.py opt 2048 0.25
+  .venv/bin/python experiments/sparpr_speculative/hitrate.py smollm2 2048 0.25
+  .venv/bin/python experiments/sparpr_speculative/hitrate.py opt 2048 0.25
 Batch 4, 8 new tokens, SparPR selection only (quest_only), cache on the compute tier (where it
 lives does not change what is selected)."""
 import sys, random, os
 from pathlib import Path
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import torch
 from flexgen_sparpr.weights.resolve import resolve_source
