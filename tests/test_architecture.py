@@ -1,0 +1,121 @@
+"""The package's shape, checked mechanically (docs/design.md): folders are layers of the stack and
+import downward only, no module imports itself back through a circle, and no code outside kv/
+branches on a KV policy's name (a policy's facts are methods on it)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from flexgen_sparpr.kv.policies import POLICIES
+
+ROOT = Path(__file__).resolve().parent.parent / "flexgen_sparpr"
+# bottom to top; a folder imports only from its own layer and the ones below
+LAYERS = [
+    {"errors", "utils"},
+    {"storage"},
+    {"models"},
+    {"weights", "runtime"},
+    {"kv"},
+    {"engine"},
+    {"cli", "upstream", "bench", "flex_opt", "__main__"},
+]
+LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Package modules `name` imports anywhere in its file (function-level imports too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+    return {m for m in out if m in known}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def folder(name: str) -> str:
+    return name.split(".")[1] if "." in name else name
+
+
+def test_every_folder_has_a_layer():
+    assert {folder(m) for m in modules() if m != "flexgen_sparpr"} <= set(LEVEL)
+
+
+def test_folders_import_downward_only():
+    upward = sorted(f"{m} imports {d}" for m, deps in graph().items() if m != "flexgen_sparpr"
+                    for d in deps if d != "flexgen_sparpr" and LEVEL[folder(d)] > LEVEL[folder(m)])
+    assert not upward, "\n".join(upward)
+
+
+def circles(g: dict[str, set[str]]) -> list[str]:
+    """Every import circle met by a depth-first walk of g, as 'a -> b -> a'."""
+    state, found = {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(g[m]):
+            if state.get(d) == "open":
+                found.append(" -> ".join(path[path.index(d):] + [d]))
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+def policy_branches(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines of the comparisons and match cases against one of the names."""
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return False
+    return [node.lineno for node in ast.walk(tree)
+            if (isinstance(node, ast.Compare) and any(named(x) for x in [node.left, *node.comparators]))
+            or (isinstance(node, ast.MatchValue) and named(node.value))]
+
+
+def test_no_import_circle():
+    found = circles(graph())
+    assert not found, "\n".join(found)
+
+
+def test_no_policy_name_in_a_branch_outside_kv():
+    """A comparison or match against a registered policy's name, outside kv/, is policy
+    knowledge leaking upward (ask the policy instead)."""
+    found = [f"{path.relative_to(ROOT.parent)}:{line}" for name, path in modules().items() if folder(name) != "kv"
+             for line in policy_branches(ast.parse(path.read_text()), set(POLICIES))]
+    assert not found, "\n".join(found)
+
+
+def test_the_checks_catch_what_they_look_for():
+    g = graph()
+    assert "flexgen_sparpr.kv.block_table" in g["flexgen_sparpr.engine.executor"]
+    assert "flexgen_sparpr.kv.policies" in g["flexgen_sparpr.engine.config"]  # `from ..kv import policies`
+    assert "flexgen_sparpr.utils.paths" in g["flexgen_sparpr.kv.policies.sparpr"]  # a function-level import
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
+    src = 'if p == "sparpr":\n    pass\nok = p.name in ("x", "dense")\nmatch p:\n    case "h2o":\n        pass\n'
+    assert policy_branches(ast.parse(src), {"sparpr", "dense", "h2o"}) == [1, 3, 5]
