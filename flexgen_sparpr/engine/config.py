@@ -88,7 +88,8 @@ class EngineConfig:
     offload_dir: str = "~/flexgen_offload_dir"
     direct_io: bool = False  # bypass the page cache on the disk tier (benchmarks)
     io_threads: int = 2
-    # the KV policy: a policy (kv/policies/), or a registered name with its knobs (field names)
+    # the KV policy: a policy (kv/policies/), or a registered name with its knobs (field names);
+    # a policy given is used as is (engines sharing one share its per-step statistics)
     kv_policy: str | KVPolicy = policies.DEFAULT
     policy_args: dict = field(default_factory=dict)
     # how CPU/disk-tier KV blocks are stored: raw, or the codec of a policy that has one (dkv:
@@ -107,7 +108,8 @@ class EngineConfig:
         if isinstance(self.kv_policy, str) and self.kv_policy not in policies.POLICIES:
             raise ConfigError(f"unknown --kv-policy {self.kv_policy!r} (known: {', '.join(sorted(policies.POLICIES))})")
         codecs = ["raw", *policies.codec_names()]
-        if isinstance(self.cold_codec, str) and self.cold_codec not in codecs:
+        if isinstance(self.cold_codec, str) and self.cold_codec not in codecs or \
+                isinstance(self.cold_codec, KVPolicy) and not self.cold_codec.has_codec:
             raise ConfigError(f"--cold-codec must be {' or '.join(codecs)} (got {self.cold_codec})")
 
     def make_kv_policy(self) -> KVPolicy:
