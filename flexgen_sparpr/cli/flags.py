@@ -114,15 +114,14 @@ def add_hardware_flags(p: argparse.ArgumentParser) -> None:
 def add_policy_flags(p: argparse.ArgumentParser) -> None:
     """--kv-policy, --cold-codec and every registered policy's knobs: the knobs several policies
     share in the first group, each policy's own in its group."""
-    table = policies.flags()
     g = p.add_argument_group("KV policies (kv/policies/; each knob applies to the policies named)")
-    g.add_argument("--kv-policy", metavar="NAME", help=f"which KV blocks attention reads at decode: {', '.join(sorted(policies.POLICIES))} "
-                   f"(default {policies.DEFAULT})")
+    g.add_argument("--kv-policy", metavar="NAME", help="which KV blocks attention reads at decode: "
+                   f"{', '.join(sorted(policies.POLICIES))} (default {policies.DEFAULT})")
     g.add_argument("--cold-codec", choices=["raw", *policies.codec_names()], help="how KV blocks on the CPU and "
                    "disk tiers are stored: raw, or a policy's codec (dkv: fewer bytes per copy, with --kv-policy "
                    "sparpr) (default raw)")
     groups = {}
-    for dest, flag in table.items():
+    for flag in policies.flags().values():
         owners = sorted(flag.policies)
         if len(owners) > 1:
             _add_knob(g, flag)
@@ -140,18 +139,21 @@ def _group_title(name: str) -> str:
 
 
 def _add_knob(g, flag: "policies.Flag") -> None:
+    """One knob's flag: a switch (given or not), or a value with its default (per policy where
+    the policies sharing it differ); the policies that read it when several do."""
     k = flag.knob
-    defaults = {n: ("off" if kn.negated else kn.default) for n, kn in flag.policies.items()}
-    shown = {str(v) for v in defaults.values()}
-    default = next(iter(shown)) if len(shown) == 1 else ", ".join(f"{n} {v}" for n, v in defaults.items())
-    owners = f"{', '.join(sorted(flag.policies))}; " if len(flag.policies) > 1 else ""
-    if k.type is bool:  # a switch: given or not
-        text = f"{k.help} ({owners.rstrip('; ')})" if owners else k.help
+    owners = sorted(flag.policies)
+    shared = ", ".join(owners) if len(owners) > 1 else ""
+    if k.type is bool:
+        text = f"{k.help} ({shared})" if shared else k.help
         g.add_argument(k.flag, action="store_true", default=None, help=text.replace("%", "%%"))
-    else:
-        text = f"{k.help} ({owners}default {default})"
-        metavar = k.metavar or (None if k.choices else {int: "N", float: "X"}.get(k.type, "S"))
-        g.add_argument(k.flag, type=k.type, choices=k.choices, metavar=metavar, help=text.replace("%", "%%"))
+        return
+    defaults = {n: str(kn.default) for n, kn in flag.policies.items()}
+    default = next(iter(defaults.values())) if len(set(defaults.values())) == 1 else \
+        ", ".join(f"{n} {v}" for n, v in sorted(defaults.items()))
+    text = f"{k.help} ({shared + '; ' if shared else ''}default {default})"
+    metavar = k.metavar or (None if k.choices else {int: "N", float: "X"}.get(k.type, "S"))
+    g.add_argument(k.flag, type=k.type, choices=k.choices, metavar=metavar, help=text.replace("%", "%%"))
 
 
 def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:

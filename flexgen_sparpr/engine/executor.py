@@ -54,7 +54,8 @@ class Engine:
                               f"--kv-policy selection ({self.kv_policy.name}); use one or the other")
         if policy.compress_cache + self.kv_policy.has_codec + (self.cold_codec is not None) > 1:
             raise ConfigError("one KV codec at a time: --compress-cache, a --kv-policy with its own codec "
-                              f"({', '.join(policies.codec_names())}) and --cold-codec each choose how blocks are stored")
+                              f"({', '.join(policies.codec_names())}) and --cold-codec each choose how blocks "
+                              "are stored")
         self.layers = self._layers()
         needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0
         self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None

@@ -114,7 +114,8 @@ class BlockScoringPolicy(BudgetPolicy):
         sealed = table.length // bs
         if sealed and table.length == k.shape[2]:  # a prefill into an empty table: redo with its padding
             keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
-            self._put(s, slice(0, sealed), self.summarise(table, keys, valid[:, :sealed * bs].unflatten(1, (sealed, bs))))
+            valid = valid[:, :sealed * bs].unflatten(1, (sealed, bs))  # valid: [B, n, bs]
+            self._put(s, slice(0, sealed), self.summarise(table, keys, valid))
             s.known[:sealed] = [True] * sealed
 
     def summaries(self, table: BlockTable, layer: int) -> tuple[torch.Tensor, ...]:

@@ -280,7 +280,8 @@ class SparPR(BlockScoringPolicy):
         if costs is not None:
             copy = [costs[table.homes[i]][0] for i in range(sealed)]
             nseq, b = readers(table, sel), table.block_shape[1]
-            part = [c * table.store.read_bytes(i, nseq.get(i, b)) / table.store.read_bytes(i, b) for i, c in enumerate(copy)]
+            store = table.store  # a block read for some sequences costs their share of a whole copy
+            part = [c * store.read_bytes(i, nseq.get(i, b)) / store.read_bytes(i, b) for i, c in enumerate(copy)]
             can = self.recompute and table.checkpoints is not None
             rec = [costs[t][1] if can and t != Tier.COMPUTE else math.inf for t in table.homes[:sealed]]
             spans = merge_spans([i for i in sel.blocks if i < sealed], table.homes)
