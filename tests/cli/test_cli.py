@@ -9,6 +9,7 @@ from flexgen_sparpr.cli.flags import build_parser
 from flexgen_sparpr.cli.main import main
 from flexgen_sparpr.cli.options import resolve
 from flexgen_sparpr.cli.report import flexgen_log_name, project_decode_latency
+from flexgen_sparpr.errors import ConfigError
 
 TINY = ["--model", "opt-125m", "--path", "_DUMMY_", "--prompt-len", "16", "--gen-len", "4",
         "--gpu-batch-size", "2", "--warmup", "false"]
@@ -134,3 +135,24 @@ def test_a_bad_flag_is_one_line_not_the_usage(capsys, cmd, argv, fragment):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and fragment in err and f"flexgen-sparpr {cmd}: error:" in err
+
+
+def test_a_run_from_python_without_a_command_line(tiny_llama_dir, tmp_path):
+    """resolve takes a dict of flag values; set_up -> generate -> report is the CLI's run, the
+    same tokens and bytes, with no argparse."""
+    from flexgen_sparpr.cli.run import generate, report, run, set_up
+    values = {"model": str(tiny_llama_dir), "path": "", "prompt_len": 20, "gen_len": 4, "gpu_batch_size": 2,
+              "kv_policy": "quest", "keep_ratio": 0.5, "block_size": 4, "percent": [100, 0, 0, 0, 100, 0],
+              "offload_dir": str(tmp_path / "off"), "warmup": False, "verbose": 0, "no_log": True}
+    opts, pol, eng = resolve(values)
+    assert eng.kv_policy.name == "quest" and eng.kv_policy.keep_ratio == 0.5
+    setup = set_up(opts, pol, eng)
+    out = report(setup, generate(setup))
+    argv = [f"--{k.replace('_', '-')}" for k in ("no_log",)] + [
+        x for k, v in values.items() if k != "no_log" for x in (f"--{k.replace('_', '-')}",
+                                                                *map(str, v if isinstance(v, list) else [v]))]
+    cli = run(argv)
+    assert out["output_ids"] == cli["output_ids"] and out["bytes_moved"] == cli["bytes_moved"]
+    assert out["engine"]["kv_policy"] == "quest" and out["engine"]["policy_args"]["keep_ratio"] == 0.5
+    with pytest.raises(ConfigError, match="unknown options: keep"):
+        resolve({"keep": 0.5})
