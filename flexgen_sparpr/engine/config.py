@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-class ConfigError(ValueError):
-    """A bad setting; the CLI prints its message on one line and exits 2."""
+from ..errors import ConfigError  # noqa: F401  (re-exported: the engine's callers import it from here)
 
 
 @dataclass(frozen=True)

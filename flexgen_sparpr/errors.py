@@ -1,0 +1,13 @@
+"""The errors a user can cause or meet, at the bottom of the stack so every layer can raise them.
+
+The command line (cli/guard.py) prints any of them as one `error: ...` line and exits 2.
+"""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A bad setting, file or model; the message names it and says what to do."""
+
+
+class CapacityError(ConfigError):
+    """The run cannot fit: memory, disk or a position table is too small for what was asked."""
