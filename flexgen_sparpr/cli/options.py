@@ -12,7 +12,8 @@ from ..engine.config import ConfigError, EngineConfig, Policy
 from ..kv.dkv.codec import PICKS
 from ..runtime.costs import CostModel
 from ..runtime.hardware import Hardware, hardware_from_dict, load_hardware
-from .flags import DEFAULTS
+from .flags import DEFAULTS, build_parser
+from .validate import check_engine_knobs, check_ranges, typed_config_values
 
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
                  "cpu_cache_compute", "attn_sparsity", "compress_weight", "compress_cache")
@@ -58,6 +59,8 @@ def load_yaml(path: str) -> dict:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {p}: cannot read it as text ({e})") from None
     if not isinstance(data, dict) or set(data) - {"policy", "engine", "run", "hardware", "notes"}:
         raise ConfigError(f"--config {p}: expected top-level sections policy/engine/run")
     return data
@@ -129,7 +132,8 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
     if given.get("config"):
         data = load_yaml(given["config"])
         for section in ("run", "policy", "engine"):
-            values = data.get(section) or {}
+            values = typed_config_values(data.get(section) or {}, section, f"--config {given['config']}",
+                                         build_parser())
             unknown = set(values) - set(DEFAULTS) - {"keep_ratio", "policy_args"}
             if unknown:
                 raise ConfigError(f"--config: unknown {section} keys: {', '.join(sorted(unknown))}")
@@ -137,6 +141,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
             from_config |= set(values)
     merged.update(given)
     merged["hardware"] = _hardware(merged, data, None if "hardware" in given else given.get("config"))
+    check_ranges(merged)
     if merged["policy"] not in (None, "auto"):
         raise ConfigError(f"--policy takes only 'auto' (got {merged['policy']!r})")
     if merged["policy"] == "auto" and ("percent" in given or "percent" in from_config):
@@ -173,6 +178,7 @@ def resolve(args: argparse.Namespace) -> tuple[RunOptions, Policy, EngineConfig]
         policy_args = _sparpr_args(merged, policy, merged["hardware"]) | policy_args
     engine = EngineConfig(policy_args=policy_args, codec_args=codec_args,
                           **{k: merged[k] for k in _ENGINE_FLAGS})
+    check_engine_knobs(engine)
     run_fields = {f.name for f in dataclasses.fields(RunOptions)}
     run = RunOptions(**{k: merged[k] for k in run_fields if k != "percent"}, percent=tuple(pct))
     return run, policy, engine

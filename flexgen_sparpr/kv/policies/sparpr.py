@@ -115,6 +115,9 @@ class SparPR(BudgetPolicy):
         super().__post_init__()
         if not 0 < self.min_keep <= 1:
             raise ValueError(f"min_keep must be in (0, 1] (got {self.min_keep})")
+        if self.min_keep > self.keep_ratio:  # the floor above the ceiling would be clamped: refuse it
+            raise ValueError(f"sparpr min_keep {self.min_keep} is above keep_ratio {self.keep_ratio} "
+                             "(--min-keep is the budget's floor, --keep-ratio its ceiling)")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"gamma must be in (0, 1] (got {self.gamma})")
         if self.head_score not in HEAD_SCORES:
