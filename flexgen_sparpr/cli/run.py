@@ -7,21 +7,21 @@ import sys
 
 import torch
 
-from ..engine.config import ConfigError
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
 from ..engine.sampling import Sampler
-from ..utils.files import write_json_atomic
 from ..weights.resolve import DUMMY, resolve_source
-from . import report
+from . import preflight, report
 from .flags import build_parser
 from .options import apply_auto_policy, resolve
+from .outputs import deliver, writable_file
 from .prompts import build_prompts, load_tokenizer
 
 
 def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
     args = build_parser(prog).parse_args(argv)
     opts, policy, ecfg = resolve(args)
+    output = writable_file(opts.output_json, "--output-json") if opts.output_json else None
     is_dummy = DUMMY in opts.path
     max_seq = opts.max_seq_len or (opts.prompt_len + opts.gen_len if is_dummy else None)
     src = resolve_source(opts.model, opts.path, max_seq, opts.seed)
@@ -29,12 +29,15 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
     plan = None
     if opts.policy == "auto":  # placement and batch split from the hardware file (runtime/placement.py)
         policy, ecfg, plan, hw = apply_auto_policy(opts, policy, ecfg, spec)
+    log_path = None if opts.no_log else writable_file(
+        opts.log_file if opts.log_file != "auto" else report.flexgen_log_name(opts, policy, spec), "--log-file")
     tok = load_tokenizer(src.tokenizer_dir) if not is_dummy else None
     prompts = build_prompts(opts, tok, policy.batch_size, spec.vocab)
     explicit = opts.prompt or opts.prompt_file or opts.prompt_ids_file
     pad_to = 0 if explicit else opts.prompt_len
     plen = max(pad_to, max(map(len, prompts)))
-    stop = None if opts.stop is None else spec.eos_id if opts.stop == "eos" else _int(opts.stop, "--stop")
+    stop = preflight.stop_token(opts.stop, spec)
+    preflight.before_loading(opts, policy, ecfg, spec, plen, is_dummy)  # nothing loaded yet
     say = (lambda *a: print(*a, flush=True)) if opts.verbose >= 1 else (lambda *a: None)
     n = policy.batch_size
     cache_b, hidden_b = spec.cache_bytes(n, plen + opts.gen_len), spec.hidden_bytes(n, plen + opts.gen_len)
@@ -77,8 +80,6 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
     log = report.summary(spec.model_bytes(), cache_b, hidden_b, mem_report["gpu_peak_allocated_bytes"],
                          projected, prefill_lat, n * plen / prefill_lat, decode_lat,
                          n * (steps_done - 1) / max(decode_lat, 1e-10), total_lat, n * steps_done / total_lat)
-    if not opts.no_log:
-        report.append_log(opts.log_file if opts.log_file != "auto" else report.flexgen_log_name(opts, policy), log)
     say(log)
     if plan is not None:
         say(f"policy auto: predicted {plan.per_token_s(opts.gen_len):.4f} s/token, measured "
@@ -101,13 +102,5 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
                               "predicted_per_token_s": plan.per_token_s(opts.gen_len)}
     if hasattr(eng.kv_policy, "stats"):  # per-step statistics of policies that keep them (sparpr)
         out["kv_policy_stats"] = eng.kv_policy.stats()
-    if opts.output_json:
-        write_json_atomic(opts.output_json, out)
+    deliver(out, output, log_path, log)  # the JSON first: a failing log never loses the results
     return out
-
-
-def _int(v: str, flag: str) -> int:
-    try:
-        return int(v)
-    except ValueError:
-        raise ConfigError(f"{flag} takes a token id or 'eos', got {v!r}") from None

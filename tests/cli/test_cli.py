@@ -8,7 +8,8 @@ import pytest
 from flexgen_sparpr.cli.flags import build_parser
 from flexgen_sparpr.cli.main import main
 from flexgen_sparpr.cli.options import resolve
-from flexgen_sparpr.cli.report import flexgen_log_name, project_decode_latency
+from flexgen_sparpr.cli.report import flexgen_log_name, project_decode_latency, size_label
+from flexgen_sparpr.models.spec import opt_spec
 
 TINY = ["--model", "opt-125m", "--path", "_DUMMY_", "--prompt-len", "16", "--gen-len", "4",
         "--gpu-batch-size", "2", "--warmup", "false"]
@@ -45,7 +46,7 @@ def test_config_file_sits_between_defaults_and_flags(tmp_path):
 
 def test_log_name_matches_upstream():
     run, pol, _ = _opts("--percent", "0", "100", "0", "100", "100", "0", "--compress-weight")
-    assert flexgen_log_name(run, pol) == "fo-6.7b-gbs4-ngbs1-prompt512-gen32-percent-0-100-0-100-100-0-gpu-cache-compw.log"
+    assert flexgen_log_name(run, pol, opt_spec("opt-6.7b")) == "fo-6.7b-gbs4-ngbs1-prompt512-gen32-percent-0-100-0-100-100-0-gpu-cache-compw.log"
 
 
 def test_projection_keeps_two_warmup_steps():
