@@ -20,6 +20,16 @@ def _refuse(name: str, key: str, value, why: str):
     raise UnsupportedConfig(f"{name}: config.json {key}={value!r} is not supported ({why})")
 
 
+def _size(cfg: dict, key: str, name: str, default=None) -> int:
+    """A positive integer setting (layers, widths, heads, vocabulary, positions)."""
+    v = cfg.get(key, default)
+    if v is None:
+        raise KeyError(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        _refuse(name, key, v, "expected a positive integer")
+    return v
+
+
 def _rope(cfg: dict, name: str) -> float:
     """rope_theta, refusing any RoPE variant but the default (old and new config layouts)."""
     params = cfg.get("rope_parameters") or {}
@@ -60,7 +70,7 @@ def _llama(cfg: dict, mt: str, name: str) -> ModelSpec:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         _refuse(name, "hidden_act", act, "SwiGLU with silu only")
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    hidden, heads = _size(cfg, "hidden_size", name), _size(cfg, "num_attention_heads", name)
     window = _sliding_window(cfg, mt, name)
     if window is not None and (not isinstance(window, int) or window < 1):
         _refuse(name, "sliding_window", window, "a window must be a positive number of tokens")
@@ -70,10 +80,10 @@ def _llama(cfg: dict, mt: str, name: str) -> ModelSpec:
     bos = cfg.get("bos_token_id")
     attn_bias = bool(cfg.get("attention_bias", False))  # Llama: q, k, v and o carry biases
     return ModelSpec(
-        arch="llama", name=name, num_layers=cfg["num_hidden_layers"], hidden=hidden,
-        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads, ffn=cfg["intermediate_size"],
-        vocab=cfg["vocab_size"], max_pos=cfg.get("max_position_embeddings", 2048),
+        arch="llama", name=name, num_layers=_size(cfg, "num_hidden_layers", name), hidden=hidden,
+        num_heads=heads, num_kv_heads=_size(cfg, "num_key_value_heads", name, heads),
+        head_dim=_size(cfg, "head_dim", name, hidden // heads), ffn=_size(cfg, "intermediate_size", name),
+        vocab=_size(cfg, "vocab_size", name), max_pos=_size(cfg, "max_position_embeddings", name, 2048),
         norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=_rope(cfg, name),
         tie_embeddings=cfg.get("tie_word_embeddings", False),
         bos_id=bos if bos is not None else 1, eos_id=eos,
@@ -92,12 +102,12 @@ def _opt(cfg: dict, name: str) -> ModelSpec:
             _refuse(name, key, cfg.get(key), "OPT's layers always carry biases and norm gains here")
     if cfg.get("_remove_final_layer_norm"):
         _refuse(name, "_remove_final_layer_norm", True, "the final layer norm is always applied")
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    proj = cfg.get("word_embed_proj_dim") or hidden
+    hidden, heads = _size(cfg, "hidden_size", name), _size(cfg, "num_attention_heads", name)
+    proj = _size(cfg, "word_embed_proj_dim", name, hidden)
     return ModelSpec(
-        arch="opt", name=name, num_layers=cfg["num_hidden_layers"], hidden=hidden,
-        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, ffn=cfg["ffn_dim"],
-        vocab=cfg["vocab_size"], max_pos=cfg["max_position_embeddings"],
+        arch="opt", name=name, num_layers=_size(cfg, "num_hidden_layers", name), hidden=hidden,
+        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, ffn=_size(cfg, "ffn_dim", name),
+        vocab=_size(cfg, "vocab_size", name), max_pos=_size(cfg, "max_position_embeddings", name),
         word_embed_dim=proj if proj != hidden else 0,
         pre_norm=cfg.get("do_layer_norm_before", True),
         tie_embeddings=cfg.get("tie_word_embeddings", True),
