@@ -82,7 +82,7 @@ def describe(e: BaseException) -> tuple[int, str]:
 def _os_error(e: OSError) -> str:
     where = f": {e.filename}" if e.filename else ""
     if e.errno in _DISK_FULL:
-        return (f"disk full writing{where or ' a file'} ({e.strerror}); free space there, or move "
+        return (f"disk full writing {e.filename or 'a file'} ({e.strerror}); free space there, or move "
                 "--offload-dir or put less of --percent on disk")
     if e.errno == errno.EFBIG:
         return f"file too large{where} ({e.strerror}; a file-size limit, `ulimit -f`?)"

@@ -118,7 +118,7 @@ class DiskFile:
             os.posix_fallocate(self._fd, 0, size)
         except OSError as e:  # some filesystems lack fallocate: a sparse file still works
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
+                raise OSError(e.errno, e.strerror, str(self.path)) from None  # name the file (ENOSPC)
             os.ftruncate(self._fd, size)
 
     def _try_o_direct(self, flags: int) -> str:

@@ -294,7 +294,7 @@ YAML = [
 ]
 
 CAPACITY = [
-    ("opt-30b-in-memory", ["--model", "opt-30b", "--path", "_DUMMY_", "--percent", "100", "0", "100", "0", "100", "0"],
+    ("opt-175b-in-memory", ["--model", "opt-175b", "--path", "_DUMMY_", "--percent", "100", "0", "100", "0", "100", "0"],
      "does not fit"),
     ("kv-cache-too-big", ["--model", "opt-6.7b", "--path", "_DUMMY_", "--prompt-len", "4096", "--gen-len", "32",
                           "--gpu-batch-size", "256", "--max-seq-len", "5000"], "does not fit"),
