@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import CapacityError, ConfigError
 from ..runtime.capacity import SKIP_ENV, check_placement, existing_ancestor, live_capacity
 from ..storage.leftovers import sweep_dead_runs
+from .validate import check_dkv_width
 
 
 def stop_token(stop: str | None, spec) -> int | None:
@@ -77,6 +78,7 @@ def before_loading(opts, policy, engine, spec, prompt_len: int, dummy: bool) -> 
     """Every check that needs the model and the prompts but no weights; returns the predicted
     bytes per tier."""
     check_context(spec, prompt_len + opts.gen_len, dummy)
+    check_dkv_width(engine, spec)
     if policy.w_disk_percent > 0 or policy.cache_disk_percent > 0:
         check_offload_dir(engine.offload_dir)
     sweep(engine.offload_dir)

@@ -123,3 +123,14 @@ def check_engine_knobs(engine) -> None:
             if isinstance(args.get(key), int) and args[key] > bs:
                 raise ConfigError(f"{flag} {args[key]} is above the {bs}-token KV block "
                                   f"(--dkv-block / --block-size); it can be at most {bs}")
+
+
+def check_dkv_width(engine, spec) -> None:
+    """A DKV rank above a block row's width (K and V of every KV head: 2 x kv_dim values) would be
+    clamped by the codec: refused instead, now that the model is known."""
+    width = 2 * spec.kv_dim
+    dkv_args = [engine.codec_args] + ([engine.policy_args] if engine.kv_policy == "dkv" else [])
+    for args in dkv_args:
+        if isinstance(args.get("rank"), int) and args["rank"] > width:
+            raise ConfigError(f"--dkv-rank {args['rank']} is above {spec.name}'s {width} values per token "
+                              f"(K and V of {spec.num_kv_heads} KV heads); it can be at most {width}")

@@ -184,6 +184,7 @@ FLAGS = [
     ("summary-neg", ["--kv-policy", "sparpr", "--summary-tokens", "-1"], "--summary-tokens"),
     ("dkv-rank-0", ["--kv-policy", "dkv", "--dkv-rank", "0"], "--dkv-rank must be >= 1"),
     ("dkv-rank-above-block", ["--kv-policy", "dkv", "--dkv-rank", "300"], "--dkv-rank 300 is above the 256-token"),
+    ("dkv-rank-above-width", ["--kv-policy", "dkv", "--dkv-rank", "100"], "--dkv-rank 100 is above"),
     ("dkv-res-above-block", ["--cold-codec", "dkv", "--dkv-residuals", "300"], "--dkv-residuals 300 is above"),
     ("dkv-block-0", ["--kv-policy", "dkv", "--dkv-block", "0"], "--dkv-block must be >= 1"),
     ("dkv-pick", ["--kv-policy", "dkv", "--dkv-residual-pick", "foo"], "--dkv-residual-pick"),
