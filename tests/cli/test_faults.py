@@ -1,5 +1,5 @@
 """Faults a run can meet, each ending in one line with nothing left behind: a stop signal mid-run
-(SIGTERM, SIGHUP), SIGKILL and the next run's clean-up, two runs sharing an offload folder, a
+(SIGTERM, SIGHUP, SIGINT), SIGKILL and the next run's clean-up, two runs sharing an offload folder, a
 full or size-limited disk, an output that cannot be written at the end (the results survive),
 and a placement too large for the machine (refused before any weight is read)."""
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _run_here(llama: str, off: Path, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["SIGTERM", "SIGHUP", "SIGINT"])
 def test_a_stop_signal_cleans_up_with_one_line_while_a_neighbour_runs(sig, tmp_path, tiny_llama_dir, capsys):
     off = tmp_path / "off"
     proc = _start_long(off, tmp_path)
