@@ -14,22 +14,23 @@ from ..utils.files import write_json_atomic
 
 
 def writable_file(path, flag: str) -> Path:
-    """The path of an output file, its folder made if missing; ConfigError (naming the flag)
-    when it is a folder or its folder cannot be made or written."""
+    """The path of an output file, checked without making anything: not a folder, and its
+    nearest existing folder writable (the missing ones are made when the file is written).
+    ConfigError naming the flag otherwise."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise ConfigError(f"{flag} {path} is a folder; give a file path")
-    parent = p.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot make its folder {parent} ({e.strerror})") from None
+    base = p.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ConfigError(f"{flag} {path}: cannot make its folder {p.parent} ({base} is a file)")
     try:  # the only sure test of writability (root ignores modes; a file system may be read-only)
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".probe")
+        fd, probe = tempfile.mkstemp(dir=base, prefix=f".{p.name}.", suffix=".probe")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot write in {parent} ({e.strerror})") from None
+        raise ConfigError(f"{flag} {path}: cannot write in {base} ({e.strerror})") from None
     return p
 
 
@@ -68,6 +69,7 @@ def deliver(out: dict, output_json: Path | None, log_path: Path | None, log_text
                               f"are on {where}") from None
     if log_path is not None:
         try:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "a") as f:
                 f.write(log_text + "\n")
         except OSError as e:

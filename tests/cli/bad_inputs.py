@@ -214,6 +214,8 @@ FILES = [
     ("ids-binary", ["--prompt-ids-file", "{bin}"], "not JSON"),
     ("output-folder", ["--output-json", "{in}"], "is a folder"),
     ("output-under-file", ["--output-json", "{file}/out.json"], "cannot make its folder"),
+    ("output-folder-made-only-at-the-end", ["--output-json", "{in}/../out/o.json", "--model", "no-such-model"],
+     "unknown model"),
     ("output-in-proc", ["--output-json", "/proc/flexgen-nowhere/out.json"], "--output-json"),
     ("log-folder", ["--log-file", "{in}"], "--log-file", {"log": True}),
     ("log-under-file", ["--log-file", "{file}/x.log"], "--log-file", {"log": True}),
