@@ -35,6 +35,9 @@ def _rope(cfg: dict, name: str) -> float:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling")
     if isinstance(params, dict) and "full_attention" in params:  # per layer type: one entry each
+        kinds = [v for k, v in params.items() if k.endswith("_attention")]
+        if any(v != kinds[0] for v in kinds):
+            _refuse(name, "rope_parameters", "per layer type", "one RoPE for every layer")
         params = params["full_attention"]
     if not isinstance(params, dict):
         _refuse(name, "rope_parameters", params, "expected a mapping")

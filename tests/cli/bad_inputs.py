@@ -84,6 +84,9 @@ def make_files(root: Path, llama: Path, opt: Path) -> dict[str, str]:
          "badjson": ll(_name="badjson"), "nokey": ll(_name="nokey", hidden_size=None),
          "gpt2": ll(_name="gpt2", model_type="gpt2"), "rope": ll(_name="rope", rope_scaling={"rope_type": "linear", "factor": 2.0}),
          "ropeparams": ll(_name="ropeparams", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+         "ropelayers": ll(_name="ropelayers", rope_parameters={
+             "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
          "gelu": ll(_name="gelu", hidden_act="gelu"), "partial": ll(_name="partial", partial_rotary_factor=0.5),
          "strsize": ll(_name="strsize", hidden_size="64"),
          "qwen_window": _tiny_qwen2(root / "qwen_window"),
@@ -253,6 +256,7 @@ WEIGHTS = [
     ("model-type-gpt2", ["--model", "{gpt2}"], "unsupported model_type 'gpt2'"),
     ("rope-scaling", ["--model", "{rope}"], "rope_scaling='linear'"),
     ("rope-parameters-yarn", ["--model", "{ropeparams}"], "rope_type='yarn'"),
+    ("rope-per-layer-type", ["--model", "{ropelayers}"], "rope_parameters='per layer type'"),
     ("hidden-act", ["--model", "{gelu}"], "hidden_act='gelu'"),
     ("partial-rotary", ["--model", "{partial}"], "partial_rotary_factor=0.5"),
     ("no-weight-files", ["--model", "{empty}"], "no *.safetensors or pytorch_model*.bin"),
