@@ -1,13 +1,19 @@
-"""The errors a user can cause or meet, at the bottom of the package so any layer may raise them.
-The CLI turns each into one `error:` line and exit code 2 (cli/main.py)."""
+"""The errors a user can cause or meet, at the bottom of the stack so every layer can raise them.
+
+The command line (cli/guard.py) prints any of them as one `error: ...` line and exits 2.
+"""
 from __future__ import annotations
 
 
 class ConfigError(ValueError):
-    """A bad setting; the CLI prints its message on one line and exits 2."""
+    """A bad setting, file or model; the message names it and says what to do."""
 
 
-class ModelNotFound(ValueError):
+class CapacityError(ConfigError):
+    """The run cannot fit: memory, disk or a position table is too small for what was asked."""
+
+
+class ModelNotFound(ConfigError):
     """The named model has no weights on disk; the message says where they must go."""
 
 

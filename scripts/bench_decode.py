@@ -293,4 +293,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flexgen_sparpr.cli.guard import guarded
+    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)

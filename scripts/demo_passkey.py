@@ -63,4 +63,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flexgen_sparpr.cli.guard import guarded
+    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)

@@ -244,4 +244,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from flexgen_sparpr.cli.guard import guarded
+    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)

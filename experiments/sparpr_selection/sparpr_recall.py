@@ -154,4 +154,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from flexgen_sparpr.cli.guard import guarded
+    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)

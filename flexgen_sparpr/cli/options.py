@@ -13,7 +13,8 @@ from ..errors import ConfigError
 from ..kv import policies
 from ..kv.knobs import knobs
 from ..runtime.hardware import Hardware, hardware_from_dict, load_hardware
-from .flags import DEFAULTS
+from .flags import DEFAULTS, build_parser
+from .validate import check_ranges, typed_config_values
 
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
                  "cpu_cache_compute", "attn_sparsity", "compress_weight", "compress_cache")
@@ -58,6 +59,8 @@ def load_yaml(path: str) -> dict:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {p}: cannot read it as text ({e})") from None
     if not isinstance(data, dict) or set(data) - {"policy", "engine", "run", "hardware", "notes"}:
         raise ConfigError(f"--config {p}: expected top-level sections policy/engine/run")
     return data
@@ -111,7 +114,8 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
     if given.get("config"):
         data = load_yaml(given["config"])
         for section in ("run", "policy", "engine"):
-            values = data.get(section) or {}
+            values = typed_config_values(data.get(section) or {}, section, f"--config {given['config']}",
+                                         build_parser())
             unknown = set(values) - set(DEFAULTS) - set(policies.flags()) - {"policy_args"}
             if unknown:
                 raise ConfigError(f"--config: unknown {section} keys: {', '.join(sorted(unknown))}")
@@ -120,6 +124,7 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
     merged.update(given)
     asked = lambda k: k in given or k in from_config  # noqa: E731
     merged["hardware"] = _hardware(merged, data, None if "hardware" in given else given.get("config"))
+    check_ranges(merged)
     if merged["policy"] not in (None, "auto"):
         raise ConfigError(f"--policy takes only 'auto' (got {merged['policy']!r})")
     if merged["policy"] == "auto" and asked("percent"):

@@ -15,7 +15,10 @@ def load_tokenizer(tokenizer_dir):
     if tokenizer_dir is None:
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except Exception as e:  # a damaged tokenizer.json fails in many ways, all meaning the same
+        raise ConfigError(f"{tokenizer_dir}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
 
 
 def build_prompts(run, tokenizer, batch_size: int, vocab: int) -> list[list[int]]:
@@ -23,8 +26,10 @@ def build_prompts(run, tokenizer, batch_size: int, vocab: int) -> list[list[int]
     if run.prompt_ids_file:
         try:
             ids = json.loads(Path(run.prompt_ids_file).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"--prompt-ids-file: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"--prompt-ids-file {run.prompt_ids_file}: {e.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompt-ids-file {run.prompt_ids_file}: not JSON ({e})") from None
         if not (isinstance(ids, list) and ids and all(isinstance(s, list) and s and
                                                       all(isinstance(t, int) and 0 <= t < vocab for t in s) for s in ids)):
             raise ConfigError(f"--prompt-ids-file must hold a JSON list of non-empty lists of token ids in [0, {vocab})")
@@ -35,10 +40,18 @@ def build_prompts(run, tokenizer, batch_size: int, vocab: int) -> list[list[int]
             text = Path(run.prompt_file).read_text()
         except OSError as e:
             raise ConfigError(f"--prompt-file: {e.strerror}: {run.prompt_file}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompt-file {run.prompt_file} is not UTF-8 text (byte {e.object[e.start]:#04x} "
+                              f"at offset {e.start}); give a text file") from None
     if text is not None:
         if tokenizer is None:
             raise ConfigError("this model has no tokenizer: give token ids with --prompt-ids-file")
-        return _fill([encode(tokenizer, text, run.chat)], batch_size)
+        ids = encode(tokenizer, text, run.chat)
+        if not ids:
+            raise ConfigError("the prompt is empty: it encodes to no tokens")
+        if max(ids) >= vocab:  # a tokenizer whose added tokens the model's embedding lacks
+            raise ConfigError(f"the prompt encodes to token {max(ids)}, outside the model's vocabulary [0, {vocab})")
+        return _fill([ids], batch_size)
     if tokenizer is not None:  # FlexGen's benchmark prompt (the engine left-pads it to --prompt-len)
         return _fill([encode(tokenizer, FLEXGEN_PROMPT, run.chat)[-run.prompt_len:]], batch_size)
     g = torch.Generator().manual_seed(run.seed)  # no tokenizer (dummy OPT): fixed random ids

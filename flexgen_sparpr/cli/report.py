@@ -2,14 +2,29 @@
 plus the engine's --output-json."""
 from __future__ import annotations
 
+import re
+
 
 GB = 1 << 30
 
 
-def flexgen_log_name(run, policy) -> str:
-    """Upstream's automatic log name: fo-<size>-gbs<g>-ngbs<n>-prompt<p>-gen<g>-percent-<...>."""
-    size = run.model.rstrip("/").split("-")[-1]
-    percent = "".join(f"{p}-" for p in run.percent)
+def size_label(spec) -> str:
+    """The model's size as upstream's log names spell it ("6.7b", "125m"): from a known name's
+    suffix, else from the parameter count; never from a path (a folder or .gguf file name)."""
+    m = re.search(r"-(\d+(?:\.\d+)?[mb])$", spec.name.lower())
+    if m:
+        return m.group(1)
+    n = spec.num_params()
+    return f"{n / 1e9:.3g}b" if n >= 1e9 else f"{n / 1e6:.3g}m"
+
+
+def flexgen_log_name(run, policy, spec) -> str:
+    """Upstream's automatic log name: fo-<size>-gbs<g>-ngbs<n>-prompt<p>-gen<g>-percent-<...>,
+    with the placement the run used (--policy auto's choice, not the default --percent)."""
+    size = size_label(spec)
+    pct = (policy.w_gpu_percent, policy.w_cpu_percent, policy.cache_gpu_percent, policy.cache_cpu_percent,
+           policy.act_gpu_percent, policy.act_cpu_percent)
+    percent = "".join(f"{p:g}-" for p in pct)
     name = (f"fo-{size}-gbs{policy.gpu_batch_size}-ngbs{policy.num_gpu_batches}-prompt{run.prompt_len}-"
             f"gen{run.gen_len}-percent-{percent}")
     name += "cpu-cache" if policy.cpu_cache_compute else "gpu-cache"
@@ -42,8 +57,3 @@ def summary(model_bytes, cache_bytes, hidden_bytes, gpu_peak, projected, prefill
             f"decode throughput: {decode_tput:.3f} token/s\n"
             f"total latency: {total_lat:.3f} s\t"
             f"total throughput: {total_tput:.3f} token/s")
-
-
-def append_log(path: str, text: str) -> None:
-    with open(path, "a") as f:
-        f.write(text + "\n")

@@ -19,12 +19,12 @@ from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
 from ..engine.sampling import Sampler
 from ..engine.state import GenerationResult
-from ..errors import ConfigError
-from ..utils.files import write_json_atomic
 from ..weights.resolve import DUMMY, resolve_source
+from . import preflight
 from . import report as fmt
 from .flags import build_parser
 from .options import RunOptions, apply_auto_policy, resolve
+from .outputs import deliver, writable_file
 from .prompts import build_prompts, load_tokenizer
 
 
@@ -43,6 +43,8 @@ class Setup:
     stop: int | None
     plan: object | None = None  # --policy auto: runtime/placement.py Plan
     hardware: object | None = None  # ... and the hardware it planned for
+    output: object | None = None  # --output-json, checked writable before any work (Path)
+    log_path: object | None = None  # FlexGen's log file, likewise (None: --no-log)
 
     @property
     def prompt_len(self) -> int:
@@ -67,18 +69,25 @@ class Generated:
 
 
 def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig) -> Setup:
-    """The weight source, tokenizer and prompt ids; --policy auto's placement."""
+    """The weight source, tokenizer and prompt ids; --policy auto's placement; every check that
+    needs no weights (cli/preflight.py: output paths, context, offload folder, capacity)."""
+    output = writable_file(opts.output_json, "--output-json") if opts.output_json else None
     is_dummy = DUMMY in opts.path
     max_seq = opts.max_seq_len or (opts.prompt_len + opts.gen_len if is_dummy else None)
     src = resolve_source(opts.model, opts.path, max_seq, opts.seed)
     plan = hw = None
     if opts.policy == "auto":  # placement and batch split from the hardware file (runtime/placement.py)
         policy, ecfg, plan, hw = apply_auto_policy(opts, policy, ecfg, src.spec)
+    log_path = None if opts.no_log else writable_file(
+        opts.log_file if opts.log_file != "auto" else fmt.flexgen_log_name(opts, policy, src.spec), "--log-file")
     tok = load_tokenizer(src.tokenizer_dir) if not is_dummy else None
     prompts = build_prompts(opts, tok, policy.batch_size, src.spec.vocab)
     explicit = opts.prompt or opts.prompt_file or opts.prompt_ids_file
-    stop = None if opts.stop is None else src.spec.eos_id if opts.stop == "eos" else _int(opts.stop, "--stop")
-    return Setup(opts, policy, ecfg, src, tok, prompts, 0 if explicit else opts.prompt_len, stop, plan, hw)
+    stop = preflight.stop_token(opts.stop, src.spec)
+    s = Setup(opts, policy, ecfg, src, tok, prompts, 0 if explicit else opts.prompt_len, stop, plan, hw,
+              output, log_path)
+    preflight.before_loading(opts, policy, ecfg, src.spec, s.prompt_len, is_dummy)  # nothing loaded yet
+    return s
 
 
 def generate(s: Setup) -> Generated:
@@ -133,8 +142,6 @@ def report(s: Setup, g: Generated) -> dict:
     log = fmt.summary(spec.model_bytes(), cache_b, hidden_b, g.memory["gpu_peak_allocated_bytes"],
                       projected, prefill_lat, n * plen / prefill_lat, decode_lat,
                       n * (steps_done - 1) / max(decode_lat, 1e-10), total_lat, n * steps_done / total_lat)
-    if not opts.no_log:
-        fmt.append_log(opts.log_file if opts.log_file != "auto" else fmt.flexgen_log_name(opts, s.policy), log)
     s.say(log)
     if s.plan is not None:
         s.say(f"policy auto: predicted {s.plan.per_token_s(opts.gen_len):.4f} s/token, measured "
@@ -157,8 +164,7 @@ def report(s: Setup, g: Generated) -> dict:
                               **dataclasses.asdict(s.plan), "predicted_per_token_s": s.plan.per_token_s(opts.gen_len)}
     if g.kv_stats is not None:  # per-step statistics of policies that keep them (sparpr, dkv)
         out["kv_policy_stats"] = g.kv_stats
-    if opts.output_json:
-        write_json_atomic(opts.output_json, out)
+    deliver(out, s.output, s.log_path, log)  # the JSON first: a failing log never loses the results
     return out
 
 
@@ -175,10 +181,3 @@ def engine_report(ecfg: EngineConfig) -> dict:
         if not isinstance(p, str):
             out[key], out[args] = p.name, dataclasses.asdict(p)
     return out
-
-
-def _int(v: str, flag: str) -> int:
-    try:
-        return int(v)
-    except ValueError:
-        raise ConfigError(f"{flag} takes a token id or 'eos', got {v!r}") from None

@@ -194,9 +194,9 @@ class Engine:
         if max_new_tokens < 1 or any(len(s) == 0 for s in prompts):
             raise ConfigError("need at least one prompt token and one new token")
         plen = max(pad_to, max(len(s) for s in prompts))
-        if self.spec.arch == "opt" and plen + max_new_tokens > self.spec.max_pos:
-            raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {self.spec.name}'s "
-                              f"{self.spec.max_pos}-position table (dummy weights: raise --max-seq-len)")
+        limit, what = self.spec.context_limit()  # every architecture: past it the maths would differ
+        if plen + max_new_tokens > limit:
+            raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {self.spec.name}'s {what}")
         # a policy that is also an observer sees each hook once
         self._observers = tuple(o for o in dict.fromkeys(observers) if o is not self.kv_policy)
         self._new_tables(plen + max_new_tokens)

@@ -1,6 +1,7 @@
 """Next-token choice: greedy, or temperature + nucleus (top-p) sampling."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,8 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature <= 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be > 0 and top_p in (0, 1]")
+        if not (math.isfinite(self.temperature) and self.temperature > 0) or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be a finite number > 0 and top_p in (0, 1]")
         self._gen = None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:

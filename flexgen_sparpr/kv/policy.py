@@ -51,6 +51,10 @@ class KVPolicy:
     def check_block_size(self, block_size: int) -> None:
         """Refuse (KnobError) knobs that do not fit the KV block size; checked once by the CLI."""
 
+    def check_width(self, width: int) -> None:
+        """Refuse (KnobError) knobs that do not fit a token's K|V row of `width` values; checked
+        once the model is known."""
+
     def read_share(self) -> float:
         """Share of the cached tokens a decode step reads (the placement's estimate)."""
         return 1.0

@@ -1,4 +1,5 @@
-"""Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU (HF naming)."""
+"""Llama-family decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU (HF naming); the
+projection biases of Qwen2 (q, k, v) and of Llama's attention_bias / mlp_bias when the spec has them."""
 from __future__ import annotations
 
 import torch
@@ -23,6 +24,8 @@ class Llama:
         names = {"ln.w": p + "input_layernorm.weight"}
         for s in ("q", "k", "v", "o"):
             names[f"{s}.w"] = f"{p}self_attn.{s}_proj.weight"
+            if self.spec.o_bias if s == "o" else self.spec.qkv_bias:
+                names[f"{s}.b"] = f"{p}self_attn.{s}_proj.bias"
         return names
 
     def mlp_names(self, i: int) -> dict[str, str]:
@@ -30,6 +33,8 @@ class Llama:
         names = {"ln.w": p + "post_attention_layernorm.weight"}
         for s in ("gate", "up", "down"):
             names[f"{s}.w"] = f"{p}mlp.{s}_proj.weight"
+            if self.spec.mlp_bias:
+                names[f"{s}.b"] = f"{p}mlp.{s}_proj.bias"
         return names
 
     def head_names(self) -> dict[str, str]:
@@ -54,25 +59,26 @@ class Llama:
     def kv(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None):
         """h: [B, S, hidden]; pos: [B, S] -> k, v: [B, Hkv, S, D] (RoPE applied to k)."""
         cos, sin = rope or self._rope(pos, h.dtype)
-        k = split_heads(linear(h, w["k.w"]), self.spec.num_kv_heads)
-        v = split_heads(linear(h, w["v.w"]), self.spec.num_kv_heads)
+        k = split_heads(linear(h, w["k.w"], w.get("k.b")), self.spec.num_kv_heads)
+        v = split_heads(linear(h, w["v.w"], w.get("v.b")), self.spec.num_kv_heads)
         return apply_rope(k, cos, sin), v
 
     def query(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None) -> torch.Tensor:
         """h: [B, S, hidden]; pos: [B, S] -> q: [B, H, S, D] with RoPE (the query alone)."""
         cos, sin = rope or self._rope(pos, h.dtype)
-        return apply_rope(split_heads(linear(h, w["q.w"]), self.spec.num_heads), cos, sin)
+        return apply_rope(split_heads(linear(h, w["q.w"], w.get("q.b")), self.spec.num_heads), cos, sin)
 
     def qkv(self, w, h: torch.Tensor, pos: torch.Tensor):
         rope = self._rope(pos, h.dtype)
         return (self.query(w, h, pos, rope), *self.kv(w, h, pos, rope))
 
     def attn_output(self, w, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return x + linear(merge_heads(o).to(x.dtype), w["o.w"])
+        return x + linear(merge_heads(o).to(x.dtype), w["o.w"], w.get("o.b"))
 
     def mlp(self, w, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, w["ln.w"], self.spec.norm_eps)
-        return x + linear(F.silu(linear(h, w["gate.w"])) * linear(h, w["up.w"]), w["down.w"])
+        gate, up = linear(h, w["gate.w"], w.get("gate.b")), linear(h, w["up.w"], w.get("up.b"))
+        return x + linear(F.silu(gate) * up, w["down.w"], w.get("down.b"))
 
     def head(self, w, x: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(x, w["ln.w"], self.spec.norm_eps), w["tok"])

@@ -29,8 +29,13 @@ class ModelSpec:
     word_embed_dim: int = 0  # OPT-350m projects 512-d embeddings in and out
     pre_norm: bool = True  # OPT-350m is post-LN
     bos_id: int = 2
-    eos_id: int = 2
+    eos_id: int | None = 2  # None: the model names no end token (--stop eos is refused)
     pad_id: int = 1
+    # Llama family: biases of the q/k/v projections (Qwen2, attention_bias), of o, of the MLP
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral/Qwen2: runs only while the context fits the window
 
     def __post_init__(self):
         if self.arch not in ("opt", "llama"):
@@ -49,6 +54,13 @@ class ModelSpec:
     def with_max_pos(self, max_pos: int) -> "ModelSpec":
         return dataclasses.replace(self, max_pos=max_pos)
 
+    def context_limit(self) -> tuple[int, str]:
+        """(most tokens a sequence may hold, what sets it): the position table, or a sliding
+        window (within it, windowed attention is full attention; past it the engine would differ)."""
+        if self.sliding_window is not None and self.sliding_window < self.max_pos:
+            return self.sliding_window, f"{self.sliding_window}-token sliding attention window"
+        return self.max_pos, f"{self.max_pos}-position table"
+
     # Sizes in bytes, FlexGen's accounting (used by the summary lines and the log).
     def num_params(self) -> int:
         h, f, kv = self.hidden, self.ffn, self.kv_dim
@@ -57,6 +69,7 @@ class ModelSpec:
             emb = self.vocab * self.embed_dim + (self.max_pos + 2) * h + 2 * h
             return self.num_layers * layer + emb
         layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+        layer += (h + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * f + h) * self.mlp_bias
         emb = self.vocab * h * (1 if self.tie_embeddings else 2) + h
         return self.num_layers * layer + emb
 
@@ -104,45 +117,4 @@ def opt_spec(name: str) -> ModelSpec:
     )
 
 
-def spec_from_hf_config(cfg: dict, name: str = "") -> ModelSpec:
-    """Spec from a HF config.json dict (OPTConfig or LlamaConfig-style)."""
-    mt = cfg.get("model_type", "")
-    name = name or cfg.get("_name_or_path", "") or mt
-    if mt == "opt":
-        hidden = cfg["hidden_size"]
-        heads = cfg["num_attention_heads"]
-        proj = cfg.get("word_embed_proj_dim", hidden)
-        return ModelSpec(
-            arch="opt", name=name, num_layers=cfg["num_hidden_layers"], hidden=hidden,
-            num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, ffn=cfg["ffn_dim"],
-            vocab=cfg["vocab_size"], max_pos=cfg["max_position_embeddings"],
-            word_embed_dim=proj if proj != hidden else 0,
-            pre_norm=cfg.get("do_layer_norm_before", True),
-            tie_embeddings=cfg.get("tie_word_embeddings", True),
-            bos_id=cfg.get("bos_token_id", 2), eos_id=cfg.get("eos_token_id", 2),
-            pad_id=cfg.get("pad_token_id", 1),
-        )
-    if mt in ("llama", "mistral", "qwen2") or "LlamaForCausalLM" in cfg.get("architectures", []):
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {cfg.get('hidden_act')!r}")
-        hidden = cfg["hidden_size"]
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or {}
-        if (rope.get("rope_type", "default") != "default") or scaling:
-            raise ValueError("only default RoPE is supported (no rope scaling)")
-        eos = cfg.get("eos_token_id", 2)
-        eos = eos[0] if isinstance(eos, list) else eos
-        pad = cfg.get("pad_token_id")
-        return ModelSpec(
-            arch="llama", name=name, num_layers=cfg["num_hidden_layers"], hidden=hidden,
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or hidden // heads, ffn=cfg["intermediate_size"],
-            vocab=cfg["vocab_size"], max_pos=cfg.get("max_position_embeddings", 2048),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            tie_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_id=cfg.get("bos_token_id", 1) if cfg.get("bos_token_id") is not None else 1,
-            eos_id=eos, pad_id=pad if pad is not None else eos,
-        )
-    raise ValueError(f"unsupported model_type {mt!r} (supported: opt, llama)")
+from .hf_config import spec_from_hf_config  # noqa: E402,F401  (its home is hf_config.py)

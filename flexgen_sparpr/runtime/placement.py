@@ -48,6 +48,9 @@ class Workload:
     resident_share: float = 0.0
     # the share of the cache one decode step reads and attends (a sparse KV policy's keep ratio)
     kv_read_share: float = 1.0
+    # tokens per KV block (0: not counted): the cache is allocated in whole blocks, and each
+    # (layer, GPU batch) fills its open block on the compute device
+    block_size: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -58,6 +61,14 @@ class Workload:
             raise ValueError(f"kv_read_share must be in (0, 1] (got {self.kv_read_share})")
         if min(self.prompt_len, self.gen_len, self.batch_size) < 1:
             raise ValueError("prompt_len, gen_len and batch_size must be >= 1")
+        if self.block_size < 0:
+            raise ValueError(f"block_size must be >= 0 (got {self.block_size})")
+
+    @property
+    def kv_tokens(self) -> int:
+        """Cache tokens allocated per sequence: prompt + gen, in whole blocks."""
+        n, bs = self.prompt_len + self.gen_len, self.block_size
+        return -(-n // bs) * bs if bs else n
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,58 @@ def _splits(batch: int) -> list[tuple[int, int]]:
     return [(batch // n, n) for n in range(1, batch + 1) if batch % n == 0]
 
 
+def tier_use(wl: Workload, cuda: bool, wg, wc, cg, cc, gbs: int, act_on_cpu: bool) -> dict[str, dict]:
+    """Predicted bytes per tier ("compute", "cpu", "disk"), each split into "weights", "kv" and
+    "working" (buffers, activations, the KV policy's resident share, the process itself), for
+    the weight shares wg, wc and cache shares cg, cc (fractions; disk gets the rest; numpy
+    arrays broadcast). On a CPU-only machine the compute tier is host memory: "compute" holds
+    everything in host memory and "cpu" is zero. `--policy auto` and the check of an explicit
+    --percent (runtime/capacity.py) both use this."""
+    s, L = wl.spec, wl.spec.num_layers
+    b = DTYPE_BYTES[wl.dtype]
+    wb = COMPRESSED_BYTES if wl.compress_weight else b
+    cb = COMPRESSED_BYTES if wl.compress_cache else b
+    W = s.num_params() * wb                      # all weights, bytes
+    Wl = W / L                                   # embeddings and head spread over the layers
+    B, p, n_kv = wl.batch_size, wl.prompt_len, wl.kv_tokens
+    kv_tok = 2 * s.kv_dim * cb                   # K and V of one token, one layer
+    KV = B * n_kv * kv_tok * L                   # the whole cache at its largest
+    resident = wl.resident_share * B * n_kv * 2 * s.kv_dim * b * L  # the policy's share on compute
+    wd, cd = 1 - wg - wc, 1 - cg - cc
+    # working set on the compute device: streamed layers double-buffered, the KV of one
+    # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill
+    # activations (q, k, v, attention out, MLP hidden) and logits, and every (layer, GPU batch)'s
+    # open block (a sparse policy's gather buffer is sized as dense's: the union of a batch's picks can be all)
+    work = (2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * n_kv * kv_tok
+            + gbs * p * (5 * s.hidden + s.ffn) * b + gbs * s.vocab * 4
+            + L * B * wl.block_size * 2 * s.kv_dim * b)
+    act = B * p * s.hidden * b                         # hidden states of every batch
+    staging = 2 * wd * Wl + 2 * cd * gbs * n_kv * kv_tok  # disk reads land on the host first
+    host_work = HOST_RESERVE + staging + (act if act_on_cpu else 0)
+    dev_work = work + resident + (0 if act_on_cpu else act)
+    disk = {"weights": wd * W, "kv": cd * KV, "working": 0 * wd}
+    if cuda:
+        return {"compute": {"weights": wg * W, "kv": cg * KV, "working": dev_work},
+                "cpu": {"weights": wc * W, "kv": cc * KV, "working": host_work}, "disk": disk}
+    zero = {"weights": 0.0, "kv": 0.0, "working": 0.0}
+    return {"compute": {"weights": (wg + wc) * W, "kv": (cg + cc) * KV, "working": host_work + dev_work},
+            "cpu": zero, "disk": disk}
+
+
+def tier_capacity(hw: Hardware) -> dict[str, float]:
+    """Bytes a plan may use per tier: each tier's capacity less its margin (cpu-only: one pool,
+    "compute")."""
+    if hw.is_cuda:
+        return {"compute": hw.compute_memory * (1 - DEVICE_MARGIN), "cpu": hw.cpu_memory * (1 - HOST_MARGIN),
+                "disk": hw.disk_free * (1 - DISK_MARGIN)}
+    return {"compute": min(hw.cpu_memory, hw.compute_memory) * (1 - HOST_MARGIN), "cpu": 0.0,
+            "disk": hw.disk_free * (1 - DISK_MARGIN)}
+
+
+def total_bytes(parts: dict):
+    return parts["weights"] + parts["kv"] + parts["working"]
+
+
 def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
     """The best feasible grid point per (activation tier, batch split), as dicts (percent,
     split, times, memory); empty when nothing fits."""
@@ -106,10 +169,8 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
     Wl = W / L                                   # embeddings and head spread over the layers
     Pl = s.num_params() / L
     B, p, g = wl.batch_size, wl.prompt_len, wl.gen_len
-    s_max, s_mean = p + g, p + g / 2
+    s_mean = p + g / 2
     kv_tok = 2 * s.kv_dim * cb                   # K and V of one token, one layer
-    KV = B * s_max * kv_tok * L                  # the whole cache at its largest
-    resident = wl.resident_share * B * s_max * 2 * s.kv_dim * b * L  # the policy's share on compute
     flops_rate = hw.compute_flops(wl.dtype)
     mem_bw = hw.compute_memory_bw
 
@@ -152,24 +213,11 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
                             flops=2 * B * p * Pl + 2 * B * p * p * s.hidden,
                             dev_bytes=ngb * Wl + B * p * kv_tok, ngb=ngb)
         total = L * pre + (g - 1) * L * dec
-        # working set on the compute device: streamed layers double-buffered, the KV of one
-        # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill
-        # activations (q, k, v, attention out, MLP hidden) and logits
-        # (a sparse policy's gather buffer is sized as dense's: the union of a batch's picks can be all)
-        work = (2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * s_max * kv_tok
-                + gbs * p * (5 * s.hidden + s.ffn) * b + gbs * s.vocab * 4)
-        act = B * p * s.hidden * b                         # hidden states of every batch
-        staging = 2 * wd * Wl + 2 * cd * gbs * s_max * kv_tok  # disk reads land on the host first
-        host_used = wc * W + cc * KV + HOST_RESERVE + staging + (act if act_on_cpu else 0)
-        if cuda:
-            dev_used = wg * W + cg * KV + work + resident + (0 if act_on_cpu else act)
-            fits = (dev_used <= hw.compute_memory * (1 - DEVICE_MARGIN)) & (
-                host_used <= hw.cpu_memory * (1 - HOST_MARGIN))
-        else:  # the compute tier is host memory: one pool
-            dev_used = host_used + wg * W + cg * KV + work + resident + act
-            fits = dev_used <= min(hw.cpu_memory, hw.compute_memory) * (1 - HOST_MARGIN)
-        disk_used = wd * W + cd * KV
-        fits = np.broadcast_to(fits & (disk_used <= hw.disk_free * (1 - DISK_MARGIN)), total.shape)
+        use = tier_use(wl, cuda, wg, wc, cg, cc, gbs, act_on_cpu)
+        cap = tier_capacity(hw)
+        used = {tier: total_bytes(parts) for tier, parts in use.items()}
+        fits = np.broadcast_to((used["compute"] <= cap["compute"]) & (used["cpu"] <= cap["cpu"] if cuda else True)
+                               & (used["disk"] <= cap["disk"]), total.shape)
         if not fits.any():
             continue
         gpu_share, cpu_share = np.broadcast_arrays(w[..., 0] + c[..., 0], w[..., 1] + c[..., 1])
@@ -182,8 +230,7 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
                         0 if act_on_cpu else 100, 100 if act_on_cpu else 0),
             "split": (gbs, ngb), "total_s": at(total), "prefill_s": L * at(pre),
             "decode_step_s": L * at(dec), "bottleneck": str(np.broadcast_to(bott, total.shape)[i, j]),
-            "memory": {"compute": at(dev_used), "cpu": at(host_used) if cuda else 0.0,  # cpu-only: one pool
-                       "disk": at(disk_used)}})
+            "memory": {tier: at(u) for tier, u in used.items()}})  # cpu-only: one pool, "compute"
     return plans
 
 

@@ -2,7 +2,7 @@
 
 A `DiskFile` is one file cut into `num_slots` fixed-size slots; each slot holds
 the raw bytes of one contiguous tensor. A `DiskStore` owns the directory of one
-run and removes it on close (or at interpreter exit).
+run, records its owner there (storage/leftovers.py) and removes it on close (or at interpreter exit).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .leftovers import write_owner
 
 ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the block size
 _MAX_IO = 1 << 30  # one syscall moves at most ~2 GiB on Linux; stay well below
@@ -116,7 +118,7 @@ class DiskFile:
             os.posix_fallocate(self._fd, 0, size)
         except OSError as e:  # some filesystems lack fallocate: a sparse file still works
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
+                raise OSError(e.errno, e.strerror, str(self.path)) from None  # name the file (ENOSPC)
             os.ftruncate(self._fd, size)
 
     def _try_o_direct(self, flags: int) -> str:
@@ -267,6 +269,11 @@ class DiskStore:
             self.dir = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=root))
         except OSError as e:
             raise ValueError(f"cannot write to offload directory {root}: {e.strerror}.") from None
+        try:  # who owns the folder, so a later run can tell it was left by a dead one
+            write_owner(self.dir)
+        except OSError:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         self.files: dict[str, DiskFile] = {}
         self._lock = threading.Lock()
         self._closed = False

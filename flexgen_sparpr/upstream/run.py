@@ -124,7 +124,8 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
         "decode_tok_s": batch * (gen_len - 1) / max(decode, 1e-10),
         "tokens": np.asarray(out)[:, prompt_len:prompt_len + steps].tolist(),
         "projected": bool(cut_gen_len),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # the child's lifetime peak (ru_maxrss is KiB on Linux), under the key the reports read
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "config": {"model": model, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
                    "percent": list(percent), "cut_gen_len": cut_gen_len, "sparpr": sparpr,
                    "weights": weights, "seed": seed, "upstream": "flexgen==0.1.8", "dtype": dtype,
@@ -233,4 +234,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..cli.guard import guarded
+    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)

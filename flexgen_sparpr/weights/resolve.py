@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ModelNotFound
+from ..errors import CapacityError, ConfigError, ModelNotFound
 from ..models import build_arch
 from ..models.spec import OPT_NAMES, ModelSpec, opt_spec
 from ..utils.paths import default_cache_dir
+from .checked import check_tensors
 from .sources import DummySource, GGUFSource, HFDirSource, NumpyDirSource, WeightSource
 
 DUMMY = "_DUMMY_"
@@ -73,7 +74,10 @@ def _dummy(spec: ModelSpec, max_seq_len: int | None, seed: int) -> WeightSource:
 
 
 def _sized(src: WeightSource, max_seq_len: int | None) -> WeightSource:
-    """Real weights: an OPT position table cannot grow, so a longer run is refused up front."""
-    if max_seq_len and src.spec.arch == "opt" and max_seq_len > src.spec.max_pos:
-        raise ValueError(f"{src.spec.name}: {max_seq_len} tokens exceed its {src.spec.max_pos}-position table")
-    return src
+    """Real weights, checked against their config; a position table cannot grow, so a longer
+    run is refused up front."""
+    limit, what = src.spec.context_limit()
+    if max_seq_len and max_seq_len > limit:
+        raise CapacityError(f"{src.spec.name}: {max_seq_len} tokens exceed its {what} (--max-seq-len "
+                            "sizes dummy weights only)")
+    return check_tensors(src)

@@ -12,7 +12,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from ..models.spec import ModelSpec, spec_from_hf_config
+
+
+class WeightsError(ConfigError):
+    """A weight file that cannot be used as it is: unreadable, cut short, a tensor missing or
+    of the wrong shape. The message names the file (and the tensor)."""
 
 
 class WeightSource:
@@ -21,6 +27,11 @@ class WeightSource:
 
     def get(self, name: str) -> torch.Tensor:
         raise NotImplementedError
+
+    def shape_of(self, name: str) -> tuple[int, ...] | None:
+        """The stored shape of a tensor without reading it (KeyError when absent; None when
+        the source cannot tell), so a checkpoint can be checked before anything loads."""
+        return None
 
     def describe(self) -> str:
         return type(self).__name__
@@ -36,26 +47,35 @@ class HFDirSource(WeightSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        cfg = json.loads((self.path / "config.json").read_text())
-        self.spec = spec_from_hf_config(cfg, name=self.path.name)
+        self.spec = spec_from_hf_config(read_config(self.path / "config.json"), name=self.path.name)
         self.tokenizer_dir = self.path if any(
             (self.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) else None
         self._index: dict[str, tuple[Path, str]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         files = sorted(self.path.glob("*.safetensors"))
         if files:
             from safetensors import safe_open
             for f in files:
-                with safe_open(str(f), "pt") as h:
-                    for k in h.keys():
-                        self._index[_canonical(k)] = (f, k)
+                try:
+                    with safe_open(str(f), "pt") as h:
+                        for k in h.keys():
+                            self._index[_canonical(k)] = (f, k)
+                            self._shapes[_canonical(k)] = tuple(h.get_slice(k).get_shape())
+                except Exception as e:  # SafetensorError: cut short, header damaged, not safetensors
+                    raise WeightsError(f"{f}: not a readable safetensors file ({e})") from None
             self._bins = None
         else:
             bins = sorted(self.path.glob("pytorch_model*.bin"))
             if not bins:
-                raise FileNotFoundError(f"{self.path}: no *.safetensors or pytorch_model*.bin files")
+                raise WeightsError(f"{self.path}: no *.safetensors or pytorch_model*.bin files")
             self._bins = {}
             for f in bins:
-                sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                try:
+                    sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                except Exception as e:  # unpickling errors of every kind: the file is not a state dict
+                    raise WeightsError(f"{f}: not a readable torch state dict ({type(e).__name__}: {e})") from None
+                if not isinstance(sd, dict):
+                    raise WeightsError(f"{f}: holds a {type(sd).__name__}, not a state dict of tensors")
                 for k, t in sd.items():
                     self._bins[_canonical(k)] = t
 
@@ -64,11 +84,25 @@ class HFDirSource(WeightSource):
             return self._bins[name]
         from safetensors import safe_open
         f, key = self._index[name]
-        with safe_open(str(f), "pt") as h:
-            return h.get_tensor(key)
+        try:
+            with safe_open(str(f), "pt") as h:
+                return h.get_tensor(key)
+        except Exception as e:  # SafetensorError: the file changed or broke since it was opened
+            raise WeightsError(f"{f}: cannot read tensor {key} ({e})") from None
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return tuple(self._bins[name].shape) if self._bins is not None else self._shapes[name]
 
     def describe(self) -> str:
         return f"hf:{self.path}"
+
+
+def read_config(path: Path) -> dict:
+    """A config.json as a dict; WeightsError naming the file when it is not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
 
 
 class NumpyDirSource(WeightSource):
@@ -85,6 +119,17 @@ class NumpyDirSource(WeightSource):
             raise KeyError(name)
         return torch.from_numpy(np.load(f))
 
+    def shape_of(self, name: str) -> tuple[int, ...] | None:
+        f = self.path / name.removeprefix("model.")
+        if not f.exists():
+            f = self.path / name.removeprefix("model.").replace("decoder.final_layer_norm", "decoder.layer_norm")
+        if not f.exists():
+            raise KeyError(name)
+        try:
+            return tuple(np.load(f, mmap_mode="r").shape)
+        except (ValueError, OSError) as e:
+            raise WeightsError(f"{f}: not a readable numpy file ({e})") from None
+
     def describe(self) -> str:
         return f"numpy:{self.path}"
 
@@ -95,13 +140,23 @@ class GGUFSource(WeightSource):
     def __init__(self, path: Path):
         from .gguf_file import read_gguf
         self.path = Path(path)
-        cfg, self._sd = read_gguf(self.path)
+        try:
+            cfg, self._sd = read_gguf(self.path)
+        except (ConfigError, OSError):
+            raise
+        except ValueError as e:  # the reader's own refusals (architecture, missing keys) read well
+            raise WeightsError(f"{self.path}: {e}") from None
+        except Exception as e:  # a valid magic, then junk: the reader fails wherever the junk starts
+            raise WeightsError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
         self.spec = spec_from_hf_config(cfg, name=self.path.stem)
         tok = self.path.parent / "tokenizer.json"
         self.tokenizer_dir = self.path.parent if tok.exists() else None
 
     def get(self, name: str) -> torch.Tensor:
         return self._sd[name]
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return tuple(self._sd[name].shape)
 
     def describe(self) -> str:
         return f"gguf:{self.path}"
@@ -147,8 +202,9 @@ def dummy_shapes(spec: ModelSpec, arch) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_layers):
         add(arch.attn_names(i), {
             "ln.w": (h,), "ln.b": (h,), "q.w": (h, h), "q.b": (h,), "k.w": (kv, h), "k.b": (kv,),
-            "v.w": (kv, h), "v.b": (kv,), "out.w": (h, h), "out.b": (h,), "o.w": (h, h)})
+            "v.w": (kv, h), "v.b": (kv,), "out.w": (h, h), "out.b": (h,), "o.w": (h, h), "o.b": (h,)})
         add(arch.mlp_names(i), {
             "ln.w": (h,), "ln.b": (h,), "fc1.w": (f, h), "fc1.b": (f,), "fc2.w": (h, f),
-            "fc2.b": (h,), "gate.w": (f, h), "up.w": (f, h), "down.w": (h, f)})
+            "fc2.b": (h,), "gate.w": (f, h), "up.w": (f, h), "down.w": (h, f), "gate.b": (f,),
+            "up.b": (f,), "down.b": (h,)})
     return shapes

@@ -2,14 +2,17 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from flexgen_sparpr.cli.flags import build_parser
 from flexgen_sparpr.cli.main import main
 from flexgen_sparpr.cli.options import resolve
-from flexgen_sparpr.cli.report import flexgen_log_name, project_decode_latency
+from flexgen_sparpr.cli.report import flexgen_log_name, project_decode_latency, size_label
 from flexgen_sparpr.errors import ConfigError
+from flexgen_sparpr.models.spec import opt_spec
+from flexgen_sparpr.weights.resolve import resolve_source
 
 TINY = ["--model", "opt-125m", "--path", "_DUMMY_", "--prompt-len", "16", "--gen-len", "4",
         "--gpu-batch-size", "2", "--warmup", "false"]
@@ -46,7 +49,7 @@ def test_config_file_sits_between_defaults_and_flags(tmp_path):
 
 def test_log_name_matches_upstream():
     run, pol, _ = _opts("--percent", "0", "100", "0", "100", "100", "0", "--compress-weight")
-    assert flexgen_log_name(run, pol) == "fo-6.7b-gbs4-ngbs1-prompt512-gen32-percent-0-100-0-100-100-0-gpu-cache-compw.log"
+    assert flexgen_log_name(run, pol, opt_spec("opt-6.7b")) == "fo-6.7b-gbs4-ngbs1-prompt512-gen32-percent-0-100-0-100-100-0-gpu-cache-compw.log"
 
 
 def test_projection_keeps_two_warmup_steps():
@@ -156,3 +159,28 @@ def test_a_run_from_python_without_a_command_line(tiny_llama_dir, tmp_path):
     assert out["engine"]["kv_policy"] == "quest" and out["engine"]["policy_args"]["keep_ratio"] == 0.5
     with pytest.raises(ConfigError, match="unknown options: keep"):
         resolve({"keep": 0.5})
+
+
+def test_a_local_model_folder_keeps_its_run(tmp_path, monkeypatch, tiny_llama_dir):
+    """The log name comes from the model's size, never from its path (a path once made the
+    name a missing folder, and the run was lost after generating everything)."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "o.json"
+    argv = ["run", "--model", str(Path(tiny_llama_dir).resolve()), "--prompt-len", "8", "--gen-len", "3",
+            "--gpu-batch-size", "1", "--warmup", "false", "--verbose", "0", "--output-json", str(out)]
+    assert main(argv) == 0
+    size = size_label(resolve_source(str(tiny_llama_dir), "").spec)
+    assert (tmp_path / f"fo-{size}-gbs1-ngbs1-prompt8-gen3-percent-100-0-100-0-100-0-gpu-cache.log").is_file()
+    assert len(json.loads(out.read_text())["output_ids"][0]) == 3
+
+
+def test_log_name_uses_the_size_and_the_placement_run():
+    import dataclasses
+    run, pol, _ = _opts()
+    spec = opt_spec("opt-6.7b")
+    assert size_label(dataclasses.replace(spec, name="/models/my-opt")) == "6.66b"  # from the count, not the path
+    assert size_label(dataclasses.replace(spec, name="model-q4.gguf")) == "6.66b"
+    assert size_label(opt_spec("opt-125m")) == "125m"
+    chosen = dataclasses.replace(pol, w_gpu_percent=40, w_cpu_percent=45, cache_gpu_percent=5,
+                                 cache_cpu_percent=75, act_gpu_percent=0, act_cpu_percent=100)
+    assert "-percent-40-45-5-75-0-100-" in flexgen_log_name(run, chosen, spec)  # --policy auto's choice

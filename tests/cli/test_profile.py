@@ -74,7 +74,7 @@ def test_config_hardware_section_is_read(tmp_path):
 @pytest.mark.parametrize("argv, config, fragment", [
     (["--policy", "auto", "--percent", "100", "0", "100", "0", "100", "0"], None, "drop --percent"),
     (["--policy", "auto"], "policy:\n  percent: [100, 0, 100, 0, 100, 0]\n", "drop --percent"),
-    ([], "policy:\n  policy: manual\n", "only 'auto'"),
+    ([], "policy:\n  policy: manual\n", "policy.policy must be one of auto"),
 ])
 def test_policy_auto_refuses_explicit_percents(tmp_path, argv, config, fragment):
     if config:

@@ -171,15 +171,22 @@ speeds = st.floats(1e-3, 1e15)
 @given(disk=speeds, flops=speeds, latency=st.floats(0, 1), keep=st.floats(0.05, 1), floor=st.floats(0.01, 1))
 def test_budget_respects_floor_and_ceiling_under_any_costs(filled, disk, flops, latency, keep, floor):
     t = filled
+    floor = min(floor, keep)  # a floor above the ceiling is refused (next test)
     pol = SparPR(keep_ratio=keep, min_keep=floor, costs=fixed(disk, flops, latency), fallback=False)
     target, _ = pol.target_keep(t, pol.block_costs(t, hidden=8))
-    assert min(floor, keep) <= target <= keep
+    assert floor <= target <= keep
     sel = pol.select(t, 0, torch.randn(2, 2, 1, 4))  # hidden 8: a checkpoint is half a KV block
     reads = sel.mask[:, 0].sum(dim=1).tolist()  # every KV head of a sequence reads the same tokens
     for n_read in reads:
         low = token_budget(min(floor, keep), t.length, pol.floor(t))
         assert n_read <= token_budget(keep, t.length, pol.floor(t))
         assert n_read > low - t.bs  # whole blocks only: the slack is under one block
+
+
+def test_a_floor_above_the_ceiling_is_refused_not_clamped():
+    with pytest.raises(ValueError, match="min_keep 0.5 is above keep_ratio 0.2"):
+        SparPR(keep_ratio=0.2, min_keep=0.5)
+    assert SparPR(keep_ratio=0.2, min_keep=0.2).min_keep == 0.2
 
 
 def test_dynamic_budget_shrinks_as_copying_gets_dearer(filled):

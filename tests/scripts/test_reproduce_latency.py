@@ -29,6 +29,11 @@ def test_quick_run_writes_measured_and_modeled_results(tmp_path):
         assert c["peak_rss_bytes"] > 0
     up = cells["upstream"]
     assert up["ok"] and up["e2e_s"] > 0 or up["error"]  # reported either way, never silently dropped
+    if up["ok"]:  # its peak RSS reaches the memory table (the child once wrote it under another key)
+        assert up["peak_rss_bytes"] > 0
+        row = next(l for l in (out / "latency_measured.md").read_text().split("## Memory under the cap")[1]
+                   .splitlines() if l.startswith("| 128 |"))
+        assert row.split("|")[1 + data["config"]["systems"].index("upstream") + 1].strip() != "n/a"
     for name in ("dense", "sparpr"):
         c = cells[name]
         assert [s["kind"] for s in c["trace"]] == ["prefill", "decode"]

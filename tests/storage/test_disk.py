@@ -199,7 +199,7 @@ def test_store_close_leaves_nothing(tmp_path):
     b = store.new_file("kv.bin", 2, 100)
     a.write(3, torch.ones(1024))
     b.write(1, torch.ones(25))
-    assert sorted(p.name for p in store.dir.iterdir()) == ["kv.bin", "weights.bin"]
+    assert sorted(p.name for p in store.dir.iterdir()) == ["kv.bin", "owner.json", "weights.bin"]
     store.close()
     store.close()
     assert not root.exists()  # root was created by the store, so it goes too

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 
+import psutil
 import torch
+
+from flexgen_sparpr.models.spec import opt_spec
 
 from flexgen_sparpr.upstream.run import main, parse_child, prefill_scores_bytes, run_upstream, upstream_command
 
@@ -18,6 +21,10 @@ def test_run_upstream_in_a_subprocess(tmp_path):
     assert r["config"]["weights"] == "ones"  # upstream's own _DUMMY_ weights
     assert r["config"]["threads"] == torch.get_num_threads()  # the caller's thread count
     assert list((tmp_path / "off").iterdir()) == []  # upstream's offload files are gone
+    # the child's peak RSS, under the key the latency report reads (it once wrote peak_rss_mb, so the
+    # report showed n/a): at least its float32 weights (an independent count), at most the machine
+    weights = opt_spec("opt-125m").num_params() * 4
+    assert "peak_rss_mb" not in r and weights < r["peak_rss_bytes"] < psutil.virtual_memory().total
 
 
 def test_bad_input_is_one_error_line_and_exit_2(capsys, tmp_path):

@@ -13,7 +13,7 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.models import build_arch
 from flexgen_sparpr.models.spec import opt_spec
 from flexgen_sparpr.weights.resolve import SMOLLM2_SPEC, ModelNotFound, resolve_source
-from flexgen_sparpr.weights.sources import DummySource, HFDirSource, NumpyDirSource, dummy_shapes
+from flexgen_sparpr.weights.sources import DummySource, HFDirSource, NumpyDirSource, WeightsError, dummy_shapes
 from tests.hf_reference import hf_generate
 
 PROMPTS = [[17, 201, 33], [5, 6, 7, 8, 9, 10, 11]]
@@ -82,12 +82,12 @@ def test_numpy_dir_source_reads_flexgens_converter_output(tiny_opt_dir, tmp_path
 def test_resolve_finds_the_numpy_dir_under_path(tmp_path):
     np_dir = tmp_path / "opt-125m-np"
     np_dir.mkdir()
-    src = resolve_source("opt-125m", str(tmp_path))
-    assert isinstance(src, NumpyDirSource)
-    assert src.spec == opt_spec("opt-125m")
-    assert src.path == np_dir
-    src2 = resolve_source("facebook/OPT-125m", str(tmp_path))  # hub-style spelling of a known name
-    assert isinstance(src2, NumpyDirSource) and src2.path == np_dir
+    # found, and checked before anything loads: an empty folder lacks every tensor
+    for name in ("opt-125m", "facebook/OPT-125m"):  # and the hub-style spelling of a known name
+        with pytest.raises(WeightsError, match=f"numpy:{np_dir}: tensor model.decoder.embed_tokens.weight is missing"):
+            resolve_source(name, str(tmp_path))
+    src = NumpyDirSource(np_dir, opt_spec("opt-125m"))
+    assert src.spec == opt_spec("opt-125m") and src.path == np_dir
 
 
 def test_resolve_hf_dir_at_path_for_an_opt_name(tiny_opt_dir):
@@ -109,7 +109,7 @@ def test_hf_dir_source_accepts_old_decoder_names_and_bin_files(tiny_opt_dir, tmp
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text((Path(tiny_opt_dir) / "config.json").read_text())
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(WeightsError, match="no \\*.safetensors or pytorch_model"):
         HFDirSource(empty)
 
 
@@ -185,7 +185,10 @@ def test_max_seq_len_beyond_a_real_opt_table_is_refused(tiny_opt_dir, tiny_llama
     with pytest.raises(ValueError, match="position"):
         resolve_source(str(tiny_opt_dir), "", max_seq_len=1000)
     assert resolve_source(str(tiny_opt_dir), "", max_seq_len=200).spec.max_pos == 256
-    assert isinstance(resolve_source(str(tiny_llama_dir), "", max_seq_len=1000), HFDirSource)  # RoPE: no table
+    # RoPE has no table, but the model was made for max_position_embeddings: past it is refused too
+    with pytest.raises(ValueError, match="512-position table"):
+        resolve_source(str(tiny_llama_dir), "", max_seq_len=1000)
+    assert isinstance(resolve_source(str(tiny_llama_dir), "", max_seq_len=512), HFDirSource)
 
 
 # --- resolve_source errors (never a model hub) ----------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ...errors import ConfigError
@@ -88,15 +89,31 @@ def build(name: str, given: dict, fields: dict | None = None, block_size: int | 
     cls = policy_class(name)
     own = {k.name: k for k in knobs(cls)}
     values = {k.name: k.value(given[k.dest]) for k in own.values() if k.dest in given}
-    try:
-        policy = cls(**(values | (fields or {})))
+    with _as_flags(cls):
+        try:
+            policy = cls(**(values | (fields or {})))
+        except TypeError as e:
+            raise ConfigError(f"{name}: {e}") from None
         if block_size is not None:
             policy.check_block_size(block_size)
         return policy
+
+
+def check_width(policy: KVPolicy, width: int) -> None:
+    """Refuse a policy's knobs that do not fit the model's K|V row of `width` values (its
+    check_width), reported under the knob's flag."""
+    with _as_flags(type(policy)):
+        policy.check_width(width)
+
+
+@contextmanager
+def _as_flags(cls: type[KVPolicy]):
+    """A KnobError raised inside, as a ConfigError naming the knob's flag."""
+    own = {k.name: k for k in knobs(cls)}
+    try:
+        yield
     except KnobError as e:
         raise ConfigError(f"{own[e.knob].flag} {e.rule}" if e.knob in own else str(e)) from None
-    except TypeError as e:
-        raise ConfigError(f"{name}: {e}") from None
 
 
 def check_given(given: dict) -> None:

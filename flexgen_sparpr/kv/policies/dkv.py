@@ -15,7 +15,7 @@ from ..dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
 from ..dkv.codec import PICKS, DKVCodec
 from ..dkv.importance import FOLLOW, WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
-from ..knobs import at_least, knob, one_of
+from ..knobs import KnobError, at_least, knob, one_of
 from ..policy import KVPolicy
 from .base import masked_mean_keys
 
@@ -87,6 +87,19 @@ class DKV(KVPolicy):
         """keep 1: full rank, every row exact, every block routed (what dense attention reads)."""
         return {"rank": 10 ** 6, "residuals": 10 ** 6, "topk": 0} if keep >= 1 else \
             {"rank": 2, "residuals": 1, "topk": 1}
+
+    def check_block_size(self, block_size: int) -> None:
+        """A rank or an exact-row count above the block would be clamped by the codec: refused."""
+        for name in ("rank", "residuals"):
+            if getattr(self, name) > block_size:
+                raise KnobError(name, f"{getattr(self, name)} is above the {block_size}-token KV block "
+                                f"(--dkv-block / --block-size); it can be at most {block_size}")
+
+    def check_width(self, width: int) -> None:
+        """A rank above a token's K|V row (width values) would be clamped by the codec: refused."""
+        if self.rank > width:
+            raise KnobError("rank", f"{self.rank} is above the model's {width} values per token (K and V "
+                            f"of every KV head); it can be at most {width}")
 
     def exact_rows_share(self, block_size: int) -> float:
         return self.residuals / block_size
