@@ -116,5 +116,3 @@ def opt_spec(name: str) -> ModelSpec:
         max_pos=2048, word_embed_dim=512 if is_350m else 0, pre_norm=not is_350m,
     )
 
-
-from .hf_config import spec_from_hf_config  # noqa: E402,F401  (its home is hf_config.py)

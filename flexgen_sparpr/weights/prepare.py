@@ -202,8 +202,3 @@ def main(argv=None) -> int:
         return 2
     print(path)
     return 0
-
-
-if __name__ == "__main__":
-    from ..cli.guard import guarded
-    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..models.spec import ModelSpec, spec_from_hf_config
+from ..models.hf_config import spec_from_hf_config
+from ..models.spec import ModelSpec
 
 
 class WeightsError(ConfigError):

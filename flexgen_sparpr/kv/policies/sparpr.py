@@ -111,8 +111,8 @@ class SparPR(BlockScoringPolicy):
         super().__post_init__()
         in_unit(self, "min_keep")
         if self.min_keep > self.keep_ratio:  # the floor above the ceiling would be clamped: refuse it
-            raise KnobError("min_keep", f"{self.min_keep} is above keep_ratio {self.keep_ratio} "
-                            "(--min-keep is the budget's floor, --keep-ratio its ceiling)")
+            raise KnobError("min_keep", f"{self.min_keep} is above --keep-ratio {self.keep_ratio} (the budget's "
+                            "floor above its ceiling)")
         in_unit(self, "gamma")
         one_of(self, "head_score", HEAD_SCORES)
         at_least(self, "summary_tokens", 0)
