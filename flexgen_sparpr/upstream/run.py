@@ -39,8 +39,8 @@ def prefill_scores_bytes(batch: int, prompt_len: int, n_head: int, itemsize: int
 def _check_memory(batch: int, prompt_len: int, n_head: int, itemsize: int) -> None:
     """Refuse a run whose prefill scores alone exceed the available memory: on a shared machine
     the kernel's OOM killer could pick another process."""
-    import psutil
-    need, avail = prefill_scores_bytes(batch, prompt_len, n_head, itemsize), psutil.virtual_memory().available
+    from ..utils.host import available_memory_bytes
+    need, avail = prefill_scores_bytes(batch, prompt_len, n_head, itemsize), available_memory_bytes()
     if need > avail:
         raise MemoryError(f"OOM (predicted): upstream's prefill holds 2 x [B*H, S, S] scores = "
                           f"{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
