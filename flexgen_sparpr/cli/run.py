@@ -74,7 +74,7 @@ def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
         print(show)
     if opts.debug_mode:
         say("step times (s): " + " ".join(f"{t:.4f}" for t in times))
-    log = report.summary(spec.model_bytes(), cache_b, hidden_b, mem_report["gpu_peak_allocated_bytes"],
+    log = report.summary(spec.model_bytes(), cache_b, hidden_b, mem_report["gpu_peak_bytes"],
                          projected, prefill_lat, n * plen / prefill_lat, decode_lat,
                          n * (steps_done - 1) / max(decode_lat, 1e-10), total_lat, n * steps_done / total_lat)
     if not opts.no_log:
