@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..storage.tiers import resolve_device
+
 
 class ConfigError(ValueError):
     """A bad setting; the CLI prints its message on one line and exits 2."""
@@ -105,12 +107,11 @@ class EngineConfig:
             raise ConfigError(f"--cold-codec must be raw or dkv (got {self.cold_codec})")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(self.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for but no CUDA device is available")
-        return dev
+        """The compute device, normalized (`cuda:<index>`, `cpu`): storage/tiers.py says why."""
+        try:
+            return resolve_device(self.device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
