@@ -127,11 +127,33 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_matches_hf(tiny_model_dir, tmp_path, case):
+def test_engine_matches_hf(tiny_model_dir, tmp_path, case, device):
     kwargs, bs, prompts = CASES[case]
     src = resolve_source(str(tiny_model_dir), "")
-    tokens, logits, _ = run_engine(src, Policy(**kwargs), tmp_path, prompts, block_size=bs)
+    tokens, logits, _ = run_engine(src, Policy(**kwargs), tmp_path, prompts, block_size=bs, device=device,
+                                   dtype="float32")
     assert_matches_hf(tiny_model_dir, tokens, logits, prompts)
+
+
+# float16 logits within 4e-3 of HF's float32 ones: the head's output is rounded to float16 once
+# (half an ulp is 4.9e-4 at |logit| ~ 1, these models' range) and two layers of float16
+# activations add a few ulps more; the CPU's float16 path measured 6.2e-4 at most on these cases,
+# so 4e-3 (8 ulps) leaves room for CUDA's different kernels. Teacher-forced on HF's tokens: a
+# near-tie between two tiny-model logits may flip a greedy pick in float16 (that is not a bug).
+FP16_ATOL = 4e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["all-on-compute", "everything-offloaded", "ngb2-gbs2-cache-disk",
+                                  "cpu-cache-compute", "block-1-disk"])
+def test_engine_float16_on_cuda_within_float16_error(tiny_model_dir, tmp_path, case, cuda_device):
+    kwargs, bs, prompts = CASES[case]
+    src = resolve_source(str(tiny_model_dir), "")
+    ref_tokens, ref_logits = hf_greedy(tiny_model_dir, prompts)
+    cfg = EngineConfig(block_size=bs, offload_dir=str(tmp_path / "offload"), device=cuda_device, dtype="float16")
+    with Engine(src, Policy(**kwargs), cfg) as eng:
+        got = forced_logits(eng, prompts, ref_tokens)
+    torch.testing.assert_close(got, ref_logits, rtol=0, atol=FP16_ATOL)
 
 
 @pytest.fixture
@@ -158,11 +180,12 @@ def test_cpu_homes_unfolded_with_overlap_match_hf(tiny_opt_dir, tmp_path, unfold
     assert_matches_hf(tiny_opt_dir, tokens, logits, MIXED)
 
 
-def test_repeated_generate_on_one_engine(tiny_model_dir, tmp_path):
+def test_repeated_generate_on_one_engine(tiny_model_dir, tmp_path, device):
     """A second (and third) generate on the same engine rebuilds its tables and gives HF's result."""
     src = resolve_source(str(tiny_model_dir), "")
     pol = Policy(gpu_batch_size=2, **C_SPLIT, **W_SPLIT)
-    with Engine(src, pol, EngineConfig(block_size=4, offload_dir=str(tmp_path / "off"))) as eng:
+    cfg = EngineConfig(block_size=4, offload_dir=str(tmp_path / "off"), device=device, dtype="float32")
+    with Engine(src, pol, cfg) as eng:
         for prompts in (MIXED, EQUAL, MIXED):
             r = eng.generate(prompts, N_NEW, keep_logits=True)
             assert_matches_hf(tiny_model_dir, r.tokens, torch.stack(r.logits), prompts)
@@ -236,10 +259,11 @@ def extra_policies():
     pytest.param(C_SPLIT, id="cache-split"),
     pytest.param(C_DISK, id="cache-disk"),
 ])
-def test_kv_policy_reading_every_block_matches_hf(tiny_opt_dir, tmp_path, extra_policies, policy_name, placement):
+def test_kv_policy_reading_every_block_matches_hf(tiny_opt_dir, tmp_path, extra_policies, policy_name, placement,
+                                                 device):
     src = resolve_source(str(tiny_opt_dir), "")
     tokens, logits, _ = run_engine(src, Policy(gpu_batch_size=2, **placement), tmp_path, MIXED,
-                                   block_size=4, kv_policy=policy_name)
+                                   block_size=4, kv_policy=policy_name, device=device, dtype="float32")
     assert_matches_hf(tiny_opt_dir, tokens, logits, MIXED)
 
 
