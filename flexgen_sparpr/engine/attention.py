@@ -72,8 +72,16 @@ def _split_by_home(table: BlockTable, q, k, v, pads):
         qc, pc = q.cpu(), pads.cpu()
         table.devices.counters.add("compute", "cpu", qc.nbytes)
         for b in on_cpu:
-            blk = table._in_arena(b)
+            blk = _host_block(table, b)  # blk: [2, B, Hkv, bs, D] on the host
             bpos = torch.arange(b * table.bs, (b + 1) * table.bs)
             o, lse = attention_with_lse(qc, blk[0], blk[1], bpos[None, :] >= pc[:, None])
             parts.append((o.to(q.device), lse.to(q.device)))
     return merge_attention(parts).to(q.dtype)
+
+
+def _host_block(table: BlockTable, b: int) -> torch.Tensor:
+    """CPU-homed block b's KV on the host: its arena slot, or its encoded row decoded there
+    (--compress-cache and --cold-codec store the CPU tier encoded: it has no raw arena)."""
+    if Tier.CPU in table.coded:
+        return table.codec.decode(table._rows[Tier.CPU][table.slot[b]])
+    return table._in_arena(b)

@@ -44,6 +44,16 @@ def test_tiny_top_p_is_greedy(tiny_model_dir, tmp_path):
         assert greedy.tokens == [row.argmax(-1).tolist() for row in torch.stack(greedy.logits, 1)]
 
 
+def test_top_p_breaks_ties_by_token_id():
+    """float16 logits tie often; the nucleus is cut from a stable sort, so among tied tokens
+    the lower id comes first, as greedy's argmax picks it (an unstable sort picked any)."""
+    logits = torch.zeros(3, 1000)
+    logits[:, 1:] = 5.0  # 999 tied tokens
+    logits[2, 7] = 6.0
+    got = Sampler(do_sample=True, top_p=1e-6, seed=0)(logits)
+    assert got.tolist() == logits.argmax(-1).tolist() == [1, 1, 7]
+
+
 def test_sampler_rejects_bad_settings():
     for kw in (dict(temperature=0), dict(top_p=0), dict(top_p=1.5)):
         with pytest.raises(ValueError):
