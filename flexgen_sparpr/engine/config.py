@@ -86,6 +86,7 @@ class EngineConfig:
 
     device: str = "auto"  # "auto" -> cuda if present else cpu
     dtype: str = "auto"  # "auto" -> float16 on CUDA, float32 on CPU
+    gpu_mem: float | None = None  # GiB: cap the CUDA device, as a card this size (storage/device_memory.py)
     block_size: int = 64
     offload_dir: str = "~/flexgen_offload_dir"
     direct_io: bool = False  # bypass the page cache on the disk tier (benchmarks)
@@ -103,6 +104,8 @@ class EngineConfig:
             raise ConfigError("--block-size must be >= 1")
         if self.dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype})")
+        if self.gpu_mem is not None and not self.gpu_mem > 0:
+            raise ConfigError(f"--gpu-mem must be > 0 GiB (got {self.gpu_mem})")
         if self.cold_codec not in ("raw", "dkv"):
             raise ConfigError(f"--cold-codec must be raw or dkv (got {self.cold_codec})")
 

@@ -16,6 +16,7 @@ import torch
 from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy, Selection, make_policy
 from ..models import build_arch
+from ..storage.device_memory import apply_cap
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, pads_valid, prefill_attention
@@ -46,6 +47,7 @@ class Engine:
         self.spec, self.policy, self.cfg = source.spec, policy, cfg
         self.arch = build_arch(self.spec)
         self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight)
+        self.gpu_limit = self._cap_device(cfg.gpu_mem)
         self.dtype = cfg.torch_dtype(self.devices.compute)
         self.kv_policy: KVPolicy = make_policy(cfg.kv_policy, **cfg.policy_args)
         if policy.cpu_cache_compute and cfg.kv_policy != "dense" and self.devices.is_cuda:
@@ -81,6 +83,18 @@ class Engine:
         self._ring = GatherRing()  # the decode cells' gather buffers, reused
         self._generation = 0
         self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
+
+    def _cap_device(self, gpu_mem: float | None) -> int | None:
+        """--gpu-mem: the bytes torch's allocator may reserve (the card's size less this
+        process's context), enforced before anything is allocated; None without a cap."""
+        if gpu_mem is None:
+            return None
+        if not self.devices.is_cuda:
+            raise ConfigError("--gpu-mem caps a CUDA device; the compute device here is the CPU")
+        try:
+            return apply_cap(self.devices.compute, gpu_mem)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _transpose_weights(self) -> bool:
         """One sequence per batch on CPU: every decode product is a single row, which CPU BLAS
