@@ -2,6 +2,7 @@
 card would see it (torch's reserved bytes + this process's context) with NVML's sampled peak."""
 from __future__ import annotations
 
+import gc
 import threading
 
 import torch
@@ -28,6 +29,9 @@ class PeakMemory:
 
     def __enter__(self):
         if self.is_cuda:
+            # blocks an earlier run left cached would count as this one's reserved memory
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             self._nvml = NvmlReader(self.device)
         self._sample()

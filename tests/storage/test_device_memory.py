@@ -54,6 +54,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: state["peak_reserved"])
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: state["peak_alloc"])
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (72 * GiB, 80 * GiB))  # 8 GiB used in all
     monkeypatch.setattr(cuda, "get_device_properties", lambda device=None: SimpleNamespace(
         total_memory=80 * GiB, uuid="0000"))
