@@ -224,9 +224,10 @@ def render_md(payload: dict) -> str:
             for c in payload["cells"]]
     head = ["context", "batch", "engine tok/s", "HF tok/s", "ratio", "ratio (median step)", "engine prefill s",
             "HF prefill s", "tokens match"]
+    gpu = f" ({m['cuda']})" if m.get("cuda") and cfg["device"] != "cpu" else ""
     notes = [
         f"# Decode throughput: engine vs HF `generate` ({cfg['model']})\n",
-        f"{cfg['dtype']} on {cfg['device']}{' (' + m['cuda'] + ')' if m.get('cuda') and cfg['device'] != 'cpu' else ''}, "
+        f"{cfg['dtype']} on {cfg['device']}{gpu}, "
         f"greedy, {cfg['gen_len']} new tokens, best decode of {cfg['repeats']} run(s) "
         f"per cell, torch threads: {m['torch_threads']} (both), "
         f"torch {m['torch']}, transformers {m.get('transformers')}, CPU {m['cpu_model']} "
