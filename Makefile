@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup prepare run test test-fast bench clean
+.PHONY: setup prepare run test test-fast bench wheelhouse device-dryrun clean
 
 setup: $(STAMP)
 
@@ -39,5 +39,22 @@ test-fast: setup
 bench: prepare
 	$(BIN)/python scripts/bench_decode.py
 
+# The GPU check (scripts/device_check.sh, README "The GPU check"): `wheelhouse` fills the
+# git-ignored .whl/ with what a lent GPU machine lacks (carried there with the tree);
+# `device-dryrun` runs the whole check on the CPU at small sizes in a clean venv holding only
+# torch, transformers, pytest and hypothesis, as the GPU machine holds little more.
+CLEAN_VENV ?= .venv-clean
+wheelhouse: prepare
+	$(BIN)/python scripts/device_wheelhouse.py
+
+$(CLEAN_VENV)/.installed:
+	$(PY) -m venv $(CLEAN_VENV)
+	$(CLEAN_VENV)/bin/pip install -q --upgrade pip
+	$(CLEAN_VENV)/bin/pip install -q torch==2.13.0 transformers pytest hypothesis
+	touch $@
+
+device-dryrun: wheelhouse $(CLEAN_VENV)/.installed
+	DEVICE=cpu PY=$(CLEAN_VENV)/bin/python OUT=.device-dryrun scripts/device_check.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(CLEAN_VENV) .pytest_cache .hypothesis .device-dryrun

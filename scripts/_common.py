@@ -125,9 +125,11 @@ def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int
 def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense", policy_args: dict | None = None,
                 block_size: int = 64, offload_dir: str, cache_gpu_percent: float = 0, seed: int = 0,
                 trace: bool = False, memory: bool = False, gpu_batches: int = 1, device: str = "cpu",
-                dtype: str = "float32", speculate: bool = False) -> dict:
+                dtype: str = "float32", speculate: bool = False, cache_cpu_percent: float = 0,
+                weight_percents: tuple[float, float] = (100, 0), gpu_mem: float | None = None) -> dict:
     """One fresh engine (on the CPU in float32 unless told; "auto": CUDA in float16 when there is
-    one), the KV cache's other share on the disk tier with
+    one; `gpu_mem` caps a CUDA device), the weights split (compute %, CPU %) with the rest on disk,
+    the KV cache's compute and CPU shares as given and the rest on the disk tier with
     O_DIRECT, one greedy generation of random prompts: prefill, then gen_len - 1 decode steps.
 
     Returns prefill/decode seconds, per-step seconds, the bytes moved per link during decode,
@@ -142,9 +144,10 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
     cfg = EngineConfig(device=device, dtype=dtype, block_size=block_size, direct_io=True,
                        offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {},
-                       speculative_prefetch=speculate)
+                       speculative_prefetch=speculate, gpu_mem=gpu_mem)
     pol = Policy(gpu_batch_size=batch // gpu_batches, num_gpu_batches=gpu_batches,
-                 cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=0)
+                 w_gpu_percent=weight_percents[0], w_cpu_percent=weight_percents[1],
+                 cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=cache_cpu_percent)
     peak = PeakMemory(cfg.torch_device())
     with peak if memory else _nothing(), Engine(src, pol, cfg) as eng:
         rec = TraceRecorder(eng) if trace else None

@@ -1,11 +1,13 @@
 """SparPR vs this engine's dense offload: OPT with dummy weights, the whole KV cache on the disk
-tier with the page cache bypassed (O_DIRECT), one run.
+tier with the page cache bypassed (O_DIRECT) unless placed otherwise, one run; with --upstream,
+upstream FlexGen at the same placement too (on CUDA as shipped, on the CPU patched).
 
 For every context length both policies run the same random prompts (batch --batch, no padding)
 in a fresh engine each: prefill, then --gen-len - 1 decode steps, greedy.
 
   end-to-end latency = prefill + decode seconds;  throughput = batch * gen_len / latency
-  bytes per token    = disk->cpu bytes during decode / (batch * (gen_len - 1));  ratio = SparPR / dense
+  bytes per token    = bytes into the compute device during decode (disk->cpu, and cpu->compute on
+                       CUDA: weights too) / (batch * (gen_len - 1));  ratio = SparPR / dense
   I/O bound ratio    = median decode step / (disk->cpu bytes per step / measured disk bandwidth)
 
 The disk bandwidth is the engine's own: its timed O_DIRECT block reads in that run
@@ -42,6 +44,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_opt_bench_args(ap, gen_len=32)
     ap.add_argument("--cache-gpu-percent", type=float, default=0,
                     help="share of the KV cache kept on the compute tier, a memory cap (default: 0, all on disk)")
+    ap.add_argument("--cache-cpu-percent", type=float, default=0,
+                    help="share of the KV cache on the CPU tier; the rest is on disk (default: 0)")
+    ap.add_argument("--w-gpu-percent", type=float, default=100,
+                    help="share of the weights on the compute tier (default: 100)")
+    ap.add_argument("--w-cpu-percent", type=float, default=0,
+                    help="share of the weights on the CPU tier; the rest is on disk (default: 0)")
+    ap.add_argument("--gpu-mem", type=float, default=None,
+                    help="cap the CUDA device at this many GiB, as a card that size (default: no cap)")
+    ap.add_argument("--upstream", action="store_true",
+                    help="also run upstream FlexGen (flexgen==0.1.8) at the same placement, batch and lengths: "
+                         "unpatched on CUDA, with the CPU patches on the CPU")
     ap.add_argument("--offload-dir", default="~/flexgen_offload_dir", help="disk tier folder (default: %(default)s)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                     help="compute tier: auto is CUDA when there is one, else the CPU (default: auto)")
@@ -50,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--speculative-prefetch", action="store_true",
                     help="SparPR gathers its next layer's blocks from a guessed query while a layer computes "
                          "(one GPU batch; the engine's --speculative-prefetch)")
+    ap.add_argument("--upstream-timeout", type=int, default=600, help="seconds per upstream run (default: 600)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and prompts (default: 0)")
     ap.add_argument("--out", default=str(REPO / "results" / "sparpr"), help="output folder (default: results/sparpr)")
@@ -67,13 +81,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("keep_ratio", "min_keep", "gamma"):
         if not 0 < getattr(args, flag) <= 1:
             die(f"--{flag.replace('_', '-')} must be in (0, 1] (got {getattr(args, flag)})")
-    if not 0 <= args.cache_gpu_percent < 100:
-        die(f"--cache-gpu-percent must be in [0, 100) (got {args.cache_gpu_percent})")
+    for kind, (g, c) in (("cache", (args.cache_gpu_percent, args.cache_cpu_percent)),
+                         ("w", (args.w_gpu_percent, args.w_cpu_percent))):
+        if not (0 <= g <= 100 and 0 <= c <= 100 and g + c <= 100):
+            die(f"--{kind}-gpu-percent and --{kind}-cpu-percent must be in [0, 100] and sum to at most 100")
+    if args.cache_gpu_percent == 100:
+        die("--cache-gpu-percent must be below 100 (a resident cache is not an offload benchmark)")
+    if args.gpu_mem is not None and args.gpu_mem <= 0:
+        die(f"--gpu-mem must be > 0 GiB (got {args.gpu_mem})")
     if args.threads is not None and args.threads < 1:
         die(f"--threads must be >= 1 (got {args.threads})")
     if not args.model.lower().removeprefix("facebook/").startswith("opt-"):
         die(f"--model must be an OPT size such as opt-125m (got {args.model!r})")
     return args
+
+
+class OnceSource:
+    """A weight source that makes each tensor once, in the engines' dtype (dummy OPT-6.7B takes
+    tens of seconds to draw), and hands the same values to every engine of the run."""
+
+    def __init__(self, src, dtype):
+        self.src, self.spec, self.dtype, self._made = src, src.spec, dtype, {}
+        self.tokenizer_dir = getattr(src, "tokenizer_dir", None)
+
+    def get(self, name: str):
+        if name not in self._made:
+            self._made[name] = self.src.get(name).to(self.dtype)
+        return self._made[name]
+
+    def describe(self) -> str:
+        return self.src.describe()
 
 
 def run_cell(src, args, ctx: int, policy: str) -> dict:
@@ -82,26 +119,64 @@ def run_cell(src, args, ctx: int, policy: str) -> dict:
                                               probe_dir=args.offload_dir)
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
                     block_size=args.block_size, offload_dir=args.offload_dir,
-                    cache_gpu_percent=args.cache_gpu_percent, seed=args.seed, gpu_batches=args.gpu_batches,
+                    cache_gpu_percent=args.cache_gpu_percent, cache_cpu_percent=args.cache_cpu_percent,
+                    weight_percents=(args.w_gpu_percent, args.w_cpu_percent), gpu_mem=args.gpu_mem,
+                    seed=args.seed, gpu_batches=args.gpu_batches, memory=True,
                     device=args.device, dtype=args.dtype, speculate=args.speculative_prefetch and policy != "dense")
     moved, bw, modes, stats = r["bytes_moved"], r["disk_read_Bps"], r["disk_mode"], r["kv_policy_stats"]
     steps = r["step_s"]
     prefill, decode = r["prefill_s"], r["decode_s"]
     read = moved.get("disk->cpu", 0)
     per_step = read / len(steps)
+    into_compute = read + moved.get("cpu->compute", 0)  # on the CPU, disk reads land in compute memory
     return {"context": ctx, "policy": policy, "prefill_s": prefill, "decode_s": decode, "e2e_s": prefill + decode,
             "throughput_tok_s": args.batch * args.gen_len / (prefill + decode),
             "decode_tok_s": args.batch * len(steps) / decode, "step_s_median": statistics.median(steps),
-            "step_s": steps, "disk_read_bytes": read, "bytes_per_token": read / (args.batch * len(steps)),
+            "step_s": steps, "disk_read_bytes": read, "bytes_per_token": into_compute / (args.batch * len(steps)),
+            "gpu_peak_bytes": r["memory"]["gpu_peak_bytes"], "memory": r["memory"],
             "bytes_moved": moved, "disk_read_Bps": bw, "disk_mode": modes,
             "io_bound_ratio": statistics.median(steps) / (per_step / bw) if bw and per_step else None,
             "tokens": r["tokens"], "kv_policy_stats": stats, "device": r["device"], "dtype": r["dtype"],
             "speculative_bytes": r["speculative_bytes"]}
 
 
-def compare(dense: dict, sparpr: dict) -> dict:
+def run_upstream_cell(args, ctx: int) -> dict:
+    """Upstream FlexGen in a child process at the same placement (activations on the compute
+    tier): one cell, or {"ok": False, "error": one line} (e.g. out of memory under the cap)."""
+    import subprocess
+    import torch
+    from flexgen_sparpr.upstream.run import parse_child, upstream_command
+    dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    pct = (args.w_gpu_percent, args.w_cpu_percent, args.cache_gpu_percent, args.cache_cpu_percent, 100, 0)
+    cmd = upstream_command(model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx,
+                           gen_len=args.gen_len, percent=tuple(int(p) for p in pct), offload_dir=args.offload_dir,
+                           dtype="auto" if args.dtype == "auto" else args.dtype, threads=torch.get_num_threads(),
+                           device=dev.type, gpu_mem=args.gpu_mem if dev.type == "cuda" else None)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.upstream_timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {args.upstream_timeout} s", "context": ctx}
+    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
+    r["context"] = ctx
+    if r.get("ok"):
+        r["e2e_s"] = r["total_s"]
+        r["throughput_tok_s"] = args.batch * args.gen_len / r["total_s"]
+    return r
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def compare(dense: dict, sparpr: dict, upstream: dict | None = None) -> dict:
     tot = sparpr["kv_policy_stats"]["totals"]
-    return {"context": dense["context"], "dense_prefill_s": dense["prefill_s"], "sparpr_prefill_s": sparpr["prefill_s"],
+    up = upstream if upstream and upstream.get("ok") else None
+    return {"context": dense["context"],
+            "upstream_prefill_s": up["prefill_s"] if up else None, "upstream_decode_s": up["decode_s"] if up else None,
+            "upstream_e2e_s": up["e2e_s"] if up else None, "upstream_tok_s": up["throughput_tok_s"] if up else None,
+            "upstream_error": upstream.get("error") if upstream and not up else None,
+            "dense_gpu_peak_bytes": dense["gpu_peak_bytes"], "sparpr_gpu_peak_bytes": sparpr["gpu_peak_bytes"],
+            "dense_prefill_s": dense["prefill_s"], "sparpr_prefill_s": sparpr["prefill_s"],
             "cut_if_decode_free": dense["decode_s"] / dense["e2e_s"],  # the most any decode speed-up can cut
             "dense_decode_s": dense["decode_s"], "sparpr_decode_s": sparpr["decode_s"],
             "dense_e2e_s": dense["e2e_s"], "sparpr_e2e_s": sparpr["e2e_s"],
@@ -109,7 +184,7 @@ def compare(dense: dict, sparpr: dict) -> dict:
             "dense_tok_s": dense["throughput_tok_s"], "sparpr_tok_s": sparpr["throughput_tok_s"],
             "throughput_x": sparpr["throughput_tok_s"] / dense["throughput_tok_s"],
             "decode_x": sparpr["decode_tok_s"] / dense["decode_tok_s"],
-            "bytes_per_token_ratio": sparpr["bytes_per_token"] / dense["bytes_per_token"],
+            "bytes_per_token_ratio": _ratio(sparpr["bytes_per_token"], dense["bytes_per_token"]),
             "dense_io_bound": dense["io_bound_ratio"], "sparpr_io_bound": sparpr["io_bound_ratio"],
             "effective_keep": tot["effective_keep"], "recomputed": tot["blocks_recomputed"],
             "fallbacks": tot["fallbacks"], "speculative_bytes": sparpr["speculative_bytes"],
@@ -131,6 +206,12 @@ def render_md(payload: dict) -> str:
                for c in payload["summary"]]
     io_head = ["context", "bytes/token SparPR / dense", "dense step / IO", "SparPR step / IO", "SparPR effective keep",
                "blocks recomputed", "fallbacks", "SparPR's byte estimate = counters"]
+    gib = lambda b: "n/a" if not b else f"{b / 2**30:.2f}"  # noqa: E731
+    up_rows = [[c["context"], f(c["upstream_prefill_s"], 1), f(c["upstream_decode_s"], 1), f(c["upstream_e2e_s"], 1),
+                f(c["upstream_tok_s"], 3), c["upstream_error"] or "", gib(c["dense_gpu_peak_bytes"]),
+                gib(c["sparpr_gpu_peak_bytes"])] for c in payload["summary"]]
+    up_head = ["context", "upstream prefill s", "upstream decode s", "upstream e2e s", "upstream tok/s",
+               "upstream error", "dense peak GPU GiB", "SparPR peak GPU GiB"]
     sp = [c["kv_policy_stats"] for c in payload["cells"] if c["kv_policy_stats"]]
     rhos = [st["rho"] for k in sp for st in k["steps"] if st["rho"] is not None]
     ckpt = [k.get("checkpoint_tables", {}) for k in sp]
@@ -145,8 +226,12 @@ def render_md(payload: dict) -> str:
         f"(host {m['cpu_model']}, {m['cpu_count']} cores, torch threads {m['torch_threads']}; load average at "
         f"start {m['load_average']}: times compare only between runs on a quiet machine).",
         f"- The most a decode speed-up could cut (dense decode / dense end-to-end, prefill unchanged): {bound}.",
-        f"- KV cache: {100 - cfg['cache_gpu_percent']:g}% on the disk tier, O_DIRECT (disk mode: "
-        f"{payload['disk_modes']}), block size {cfg['block_size']}; weights and activations on compute.",
+        f"- KV cache: {cfg['cache_gpu_percent']:g}% compute, {cfg.get('cache_cpu_percent', 0):g}% CPU, "
+        f"{100 - cfg['cache_gpu_percent'] - cfg.get('cache_cpu_percent', 0):g}% on the disk tier, O_DIRECT (disk mode: "
+        f"{payload['disk_modes']}), block size {cfg['block_size']}; weights {cfg.get('w_gpu_percent', 100):g}% "
+        f"compute, {cfg.get('w_cpu_percent', 0):g}% CPU, the rest disk; activations on compute"
+        + (f"; the CUDA device capped at {cfg['gpu_mem']:g} GiB (--gpu-mem; peak GPU = reserved + context)"
+           if cfg.get("gpu_mem") else "") + ".",
         f"- SparPR: keep_ratio ceiling {cfg['keep_ratio']}, min_keep {cfg['min_keep']}, gamma {cfg['gamma']}; "
         "dynamic budget, recompute and fallback on. Measured rho (copy / recompute cost of a block) was "
         + (f"{min(rhos):.3f}-{max(rhos):.3f}" if rhos else "n/a")
@@ -164,14 +249,17 @@ def render_md(payload: dict) -> str:
         "- Prompts are random token ids; nothing here measures fidelity (see scripts/needle.py).",
         f"- Whole grid: {payload['wall_s'] / 60:.1f} min wall; each (context, policy) ran in a fresh engine.",
     ]
-    return (f"# SparPR vs dense offload ({cfg['model']}, KV on disk)\n\n## Latency and throughput\n\n"
-            + md_table(head, rows) + "\n## Bytes and I/O\n\n" + md_table(io_head, io_rows) + "\n"
+    peer = ("\n## Upstream FlexGen (flexgen==0.1.8) at the same placement, and peak GPU memory\n\n"
+            + md_table(up_head, up_rows)) if cfg.get("upstream") or cfg.get("gpu_mem") else ""
+    return (f"# SparPR vs dense offload ({cfg['model']})\n\n## Latency and throughput\n\n"
+            + md_table(head, rows) + "\n## Bytes and I/O\n\n" + md_table(io_head, io_rows) + peer + "\n"
             + "\n".join(notes) + "\n")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+    from flexgen_sparpr.engine.config import EngineConfig
     from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
 
     if args.threads:
@@ -179,13 +267,21 @@ def main(argv=None) -> int:
     args.offload_dir = str(Path(args.offload_dir).expanduser())
     max_seq = max(args.contexts) + args.gen_len
     try:
-        src = resolve_source(args.model, "_DUMMY_", max_seq_len=max_seq, seed=args.seed)
-    except (ModelNotFound, ValueError) as exc:
+        cfg = EngineConfig(device=args.device, dtype=args.dtype)
+        src = OnceSource(resolve_source(args.model, "_DUMMY_", max_seq_len=max_seq, seed=args.seed),
+                         cfg.torch_dtype(cfg.torch_device()))
+    except (ModelNotFound, ValueError) as exc:  # ConfigError is a ValueError
         die(str(exc))
     payload = {"config": {k: v for k, v in vars(args).items()}, "machine": machine_info(),
-               "max_seq_len": max_seq, "cells": [], "summary": []}
+               "max_seq_len": max_seq, "cells": [], "summary": [], "upstream": []}
     with timer() as total:
         for ctx in args.contexts:
+            up = None
+            if args.upstream:  # first, while this process holds no device memory of its own
+                up = run_upstream_cell(args, ctx)
+                payload["upstream"].append(up)
+                print(f"ctx {ctx} upstream: " + (f"e2e {up['e2e_s']:.1f} s, decode {up['decode_tok_s']:.2f} tok/s"
+                                                 if up.get("ok") else f"error: {up['error']}"), flush=True)
             pair = {}
             for policy in ("dense", "sparpr"):
                 try:
@@ -196,7 +292,7 @@ def main(argv=None) -> int:
                 print(f"ctx {ctx} {policy}: e2e {c['e2e_s']:.1f} s, decode {c['decode_tok_s']:.2f} tok/s, "
                       f"{c['bytes_per_token'] / 2**20:.1f} MiB/token", flush=True)
                 payload["cells"].append(c)
-            payload["summary"].append(compare(pair["dense"], pair["sparpr"]))
+            payload["summary"].append(compare(pair["dense"], pair["sparpr"], up))
     payload["wall_s"] = total()
     payload["disk_modes"] = sorted({m for c in payload["cells"] for m in c["disk_mode"]})
     for p in write_results(Path(args.out), STEM, payload, render_md(payload)):

@@ -57,7 +57,7 @@ def main() -> int:
     print(f"latency: prefill {t['prefill_s']:.2f} s, decode {t['decode_s']:.2f} s "
           f"({t['decode_tokens_per_s']:.1f} tok/s), total {t['total_s']:.2f} s on {out['device']}")
     print(f"memory: peak host RSS {mem['host_rss_peak_bytes'] / 2**30:.2f} GiB, "
-          f"peak GPU {mem['gpu_peak_allocated_bytes'] / 2**30:.2f} GiB; moved: {moved} "
+          f"peak GPU {mem['gpu_peak_bytes'] / 2**30:.2f} GiB; moved: {moved} "
           f"(disk I/O: {', '.join(out['disk_io_mode'] or ['none'])})")
     return 0
 

@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random HF models made locally (no hub), and the prepared SmolLM2."""
+"""Shared fixtures: tiny random HF models made locally (no hub), the prepared SmolLM2, and the
+CPU/CUDA split: every test runs on the CPU unless it is marked `cuda` (those skip, with their
+count in the summary, where there is no CUDA device; scripts/device_check.sh runs them on one)."""
 from __future__ import annotations
 
 import os
@@ -50,3 +52,68 @@ def smollm2_dir():
             pytest.fail(why)
         pytest.skip(why)
     return d
+
+
+# --- CPU and CUDA -----------------------------------------------------------------------------
+NO_CUDA = ("needs a CUDA device (torch.cuda.is_available() is False here); "
+           "scripts/device_check.sh runs the cuda-marked tests on a GPU machine")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cuda-tests-on", choices=("cuda", "cpu"), default="cuda",
+                     help="device of the cuda-marked tests; cpu: a dry run of their code paths where there "
+                          "is no GPU (scripts/device_check.sh with DEVICE=cpu)")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request) -> str:
+    """Runs a test on the CPU and, marked `cuda`, once more on the GPU."""
+    return request.param if request.param == "cpu" else request.config.getoption("--cuda-tests-on")
+
+
+@pytest.fixture
+def cuda_device(request) -> str:
+    """The device of a `cuda`-marked test: "cuda" (or "cpu" under --cuda-tests-on cpu)."""
+    return request.config.getoption("--cuda-tests-on")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() or config.getoption("--cuda-tests-on") == "cpu":
+        return
+    skip = pytest.mark.skip(reason=NO_CUDA)
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _pin_device(request, monkeypatch):
+    """The CPU suite runs on the CPU even on a CUDA machine (device and dtype "auto" would pick
+    CUDA and float16 there, against float32 tolerances and byte counts): CUDA is hidden from it
+    and from its child processes. A `cuda` test sees the GPU, in exact float32 (no TF32)."""
+    on_gpu = request.node.get_closest_marker("cuda") and request.config.getoption("--cuda-tests-on") == "cuda"
+    if not on_gpu:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One line saying how the cuda-marked tests went (skipped here when there is no GPU)."""
+    counts: dict[str, int] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            if "cuda" in getattr(rep, "keywords", {}) and (rep.when == "call" or outcome != "passed"):
+                counts[outcome] = counts.get(outcome, 0) + 1
+    if counts:
+        on = config.getoption("--cuda-tests-on")
+        why = " (on the CPU: --cuda-tests-on cpu)" if on == "cpu" else \
+            "" if torch.cuda.is_available() else " (no CUDA device here)"
+        terminalreporter.write_line("cuda-marked tests: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + why)

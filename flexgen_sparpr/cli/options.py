@@ -12,13 +12,15 @@ from ..engine.config import EngineConfig, Policy
 from ..errors import ConfigError
 from ..kv import policies
 from ..kv.knobs import knobs
-from ..runtime.hardware import Hardware, hardware_from_dict, load_hardware
+from ..runtime.hardware import GiB, Hardware, hardware_from_dict, load_hardware
+from ..storage.device_memory import cap_bytes
 from .flags import DEFAULTS, build_parser
 from .validate import check_ranges, typed_config_values
 
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
                  "cpu_cache_compute", "attn_sparsity", "compress_weight", "compress_cache")
-_ENGINE_FLAGS = ("device", "dtype", "block_size", "offload_dir", "direct_io", "io_threads", "speculative_prefetch")
+_ENGINE_FLAGS = ("device", "dtype", "gpu_mem", "block_size", "offload_dir", "direct_io", "io_threads",
+                 "speculative_prefetch")
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,10 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
     kvp, cold = _kv_policies(merged, asked, policy)
     engine = EngineConfig(kv_policy=kvp, cold_codec="raw" if cold is None else cold,
                           **{k: merged[k] for k in _ENGINE_FLAGS})
+    hw = merged["hardware"]
+    if engine.gpu_mem is None and hw is not None and hw.gpu_mem and engine.torch_device().type == "cuda":
+        # a hardware file describing a card of that size: a bigger GPU runs like it
+        engine = dataclasses.replace(engine, gpu_mem=hw.gpu_mem / GiB)
     run_fields = {f.name for f in dataclasses.fields(RunOptions)}
     run = RunOptions(**{k: merged[k] for k in run_fields if k != "percent"}, percent=tuple(pct))
     return run, policy, engine
@@ -179,10 +185,11 @@ def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, sp
     from ..runtime.placement import NoPlacementFits, choose
     from ..runtime.profile import hardware_from_probe
 
-    hw = opts.hardware
+    hw, device = opts.hardware, engine.torch_device()
     if hw is None:
-        device = engine.torch_device()
         hw = hardware_from_probe(device, engine.torch_dtype(device), engine.offload_dir)
+    if engine.gpu_mem is not None and device.type == "cuda":  # plan for the capped card
+        hw = dataclasses.replace(hw, compute_memory=min(hw.compute_memory, cap_bytes(device, engine.gpu_mem)))
     dtype = engine.dtype if engine.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
     wl = workload_for(spec, opts.prompt_len, opts.gen_len, policy, engine, dtype)
     try:

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import ConfigError
 from ..runtime.hardware import dump_hardware, save_hardware
+from ..storage.tiers import resolve_device
 from ..utils.args import OneLineParser
 from .flags import DEFAULTS
 
@@ -30,17 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def compute_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N (got {name!r})") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N (got {name!r})")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but no CUDA device is available")
-    return dev
+        return resolve_device(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def profile(argv=None) -> None:

@@ -139,7 +139,7 @@ def report(s: Setup, g: Generated) -> dict:
         print(show)
     if opts.debug_mode:
         s.say("step times (s): " + " ".join(f"{t:.4f}" for t in times))
-    log = fmt.summary(spec.model_bytes(), cache_b, hidden_b, g.memory["gpu_peak_allocated_bytes"],
+    log = fmt.summary(spec.model_bytes(), cache_b, hidden_b, g.memory["gpu_peak_bytes"],
                       projected, prefill_lat, n * plen / prefill_lat, decode_lat,
                       n * (steps_done - 1) / max(decode_lat, 1e-10), total_lat, n * steps_done / total_lat)
     s.say(log)

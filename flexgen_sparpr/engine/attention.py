@@ -50,8 +50,9 @@ def split_by_home(table: BlockTable, q, k, v, pads):
         qc, pc = q.cpu(), pads.cpu()
         table.devices.counters.add("compute", "cpu", qc.nbytes)
         for b in on_cpu:
-            blk = table.store.in_place(b)
+            blk = table.store.on_host(b)  # blk: [2, B, Hkv, bs, D] on the host
             bpos = torch.arange(b * table.bs, (b + 1) * table.bs)
             o, lse = attention_with_lse(qc, blk[0], blk[1], bpos[None, :] >= pc[:, None])
             parts.append((o.to(q.device), lse.to(q.device)))
     return merge_attention(parts).to(q.dtype)
+

@@ -11,6 +11,7 @@ import torch
 from ..errors import ConfigError
 from ..kv import policies
 from ..kv.policy import KVPolicy
+from ..storage.tiers import resolve_device
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class EngineConfig:
 
     device: str = "auto"  # "auto" -> cuda if present else cpu
     dtype: str = "auto"  # "auto" -> float16 on CUDA, float32 on CPU
+    gpu_mem: float | None = None  # GiB: cap the CUDA device, as a card this size (storage/device_memory.py)
     block_size: int = 64
     offload_dir: str = "~/flexgen_offload_dir"
     direct_io: bool = False  # bypass the page cache on the disk tier (benchmarks)
@@ -105,6 +107,8 @@ class EngineConfig:
             raise ConfigError("--block-size must be >= 1")
         if self.dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype})")
+        if self.gpu_mem is not None and not self.gpu_mem > 0:
+            raise ConfigError(f"--gpu-mem must be > 0 GiB (got {self.gpu_mem})")
         if isinstance(self.kv_policy, str) and self.kv_policy not in policies.POLICIES:
             raise ConfigError(f"unknown --kv-policy {self.kv_policy!r} (known: {', '.join(sorted(policies.POLICIES))})")
         codecs = ["raw", *policies.codec_names()]
@@ -123,12 +127,11 @@ class EngineConfig:
         return policies.resolve(self.cold_codec, self.codec_args)
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(self.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for but no CUDA device is available")
-        return dev
+        """The compute device, normalized (`cuda:<index>`, `cpu`): storage/tiers.py says why."""
+        try:
+            return resolve_device(self.device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

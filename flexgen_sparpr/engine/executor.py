@@ -21,6 +21,7 @@ from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy, Selection
 from ..models import build_arch
 from ..models.layers import causal_attention
+from ..storage.device_memory import apply_cap
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, pads_valid, split_by_home
@@ -46,6 +47,7 @@ class Engine:
         self.spec, self.policy, self.cfg = source.spec, policy, cfg
         self.arch = build_arch(self.spec)
         self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight)
+        self.gpu_limit = self._cap_device(cfg.gpu_mem)
         self.dtype = cfg.torch_dtype(self.devices.compute)
         self.kv_policy: KVPolicy = cfg.make_kv_policy()
         self.cold_codec: KVPolicy | None = cfg.make_cold_codec()  # its codec stores the CPU / disk blocks
@@ -81,6 +83,18 @@ class Engine:
                                cpu_cache_compute=policy.cpu_cache_compute, speculate=cfg.speculative_prefetch)
         self._generation = 0
         self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
+
+    def _cap_device(self, gpu_mem: float | None) -> int | None:
+        """--gpu-mem: the bytes torch's allocator may reserve (the card's size less this
+        process's context), enforced before anything is allocated; None without a cap."""
+        if gpu_mem is None:
+            return None
+        if not self.devices.is_cuda:
+            raise ConfigError("--gpu-mem caps a CUDA device; the compute device here is the CPU")
+        try:
+            return apply_cap(self.devices.compute, gpu_mem)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _transpose_weights(self) -> bool:
         """One sequence per batch on CPU: every decode product is a single row, which CPU BLAS

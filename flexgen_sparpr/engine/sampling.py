@@ -27,7 +27,7 @@ class Sampler:
             self._gen = torch.Generator(device=logits.device).manual_seed(self.seed)
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         if self.top_p < 1:
-            sp, si = probs.sort(-1, descending=True)
+            sp, si = probs.sort(dim=-1, descending=True, stable=True)  # ties (common in fp16) keep id order
             keep = sp.cumsum(-1) - sp < self.top_p  # always keeps the top token
             sp = sp * keep
             choice = torch.multinomial(sp / sp.sum(-1, keepdim=True), 1, generator=self._gen)

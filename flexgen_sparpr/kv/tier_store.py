@@ -102,6 +102,13 @@ class TierStore:
         s = self.slots[b] * self.bs
         return self._arena[self.homes[b]][:, :, :, s:s + self.bs]
 
+    def on_host(self, b: int) -> torch.Tensor:
+        """CPU-homed block b, raw, on the host: its arena slot (no copy), or its encoded row decoded
+        there (--compress-cache and --cold-codec store the CPU tier encoded: it has no raw arena)."""
+        if Tier.CPU in self.coded:
+            return self.codec.decode(self._rows[Tier.CPU][self.slots[b]])
+        return self.in_place(b)
+
     def writable(self, b: int) -> torch.Tensor:
         """Where block b is filled: its arena slot if it lives raw on compute, else the open buffer."""
         if self.homes[b] == Tier.COMPUTE and Tier.COMPUTE in self._arena:

@@ -71,16 +71,38 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      valid: torch.Tensor | None) -> torch.Tensor:
     """Prefill attention. q: [B, H, S, D]; k, v: [B, Hkv, S, D]; valid: [B, S] bool or None.
 
-    Padded (invalid) queries still attend to themselves so no row is all -inf.
+    Padded (invalid) queries attend only to themselves, so no row is all -inf.
     """
     s = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if valid is None or bool(valid.all()):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    mask = causal & valid[:, None, None, :]  # mask: [B, 1, S, S]
-    mask = mask | torch.eye(s, dtype=torch.bool, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    pads = (~valid).sum(dim=1)  # pads: [B]
+    if not torch.equal(valid, torch.arange(s, device=valid.device)[None, :] >= pads[:, None]):
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        mask = causal & valid[:, None, None, :]  # mask: [B, 1, S, S]
+        return masked_attention(q, k, v, mask | torch.eye(s, dtype=torch.bool, device=q.device))
+    # left padding: each sequence's valid suffix is plain causal attention, with no mask, so SDPA
+    # keeps its fused kernels (no [B, H, S, S] scores) and GQA needs no K/V copies
+    g = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for p in sorted(set(pads.tolist())):
+        rows = (pads == p).nonzero()[:, 0]  # rows: the sequences with p pads
+        out[rows, :, p:] = F.scaled_dot_product_attention(q[rows, :, p:], k[rows, :, p:], v[rows, :, p:],
+                                                          is_causal=True, enable_gqa=gqa)
+        out[rows, :, :p] = v[rows, :, :p].repeat_interleave(g, dim=1)  # a pad attends only itself
+    return out
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA under a boolean mask (broadcastable to [B, H, Sq, T]). q: [B, H, Sq, D]; k, v:
+    [B, Hkv, T, D]. With grouped KV heads the K/V heads are expanded first: CUDA's fused kernels
+    take a mask or enable_gqa but not both, and the math kernel they fall back to materializes
+    float32 [B, H, Sq, T] scores."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # k, v: [B, H, T, D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -34,8 +34,9 @@ _SCALARS = {
     "disk_read_bw": ("disk_read_GBps", GB),
     "disk_write_bw": ("disk_write_GBps", GB),
     "compute_memory_bw": ("compute_memory_GBps", GB),
+    "gpu_mem": ("gpu_mem_GiB", GiB),
 }
-_OPTIONAL = ("compute_memory_bw",)  # 0.0 when unknown
+_OPTIONAL = ("compute_memory_bw", "gpu_mem")  # 0.0 when unknown / not given
 _LINKS = ("h2d_bw", "d2h_bw", "h2d_pageable_bw", "d2h_pageable_bw")
 _DICTS = {"flops": ("flops_TFLOPS", TFLOPS), "cpu_flops": ("cpu_flops_TFLOPS", TFLOPS)}
 
@@ -62,6 +63,8 @@ class Hardware:
     notes: str = ""              # why numbers are derated, what is assumed
     matmul_latency_s: dict[str, float] = field(default_factory=dict)  # one small matmul call
     compute_memory_bw: float = 0.0  # bytes/s the compute device reads its own memory (0: unknown)
+    # bytes: the card's whole memory; a run on a bigger CUDA device is capped to it (--gpu-mem; 0: no cap)
+    gpu_mem: float = 0.0
 
     def __post_init__(self):
         if self.compute not in COMPUTE_KINDS:
@@ -73,6 +76,9 @@ class Hardware:
         for name in ("compute_memory", "cpu_memory", "disk_read_bw", "disk_write_bw"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"hardware {self.name!r}: {_SCALARS[name][0]} must be > 0")
+        if self.gpu_mem and (self.compute != "cuda" or self.gpu_mem < self.compute_memory):
+            raise ConfigError(f"hardware {self.name!r}: gpu_mem_GiB is a cuda card's whole memory, at least "
+                              f"compute_memory_GiB")
         if self.compute == "cuda" and not (self.h2d_bw > 0 and self.d2h_bw > 0):
             raise ConfigError(f"hardware {self.name!r}: a cuda machine needs h2d_GBps and d2h_GBps > 0")
         for name, (key, _) in _DICTS.items():
@@ -98,6 +104,8 @@ class Hardware:
         out = {"name": self.name, "compute": self.compute, "source": self.source}
         for name, (key, scale) in _SCALARS.items():
             v = getattr(self, name)
+            if name == "gpu_mem" and not v:
+                continue  # no cap: the key stays absent
             out[key] = None if (name in _LINKS and not self.is_cuda) else _round(v / scale)
         for name, (key, scale) in _DICTS.items():
             out[key] = {k: _round(v / scale) for k, v in getattr(self, name).items()}

@@ -13,10 +13,10 @@ import shutil
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 from ..storage.disk import disk_bandwidth
+from ..utils.host import available_memory_bytes, cpu_count
 from .costs import dtype_name
 from .hardware import Hardware
 from .probe import _timed, measure_copy, measure_matmul, probe
@@ -28,7 +28,7 @@ FULL = {"copy_bytes": 256 << 20, "disk_bytes": 256 << 20, "membw_bytes": 256 << 
 
 def free_memory(device: torch.device) -> tuple[float, float]:
     """(bytes usable on the compute device, bytes of host memory available now)."""
-    host = float(psutil.virtual_memory().available)
+    host = float(available_memory_bytes())
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return float(free), host
@@ -92,7 +92,7 @@ def measure(device: torch.device, offload_dir: str | Path, quick: bool = False,
     compute_mem, cpu_mem = free_memory(device)
     folder = Path(offload_dir).expanduser()
     host = platform.node() or "host"
-    name = torch.cuda.get_device_name(device) if is_cuda else f"cpu-{psutil.cpu_count(logical=True)}core"
+    name = torch.cuda.get_device_name(device) if is_cuda else f"cpu-{cpu_count()}core"
     notes.append(f"{'quick ' if quick else ''}profile; free memory as seen at the time of the run; "
                  f"torch {torch.__version__}")
     return Hardware(

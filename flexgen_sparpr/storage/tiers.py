@@ -72,6 +72,40 @@ class LinkCounters:
         return sum(self.snapshot().values())
 
 
+def normalize_device(device) -> torch.device:
+    """The one spelling of a compute device: CUDA with its index, the CPU without one.
+
+    Tensors report `cuda:0` and `cpu`, while torch.device("cuda") != torch.device("cuda:0") and
+    torch.device("cpu:0") != torch.device("cpu"): every "is this tensor already on the compute
+    device?" test must compare against this form, or it is always false (counted copies,
+    reallocated buffers)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    return dev
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto (CUDA when present, else the CPU), cpu, cuda or cuda:N -> a normalized device;
+    ValueError with a one-line reason otherwise."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N (got {name!r})")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    return normalize_device(dev)
+
+
 @dataclass
 class Devices:
     """The physical devices behind the tiers of one run.
@@ -83,6 +117,9 @@ class Devices:
     compute: torch.device
     pin_memory: bool = True
     counters: LinkCounters = field(default_factory=LinkCounters)
+
+    def __post_init__(self):
+        self.compute = normalize_device(self.compute)
 
     @property
     def is_cuda(self) -> bool:

@@ -1,4 +1,6 @@
-"""Run upstream FlexGen (flexgen==0.1.8) on the CPU with dummy weights: the measured peer.
+"""Run upstream FlexGen (flexgen==0.1.8) with dummy weights: the measured peer. On a CUDA
+machine it runs as shipped (unpatched, on the GPU); on the CPU, or when asked (`device="cpu"`),
+with the CPU patches of patches.py.
 
 `run_upstream(...)` runs it in a subprocess (upstream keeps module globals, starts copy threads
 and may exhaust memory; a child isolates all of that) and returns its timings and tokens.
@@ -39,11 +41,36 @@ def prefill_scores_bytes(batch: int, prompt_len: int, n_head: int, itemsize: int
 def _check_memory(batch: int, prompt_len: int, n_head: int, itemsize: int) -> None:
     """Refuse a run whose prefill scores alone exceed the available memory: on a shared machine
     the kernel's OOM killer could pick another process."""
-    import psutil
-    need, avail = prefill_scores_bytes(batch, prompt_len, n_head, itemsize), psutil.virtual_memory().available
+    from ..utils.host import available_memory_bytes
+    need, avail = prefill_scores_bytes(batch, prompt_len, n_head, itemsize), available_memory_bytes()
     if need > avail:
         raise MemoryError(f"OOM (predicted): upstream's prefill holds 2 x [B*H, S, S] scores = "
                           f"{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available")
+
+
+def prepare_upstream(device: str = "auto", dtype: str = "auto", gpu_mem: float | None = None) -> dict:
+    """Where upstream runs and how, in this process: CUDA unpatched when there is CUDA (device
+    "auto") or when asked ("cuda"), with the device capped at gpu_mem GiB; else the CPU with the
+    CPU patches. dtype "auto": float16 on CUDA (upstream as shipped), float32 on the CPU (its
+    fast type). Returns {"device", "dtype", "patches"} (the patches in force)."""
+    from .patches import apply_cpu_patches, use_float32_compute
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda (got {device!r})")
+    if dtype not in ("auto", "float16", "float32"):
+        raise ValueError(f"dtype must be auto, float16 or float32 (got {dtype!r})")
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if on_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    if gpu_mem is not None and not on_cuda:
+        raise ValueError("--gpu-mem caps a CUDA device; upstream runs on the CPU here")
+    if on_cuda and gpu_mem is not None:
+        from ..storage.device_memory import apply_cap
+        apply_cap(torch.device("cuda", 0), gpu_mem)  # upstream's GPU tier is cuda:0
+    patches = [] if on_cuda else apply_cpu_patches()
+    dtype = dtype if dtype != "auto" else "float16" if on_cuda else "float32"
+    use_float32_compute(dtype == "float32")
+    return {"device": "cuda" if on_cuda else "cpu", "dtype": dtype,
+            "patches": patches + (["use_float32_compute"] if dtype == "float32" else [])}
 
 
 def _policy(flex_opt, batch: int, percent, sparsity: float = 1.0):
@@ -59,17 +86,16 @@ def _policy(flex_opt, batch: int, percent, sparsity: float = 1.0):
 def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
                       percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
                       sparpr: dict | None = None, weights: str = "ones", seed: int = 0,
-                      warmup: bool = True, dtype: str = "float32") -> dict:
-    """In this process: patch upstream for the CPU, run one generation, return timings and the
-    generated ids ([batch][gen_len]). weights: "ones" (upstream's own _DUMMY_) or "engine" (this
-    engine's seeded dummy values). sparpr: keyword arguments of `apply_sparpr`, or None.
-    dtype: "float32" (weights and compute; the CPU's fast type, as this engine uses on the CPU)
-    or "float16" (upstream's own); the KV cache is float16 either way, as upstream stores it."""
-    from .patches import apply_cpu_patches, use_float32_compute
-    apply_cpu_patches()
-    if dtype not in ("float16", "float32"):
-        raise ValueError(f"dtype must be float16 or float32 (got {dtype!r})")
-    use_float32_compute(dtype == "float32")
+                      warmup: bool = True, dtype: str = "auto", device: str = "auto",
+                      gpu_mem: float | None = None) -> dict:
+    """In this process: run one generation (on CUDA as shipped, else patched for the CPU:
+    prepare_upstream), return timings and the generated ids ([batch][gen_len]). weights: "ones"
+    (upstream's own _DUMMY_) or "engine" (this engine's seeded dummy values). sparpr: keyword
+    arguments of `apply_sparpr`, or None. dtype: "float32" (weights and compute; the CPU's fast
+    type, as this engine uses on the CPU) or "float16" (upstream's own); "auto" picks by device.
+    The KV cache is float16 either way, as upstream stores it."""
+    where = prepare_upstream(device, dtype, gpu_mem)
+    dtype = where["dtype"]
     from flexgen import flex_opt
     from flexgen.opt_config import get_opt_config
     from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
@@ -95,7 +121,8 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
     config = get_opt_config(model, dtype=np.float32 if dtype == "float32" else np.float16)
     if prompt_len + gen_len > config.max_seq_len:
         config = get_opt_config(model, dtype=config.dtype, max_seq_len=prompt_len + gen_len)
-    _check_memory(batch, prompt_len, config.n_head, 4 if dtype == "float32" else 2)
+    if where["device"] == "cpu":  # the GPU's own allocator refuses what does not fit
+        _check_memory(batch, prompt_len, config.n_head, 4 if dtype == "float32" else 2)
     if offload_dir:
         os.makedirs(offload_dir, exist_ok=True)
     offload = tempfile.mkdtemp(prefix="flexgen-upstream-", dir=offload_dir)  # removed at the end
@@ -126,21 +153,26 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
         "projected": bool(cut_gen_len),
         # the child's lifetime peak (ru_maxrss is KiB on Linux), under the key the reports read
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(0) if where["device"] == "cuda" else 0,
         "config": {"model": model, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
                    "percent": list(percent), "cut_gen_len": cut_gen_len, "sparpr": sparpr,
                    "weights": weights, "seed": seed, "upstream": "flexgen==0.1.8", "dtype": dtype,
-                   "kv_dtype": "float16", "threads": torch.get_num_threads()},
+                   "kv_dtype": "float16", "threads": torch.get_num_threads(), "device": where["device"],
+                   "patches": where["patches"], "gpu_mem_GiB": gpu_mem},
     }
 
 
 def upstream_command(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
                      percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
                      sparpr: dict | None = None, weights: str = "ones", output: str | None = None,
-                     dtype: str = "float32", threads: int | None = None) -> list[str]:
+                     dtype: str = "float32", threads: int | None = None, device: str = "cpu",
+                     gpu_mem: float | None = None) -> list[str]:
     """argv of the child that runs `generate_upstream` and prints (or writes) its JSON."""
     cmd = [sys.executable, "-m", "flexgen_sparpr.upstream.run", "--json", "--model", model,
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--gen-len", str(gen_len),
-           "--percent", *map(str, percent), "--weights", weights, "--dtype", dtype]
+           "--percent", *map(str, percent), "--weights", weights, "--dtype", dtype, "--device", device]
+    if gpu_mem is not None:
+        cmd += ["--gpu-mem", str(gpu_mem)]
     if offload_dir:
         cmd += ["--offload-dir", offload_dir]
     if cut_gen_len:
@@ -171,7 +203,7 @@ def parse_child(returncode: int, stdout: str, stderr: str) -> dict:
 def run_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512, gen_len: int = 8,
                  percent=(100, 0, 100, 0, 100, 0), offload_dir: str | None = None,
                  cut_gen_len: int | None = None, sparpr: dict | None = None) -> dict:
-    """Upstream FlexGen on this CPU with its own dummy weights, in a subprocess.
+    """Upstream FlexGen on this CPU (patched) with its own dummy weights, in a subprocess.
 
     Returns {"ok": True, "prefill_s", "decode_s", "total_s", "decode_tok_s", "tokens": [[...]], ...}
     (tokens: [batch][gen_len] generated ids) or {"ok": False, "error": "<one line>"}. The child
@@ -186,7 +218,7 @@ def run_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int = 512,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(description="upstream FlexGen 0.1.8 on the CPU (dummy weights)")
+    ap = OneLineParser(description="upstream FlexGen 0.1.8 with dummy weights: as shipped on CUDA, patched on the CPU")
     ap.add_argument("--model", default="opt-125m")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -197,8 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sparpr", help="JSON keyword arguments of apply_sparpr, e.g. '{\"keep_ratio\": 0.5}'")
     ap.add_argument("--weights", choices=("ones", "engine"), default="ones",
                     help="ones: upstream's own _DUMMY_ weights; engine: this engine's seeded dummy values")
-    ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
-                    help="weights and compute (the KV cache is float16 either way, as upstream stores it)")
+    ap.add_argument("--dtype", choices=("auto", "float32", "float16"), default="auto",
+                    help="weights and compute (the KV cache is float16 either way, as upstream stores it); "
+                         "auto: float16 on CUDA (as shipped), float32 on the CPU")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: CUDA, unpatched, when there is one; cpu: the CPU patches (default auto)")
+    ap.add_argument("--gpu-mem", type=float, help="cap the CUDA device at this many GiB (an 8 GB card: 8)")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--json", action="store_true", help="print one JSON line (the result dict)")
     ap.add_argument("--output", help="also write the result JSON here (atomically)")
@@ -213,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--sparpr must be a JSON object")
         result = generate_upstream(args.model, args.batch, args.prompt_len, args.gen_len, tuple(args.percent),
                                    args.offload_dir, args.cut_gen_len, sparpr, weights=args.weights,
-                                   dtype=args.dtype)
+                                   dtype=args.dtype, device=args.device, gpu_mem=args.gpu_mem)
     except Exception as e:  # one line for the caller; bad input (ValueError, ...) exits 2
         msg = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
         result = {"ok": False, "error": f"{type(e).__name__}: {msg}"}

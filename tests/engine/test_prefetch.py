@@ -17,10 +17,10 @@ PROMPTS = [list(range(3, 43)), list(range(50, 79))]  # the second is left-padded
 GEN = 6
 
 
-def generate(model_dir, tmp_path, *, ngb: int, overlap: bool = True, sep_layer: bool = True):
+def generate(model_dir, tmp_path, *, ngb: int, overlap: bool = True, sep_layer: bool = True, device: str = "cpu"):
     costs = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, live=False)
     pol = SparPR(keep_ratio=0.3, costs=costs)
-    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path), direct_io=True)
+    cfg = EngineConfig(device=device, dtype="float32", block_size=8, offload_dir=str(tmp_path), direct_io=True)
     policy = Policy(gpu_batch_size=len(PROMPTS) // ngb, num_gpu_batches=ngb, cache_gpu_percent=0,
                     overlap=overlap, sep_layer=sep_layer)
     with Engine(resolve_source(str(model_dir), ""), policy, cfg) as eng:
@@ -52,11 +52,12 @@ def spy(monkeypatch):
 
 
 @pytest.mark.parametrize("sep_layer", [True, False])
-def test_two_gpu_batches_prefetch_every_selection_and_change_nothing(tiny_model_dir, tmp_path, spy, sep_layer):
+def test_two_gpu_batches_prefetch_every_selection_and_change_nothing(tiny_model_dir, tmp_path, spy, sep_layer,
+                                                                     device):
     ref_tokens, ref_logits, ref_totals = generate(tiny_model_dir, tmp_path / "a", ngb=2, overlap=False,
-                                                  sep_layer=sep_layer)
+                                                  sep_layer=sep_layer, device=device)
     spy.update(early=0, steps=0, prefetched=0)
-    tokens, logits, totals = generate(tiny_model_dir, tmp_path / "b", ngb=2, sep_layer=sep_layer)
+    tokens, logits, totals = generate(tiny_model_dir, tmp_path / "b", ngb=2, sep_layer=sep_layer, device=device)
     assert tokens == ref_tokens
     for a, b in zip(logits, ref_logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

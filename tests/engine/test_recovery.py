@@ -27,9 +27,9 @@ PROMPTS = [list(range(5, 45)), list(range(7, 30))]  # left padding in the second
 @pytest.mark.parametrize("placement", [dict(), dict(cache_gpu_percent=0, cache_cpu_percent=0)],
                          ids=["compute", "disk"])
 @pytest.mark.parametrize("step", [1, 2])
-def test_rebuilt_kv_equals_stored_kv(tiny_model_dir, tmp_path, placement, step):
+def test_rebuilt_kv_equals_stored_kv(tiny_model_dir, tmp_path, placement, step, device):
     src = resolve_source(str(tiny_model_dir), "")
-    cfg = EngineConfig(block_size=8, offload_dir=str(tmp_path))
+    cfg = EngineConfig(block_size=8, offload_dir=str(tmp_path), device=device, dtype="float32")
     with Engine(src, Policy(gpu_batch_size=2, **placement), cfg) as eng:
         ref = eng.generate(PROMPTS, 8, keep_logits=True)
     with Engine(src, Policy(gpu_batch_size=2, **placement), cfg) as eng:
@@ -39,11 +39,11 @@ def test_rebuilt_kv_equals_stored_kv(tiny_model_dir, tmp_path, placement, step):
     assert max((a - b).abs().max().item() for a, b in zip(got.logits, ref.logits)) < 1e-5
 
 
-def test_rebuild_reads_checkpoints_not_kv(tiny_opt_dir, tmp_path):
+def test_rebuild_reads_checkpoints_not_kv(tiny_opt_dir, tmp_path, device):
     """OPT keeps K and V (2 x hidden per token) but a checkpoint is 1 x hidden: with every
     sealed block rebuilt, the disk->cpu bytes of a decode step halve for sealed blocks."""
     src = resolve_source(str(tiny_opt_dir), "")
-    cfg = EngineConfig(block_size=8, offload_dir=str(tmp_path))
+    cfg = EngineConfig(block_size=8, offload_dir=str(tmp_path), device=device, dtype="float32")
     pol = Policy(gpu_batch_size=2, cache_gpu_percent=0, cache_cpu_percent=0, overlap=False)
     moved = []
     for policy in (None, RebuildEvery()):

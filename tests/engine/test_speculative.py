@@ -24,11 +24,12 @@ GEN = 6
 COSTS = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, live=False)
 
 
-def run(model_dir, out, name, speculate: bool, sep_layer: bool = True):
+def run(model_dir, out, name, speculate: bool, sep_layer: bool = True, device: str = "cpu"):
     args = {"keep_ratio": 0.3} | ({"costs": COSTS} if name.startswith("sparpr") else {}) | \
         ({"dense_layers": 0} if name == "quest" else {})
     dkv = dict(cold_codec="dkv", codec_args={"rank": 1, "residuals": 3}) if name == "sparpr+dkv" else {}
-    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(out), kv_policy=name.removesuffix("+dkv"),
+    cfg = EngineConfig(device=device, dtype="float32", block_size=8, offload_dir=str(out),
+                       kv_policy=name.removesuffix("+dkv"),
                        policy_args=args, speculative_prefetch=speculate, **dkv)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=1, cache_gpu_percent=0, sep_layer=sep_layer)
     with Engine(resolve_source(str(model_dir), ""), policy, cfg) as eng:
@@ -40,7 +41,7 @@ def run(model_dir, out, name, speculate: bool, sep_layer: bool = True):
 
 @pytest.mark.parametrize("name, sep_layer", [("sparpr", True), ("sparpr", False), ("quest", True),
                                              ("flexgen-topk", True), ("sparpr+dkv", True)])
-def test_speculation_changes_nothing_but_the_bytes(name, sep_layer, tiny_model_dir, tmp_path, monkeypatch):
+def test_speculation_changes_nothing_but_the_bytes(name, sep_layer, tiny_model_dir, tmp_path, monkeypatch, device):
     topped = []
     real = recovery.top_up
 
@@ -48,9 +49,9 @@ def test_speculation_changes_nothing_but_the_bytes(name, sep_layer, tiny_model_d
         topped.append(args[2])
         return real(*args)
     monkeypatch.setattr(cell, "top_up", spy)
-    ref = run(tiny_model_dir, tmp_path / "a", name, speculate=False, sep_layer=sep_layer)
+    ref = run(tiny_model_dir, tmp_path / "a", name, speculate=False, sep_layer=sep_layer, device=device)
     assert not topped and not ref[3]
-    got = run(tiny_model_dir, tmp_path / "b", name, speculate=True, sep_layer=sep_layer)
+    got = run(tiny_model_dir, tmp_path / "b", name, speculate=True, sep_layer=sep_layer, device=device)
     assert got[0] == ref[0]
     for a, b in zip(got[1], ref[1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

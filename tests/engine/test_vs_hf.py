@@ -128,10 +128,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_matches_hf(tiny_model_dir, tmp_path, case):
+def test_engine_matches_hf(tiny_model_dir, tmp_path, case, device):
     kwargs, bs, prompts = CASES[case]
     src = resolve_source(str(tiny_model_dir), "")
-    tokens, logits, _ = run_engine(src, Policy(**kwargs), tmp_path, prompts, block_size=bs)
+    tokens, logits, _ = run_engine(src, Policy(**kwargs), tmp_path, prompts, block_size=bs, device=device,
+                                   dtype="float32")
     assert_matches_hf(tiny_model_dir, tokens, logits, prompts)
 
 
@@ -159,11 +160,12 @@ def test_cpu_homes_unfolded_with_overlap_match_hf(tiny_opt_dir, tmp_path, unfold
     assert_matches_hf(tiny_opt_dir, tokens, logits, MIXED)
 
 
-def test_repeated_generate_on_one_engine(tiny_model_dir, tmp_path):
+def test_repeated_generate_on_one_engine(tiny_model_dir, tmp_path, device):
     """A second (and third) generate on the same engine rebuilds its tables and gives HF's result."""
     src = resolve_source(str(tiny_model_dir), "")
     pol = Policy(gpu_batch_size=2, **C_SPLIT, **W_SPLIT)
-    with Engine(src, pol, EngineConfig(block_size=4, offload_dir=str(tmp_path / "off"))) as eng:
+    cfg = EngineConfig(block_size=4, offload_dir=str(tmp_path / "off"), device=device, dtype="float32")
+    with Engine(src, pol, cfg) as eng:
         for prompts in (MIXED, EQUAL, MIXED):
             r = eng.generate(prompts, N_NEW, keep_logits=True)
             assert_matches_hf(tiny_model_dir, r.tokens, torch.stack(r.logits), prompts)
@@ -237,10 +239,11 @@ def extra_policies():
     pytest.param(C_SPLIT, id="cache-split"),
     pytest.param(C_DISK, id="cache-disk"),
 ])
-def test_kv_policy_reading_every_block_matches_hf(tiny_opt_dir, tmp_path, extra_policies, policy_name, placement):
+def test_kv_policy_reading_every_block_matches_hf(tiny_opt_dir, tmp_path, extra_policies, policy_name, placement,
+                                                 device):
     src = resolve_source(str(tiny_opt_dir), "")
     tokens, logits, _ = run_engine(src, Policy(gpu_batch_size=2, **placement), tmp_path, MIXED,
-                                   block_size=4, kv_policy=policy_name)
+                                   block_size=4, kv_policy=policy_name, device=device, dtype="float32")
     assert_matches_hf(tiny_opt_dir, tokens, logits, MIXED)
 
 

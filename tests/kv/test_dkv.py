@@ -39,9 +39,12 @@ def test_bytes_match_the_formula(dtype, rank, res):
 
 
 def test_full_rank_is_lossless():
+    """Up to float32 rounding: the basis comes from the block's Gram matrix, whose forming squares
+    the condition number, so the weakest direction carries ~1e-5 error (an SVD's was ~1e-6;
+    both far below the float16 the KV is kept in on a GPU)."""
     kv = torch.randn(SHAPE)
     c = DKVCodec(SHAPE, torch.float32, rank=10 ** 6, residuals=0)
-    torch.testing.assert_close(c.decode(c.encode(kv)), kv, atol=1e-5, rtol=0)
+    torch.testing.assert_close(c.decode(c.encode(kv)), kv, atol=5e-5, rtol=0)
 
 
 def test_residuals_are_the_worst_reconstructed_rows_and_exact():

@@ -70,11 +70,13 @@ class Recorder:
         pol: KVPolicy = self.eng.kv_policy
         layer = next(i for (i, _), tt in self.eng.tables.items() if tt is t)
         b, hkv = t.block_shape[1:3]
+        # recorded on the CPU whatever the engine's device (its tensors may be on CUDA)
         if fetched is None:
             blocks, pos, mask = list(range(t.num_blocks)), torch.arange(t.length), None
         else:
-            blocks, pos, mask = fetched.sel.blocks, fetched.pos[:-1].clone(), fetched.sel.mask
-        pad = torch.zeros(b, dtype=torch.long) if pads is None else pads  # None: no left padding
+            blocks, pos = fetched.sel.blocks, fetched.pos[:-1].cpu()
+            mask = None if fetched.sel.mask is None else fetched.sel.mask.cpu()
+        pad = torch.zeros(b, dtype=torch.long) if pads is None else pads.cpu()  # None: no left padding
         see = (pos[None, None, :] >= pad[:, None, None]).expand(b, hkv, -1)  # see: [B, Hkv, T]
         see = see & mask if mask is not None else see
         chosen = [[set(pos[see[i, h]].tolist()) for h in range(hkv)] for i in range(b)]
@@ -104,11 +106,11 @@ class Recorder:
         return fetched
 
 
-def run(model_dir, name, keep, monkeypatch=None, disk=None, sampler=None):
+def run(model_dir, name, keep, monkeypatch=None, disk=None, sampler=None, device="cpu"):
     """Generate GEN tokens for PROMPTS; returns (tokens, logits, recorder, disk->cpu bytes per step)."""
     policy = Policy(gpu_batch_size=len(PROMPTS), cache_gpu_percent=0 if disk else 100)
-    cfg = EngineConfig(device="cpu", block_size=8, kv_policy=name, policy_args=policy_args(name, keep),
-                       offload_dir=str(disk or "unused"))
+    cfg = EngineConfig(device=device, dtype="float32", block_size=8, kv_policy=name,
+                       policy_args=policy_args(name, keep), offload_dir=str(disk or "unused"))
     eng = Engine(resolve_source(str(model_dir), ""), policy, cfg)
     rec = Recorder(eng, keep)
     if monkeypatch is not None:
@@ -135,10 +137,10 @@ def model_dir(request, tiny_opt_dir, tiny_llama_dir):
 # --- the matrix: every registered policy ---
 @pytest.mark.parametrize("cache", ["resident", "disk"])
 @pytest.mark.parametrize("name", NAMES)
-def test_keep_one_equals_dense(name, cache, model_dir, tmp_path):
+def test_keep_one_equals_dense(name, cache, model_dir, tmp_path, device):
     disk = tmp_path if cache == "disk" else None
-    ref_tokens, ref_logits, *_ = run(model_dir, "dense", 1.0, disk=disk)
-    tokens, logits, *_ = run(model_dir, name, 1.0, disk=disk)
+    ref_tokens, ref_logits, *_ = run(model_dir, "dense", 1.0, disk=disk, device=device)
+    tokens, logits, *_ = run(model_dir, name, 1.0, disk=disk, device=device)
     assert tokens == ref_tokens
     for a, b in zip(logits, ref_logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -146,8 +148,8 @@ def test_keep_one_equals_dense(name, cache, model_dir, tmp_path):
 
 @pytest.mark.parametrize("keep", [0.5, 0.2])
 @pytest.mark.parametrize("name", SELECTING)
-def test_reads_within_budget_and_keep_mandatory(name, keep, model_dir, tmp_path, monkeypatch):
-    *_, rec, _ = run(model_dir, name, keep, monkeypatch, disk=tmp_path)
+def test_reads_within_budget_and_keep_mandatory(name, keep, model_dir, tmp_path, monkeypatch, device):
+    *_, rec, _ = run(model_dir, name, keep, monkeypatch, disk=tmp_path, device=device)
     assert rec.steps
     for s in rec.steps:
         if s.fallback:
@@ -166,8 +168,8 @@ def test_same_seed_same_tokens(name, tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize("name", SELECTING)
-def test_disk_bytes_are_the_selected_blocks(name, model_dir, tmp_path, monkeypatch):
-    *_, rec, per_step = run(model_dir, name, 0.3, monkeypatch, disk=tmp_path)
+def test_disk_bytes_are_the_selected_blocks(name, model_dir, tmp_path, monkeypatch, device):
+    *_, rec, per_step = run(model_dir, name, 0.3, monkeypatch, disk=tmp_path, device=device)
     expect = [sum(s.disk_bytes for s in rec.steps if s.step == i + 1) for i in range(len(per_step))]
     assert per_step == expect
     assert sum(per_step) > 0

@@ -441,3 +441,4 @@ def test_dkv_cold_blocks_get_the_prefills_importance(tiny_llama_dir, tmp_path, m
         eng.prefill(PROMPTS, 2)
         sealed = sum(t.length // t.bs for t in eng.tables.values())
     assert len(calls) == sealed > 0 and all(calls)
+

@@ -120,6 +120,53 @@ def test_causal_attention_with_left_padding(h, hkv):
                                naive_attention(q, k, v, None, causal=True).float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Every SDPA call's (attn_mask given, enable_gqa) pair. CUDA's fused kernels take a mask or
+    enable_gqa, not both: with both SDPA falls back to the math kernel's [B, H, S, S] float32
+    scores (34 GB for a 7B Llama at batch 4 and 8k tokens), so no call may ask for both."""
+    import torch.nn.functional as F
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, enable_gqa=False, **kw):
+        calls.append((attn_mask is not None, enable_gqa))
+        return real(q, k, v, attn_mask, *args, enable_gqa=enable_gqa, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("h, hkv", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("pads", [[0, 2, 6, 2], [3, 3, 3, 3], [0, 0, 0, 1]])
+def test_padded_gqa_prefill_takes_no_mask_and_equals_the_masked_form(h, hkv, pads, sdpa_calls):
+    b, s, d = len(pads), 9, 8
+    q, k, v = rand_qkv(b, h, hkv, s, s, d, seed=sum(pads))
+    valid = torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]
+    out = causal_attention(q, k, v, valid)
+    assert sdpa_calls and not any(mask for mask, _ in sdpa_calls)  # left padding: plain causal SDPA
+    ref = naive_attention(q, k, v, valid, causal=True).float()
+    real = valid[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+    # a padded query attends only to itself: its output is its own value
+    own = v.repeat_interleave(h // hkv, 1)
+    torch.testing.assert_close(out[~real], own[~real], rtol=0, atol=0)
+
+
+def test_other_masks_expand_kv_heads_instead_of_enable_gqa(sdpa_calls):
+    """A validity pattern that is not left padding takes the masked path, with K/V heads
+    expanded (mask, no enable_gqa); the DKV block-sparse prefill likewise."""
+    from flexgen_sparpr.kv.dkv.prefill import block_sparse_prefill
+    b, h, hkv, s, d = 2, 4, 2, 24, 8
+    q, k, v = rand_qkv(b, h, hkv, s, s, d)
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, 5] = False  # a hole, not a left pad
+    out = causal_attention(q, k, v, valid)
+    ref = naive_attention(q, k, v, valid, causal=True).float()
+    real = valid[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+    block_sparse_prefill(q, k, v, torch.arange(s)[None, :] >= torch.tensor([[0], [3]]), bs=4, topk=1)
+    assert any(mask for mask, _ in sdpa_calls) and not any(mask and gqa for mask, gqa in sdpa_calls)
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_decode_attention_masks(per_head):
     b, h, hkv, t, d = 2, 4, 2, 11, 8

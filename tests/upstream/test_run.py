@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 
 import psutil
+import pytest
 import torch
 
 from flexgen_sparpr.models.spec import opt_spec
-
-from flexgen_sparpr.upstream.run import main, parse_child, prefill_scores_bytes, run_upstream, upstream_command
+from flexgen_sparpr.upstream import patches
+from flexgen_sparpr.upstream.run import (main, parse_child, prefill_scores_bytes, prepare_upstream, run_upstream,
+                                         upstream_command)
 
 
 def test_run_upstream_in_a_subprocess(tmp_path):
@@ -59,3 +61,21 @@ def test_a_prefill_that_cannot_fit_is_refused_before_it_starts(capsys):
     assert main(["--json", "--batch", "4096", "--prompt-len", "16384", "--gen-len", "2"]) == 1
     err = json.loads(capsys.readouterr().out)["error"]
     assert err.startswith("MemoryError: OOM (predicted)") and "GiB available" in err
+
+
+def test_upstream_runs_unpatched_on_cuda_and_patched_on_the_cpu(monkeypatch):
+    """The peer on a GPU is upstream as shipped: the CPU patches only where there is no CUDA or
+    when asked (before, they were applied always, so a GPU run measured the CPU)."""
+    calls = []
+    monkeypatch.setattr(patches, "apply_cpu_patches", lambda: calls.append("cpu") or ["cpu-patches"])
+    monkeypatch.setattr(patches, "use_float32_compute", lambda on=True: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert prepare_upstream() == {"device": "cuda", "dtype": "float16", "patches": []} and not calls
+    assert prepare_upstream("cpu") == {"device": "cpu", "dtype": "float32",
+                                       "patches": ["cpu-patches", "use_float32_compute"]} and calls
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert prepare_upstream()["device"] == "cpu"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        prepare_upstream("cuda")
+    with pytest.raises(ValueError, match="gpu-mem"):
+        prepare_upstream("cpu", gpu_mem=8)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...models.layers import masked_attention
+
 
 def _block_means(x: torch.Tensor, w: torch.Tensor, nb: int, bs: int) -> torch.Tensor:
     """x: [B, Hx, nb*bs, D]; w: [B, nb*bs] weights -> [B, Hx, nb, D] weighted means per block."""
@@ -56,6 +58,6 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vali
         kval = torch.gather(vmask, 1, kpos)  # kval: [B, n*bs]
         mask = (kpos[:, None, :] <= qpos[None, :, None]) & kval[:, None, :]  # mask: [B, Sq, n*bs]
         mask |= kpos[:, None, :] == qpos[None, :, None]  # a padded query still sees itself
-        o = F.scaled_dot_product_attention(q[:, :, q0:q1], ks, vs, attn_mask=mask[:, None], enable_gqa=hkv != h)
+        o = masked_attention(q[:, :, q0:q1], ks, vs, mask[:, None])  # o: [B, H, Sq, D]
         out[:, :, q0:q1] = o
     return out

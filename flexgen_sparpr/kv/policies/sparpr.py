@@ -43,8 +43,8 @@ def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_s
     summ = summ.reshape(b, hkv, nb * parts, d)  # summ: [B, Hkv, nb * P, D] (a view of a block prefix)
     qs = q.to(summ.dtype)  # products in the summaries' dtype, summed in float32 (no copy of them)
     if head_score == "sum":  # sum_h q_h . s_g(h) = sum_g (sum of g's query heads) . s_g
-        qg = qs.view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-        part = torch.einsum("bgd,bgnd->bn", qg, summ).float()  # part: [B, nb * P]
+        qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
+        part = torch.einsum("bgd,bgnd->bn", qg, summ.float())  # part: [B, nb * P], float32 (fp16 ties/overflows)
     else:
         per = torch.einsum("bgjd,bgnd->bgjn", qs.view(b, hkv, h // hkv, d), summ).float()  # [B, Hkv, G, nb * P]
         per = (per / math.sqrt(d)).masked_fill(~live[:, None, None], -math.inf)

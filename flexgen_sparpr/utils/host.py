@@ -1,0 +1,49 @@
+"""Host facts for reports and probes: this process's resident memory, the memory available, the
+core count. psutil gives them where it is installed; without it (a GPU box that has only torch)
+Linux's /proc does, so a dependency used only for reporting never stops a run."""
+from __future__ import annotations
+
+import os
+import resource
+
+try:
+    import psutil
+except ImportError:  # reporting only: /proc below serves instead
+    psutil = None
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (0 when nothing can tell)."""
+    if psutil is not None:
+        return psutil.Process().memory_info().rss
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def lifetime_peak_rss_bytes() -> int:
+    """The whole process lifetime's peak RSS (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def available_memory_bytes() -> int:
+    """Host memory available to new allocations without swapping (MemAvailable)."""
+    if psutil is not None:
+        return int(psutil.virtual_memory().available)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * _PAGE
+
+
+def cpu_count() -> int:
+    """Logical cores."""
+    return (psutil.cpu_count(logical=True) if psutil is not None else None) or os.cpu_count() or 1

@@ -1,0 +1,103 @@
+"""Greedy tokens of a real model on the GPU against the CPU's: the same prompts through this
+engine on the CPU (float32), on --device in float32 with TF32 off (must be equal), and on
+--device in float16 (reported: where it first departs, and the CPU's top-1/top-2 logit margin
+there; a float16 departure where that margin is below float16's resolution is a near-tie, not
+a bug). Exit 1 when the float32 tokens differ.
+
+Writes <out>/tokens.json (config, tokens, margins, machine).
+
+    python scripts/device_tokens.py --model DIR --device cuda --out results/gpu
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, OneLineParser, die, int_list, machine_info, write_results  # noqa: E402
+
+TEXT = REPO / "tests" / "data" / "alice29.txt"
+# float16 resolves a logit of magnitude ~20 to 2**-6 = 0.016 (half an ulp 0.008); two of its
+# roundings plus the layers' own: a CPU margin under this is a tie float16 cannot break
+FP16_TIE = 0.05
+
+
+def run(src, prompts, n, device, dtype, placement):
+    import torch
+    from flexgen_sparpr.engine.config import EngineConfig, Policy
+    from flexgen_sparpr.engine.executor import Engine
+    pol = Policy(gpu_batch_size=len(prompts), **placement)
+    with Engine(src, pol, EngineConfig(device=device, dtype=dtype, block_size=64, offload_dir="unused")) as eng:
+        r = eng.generate(prompts, n, keep_logits=True)
+    return r.tokens, torch.stack(r.logits, 1)  # logits: [B, n, V] on the CPU
+
+
+def first_departure(a, b):
+    """(row, step) of the earliest position where the token lists differ, or None."""
+    found = [(i, s) for i, (ra, rb) in enumerate(zip(a, b)) for s, (x, y) in enumerate(zip(ra, rb)) if x != y]
+    return min(found, key=lambda p: p[1]) if found else None
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a prepared model dir (flexgen-sparpr prepare) or a known name")
+    ap.add_argument("--device", default="cuda", help="the device compared with the CPU (default: cuda)")
+    ap.add_argument("--lengths", default="512,2048", help="prompt lengths in tokens (default: 512,2048)")
+    ap.add_argument("--batch", type=int, default=2, help="sequences per prompt length (default: 2)")
+    ap.add_argument("--gen-len", type=int, default=16, help="new tokens (default: 16)")
+    ap.add_argument("--out", default=str(REPO / "results" / "gpu"), help="output folder (default: results/gpu)")
+    args = ap.parse_args(argv)
+    try:
+        lengths = int_list(args.lengths)
+    except ValueError:
+        die(f"--lengths must be a comma-separated list of positive integers (got {args.lengths!r})")
+    if args.batch < 1 or args.gen_len < 1:
+        die("--batch and --gen-len must be >= 1")
+    import torch
+    from transformers import AutoTokenizer
+    from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
+    try:
+        src = resolve_source(args.model, "")
+    except (ModelNotFound, ValueError) as e:
+        die(str(e))
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ids = AutoTokenizer.from_pretrained(src.tokenizer_dir)(TEXT.read_text())["input_ids"]
+    cells, ok = [], True
+    for n in lengths:
+        # rows start at different places of the text; the last row is shorter (left padding)
+        prompts = [ids[b * 997: b * 997 + n - (7 if b == args.batch - 1 and b else 0)] for b in range(args.batch)]
+        for placement in ({}, {"cache_gpu_percent": 0, "cache_cpu_percent": 100}):
+            cpu, cpu_logits = run(src, prompts, args.gen_len, "cpu", "float32", placement)
+            f32, f32_logits = run(src, prompts, args.gen_len, args.device, "float32", placement)
+            f16, _ = run(src, prompts, args.gen_len, args.device, "float16", placement)
+            top2 = cpu_logits.topk(2, dim=-1).values  # top2: [B, n, 2]
+            margin = (top2[..., 0] - top2[..., 1])  # margin: [B, n] the CPU's top-1 lead
+            dep = first_departure(cpu, f16)
+            cell = {"prompt_len": n, "placement": placement or "all on compute",
+                    "float32_equal": cpu == f32, "float32_max_logit_diff": float((f32_logits - cpu_logits).abs().max()),
+                    "float16_first_departure": dep,
+                    "cpu_margin_at_departure": None if dep is None else float(margin[dep]),
+                    "cpu_min_margin": float(margin.min()), "cpu_tokens": cpu, "float32_tokens": f32,
+                    "float16_tokens": f16}
+            cell["float16_ok"] = dep is None or cell["cpu_margin_at_departure"] < FP16_TIE
+            ok &= cell["float32_equal"]
+            cells.append(cell)
+            print(f"{n:>5} tokens, {cell['placement']}: float32 equal {cell['float32_equal']} (max logit diff "
+                  f"{cell['float32_max_logit_diff']:.2e}); float16 departs at {dep} "
+                  f"(CPU margin there {cell['cpu_margin_at_departure']})", flush=True)
+    payload = {"config": {"command": " ".join(["python"] + sys.argv), "model": str(src.path), "device": args.device,
+                          "lengths": lengths, "batch": args.batch, "gen_len": args.gen_len, "fp16_tie": FP16_TIE,
+                          "tf32": False},
+               "machine": machine_info(), "cells": cells, "float32_all_equal": ok}
+    for p in write_results(Path(args.out), "tokens", payload):
+        print(f"wrote {p}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
