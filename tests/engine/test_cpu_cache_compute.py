@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from flexgen_sparpr.engine.attention import _split_by_home
+from flexgen_sparpr.engine.attention import split_by_home
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
@@ -41,7 +41,7 @@ def test_split_by_home_equals_attention_over_the_gathered_cache(compress, pads):
     kv, pos = t.gather()  # kv: [2, B, Hkv, T, D] (CPU rows decoded when encoded)
     valid = None if pads_t is None else torch.cat([pos, torch.tensor([t.length])])[None, :] >= pads_t[:, None]
     ref = decode_attention(q, torch.cat([kv[0], k], 2), torch.cat([kv[1], v], 2), valid)
-    got = _split_by_home(t, q, k, v, pads_t)
+    got = split_by_home(t, q, k, v, pads_t)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
