@@ -96,7 +96,7 @@ def test_lowrank_scores_equal_scores_against_decompressed_keys():
     q = torch.randn(b, h, 1, SHAPE[4])
     route = torch.tensor([[2, 0], [1, 2]])  # route: [B, K] per-sequence blocks
     usable = torch.rand(b, 2, SHAPE[3]) > 0.3  # usable: [B, K, bs]
-    out, lse = lowrank_attention(q, pick(parts, route), usable)
+    out, lse = lowrank_attention(q, pick(parts, route), usable.transpose(0, 1))  # block-major: [K, B, ...]
     # the same attention over decompressed keys and values, sequence by sequence
     for i in range(b):
         k = torch.cat([approx[j][0, i] for j in route[i].tolist()], dim=1)[None]  # k: [1, Hkv, K*bs, D]
@@ -280,12 +280,14 @@ def test_routing_finds_the_block_the_query_matches(route):
     pol = DKV(route=route, topk=1)
     mean = torch.stack([x[0].mean(dim=2) for x in blocks])  # mean: [n, B, Hkv, D]
     st = type("S", (), {"mean": mean})()
-    got, scores = pol._route(q, p, torch.arange(4), torch.zeros(SHAPE[1], dtype=torch.long), st, 1)
+    every = pick(p, torch.arange(4).expand(SHAPE[1], -1))  # leading [n, B]
+    usable = torch.ones(4, SHAPE[1], SHAPE[3], dtype=torch.bool).scatter_(2, every.res_idx.long(), False)
+    got, scores = pol._route(q, lowrank_scores(q, every, usable), st, 1)
     assert got.tolist() == [[2]] * SHAPE[1]
-    if scores is not None:  # handed on to the attention: the routed blocks' own low-rank scores
-        sub = pick(p, got)
-        usable = torch.ones(SHAPE[1], 1, SHAPE[3], dtype=torch.bool).scatter_(2, sub.res_idx.long(), False)
-        torch.testing.assert_close(scores, lowrank_scores(q, sub, usable))
+    # handed on to the attention: the routed blocks' own low-rank scores
+    sub = pick(p, got)
+    usable = torch.ones(1, SHAPE[1], SHAPE[3], dtype=torch.bool).scatter_(2, sub.res_idx.long(), False)
+    torch.testing.assert_close(scores, lowrank_scores(q, sub, usable))
 
 
 # --- query-aware residual rows ---
