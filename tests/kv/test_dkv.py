@@ -198,8 +198,24 @@ def test_decode_reads_the_encoded_rows_from_disk(tiny_opt_dir, tmp_path):
         st.max_new = len(st.tokens) + 1
         eng.decode(st)
         moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
-        cold = t.length // t.bs - 1  # the sealed blocks outside the exact recent window
+        cold = t.length // t.bs - 2  # the sealed blocks besides the exact recent and sink blocks
         assert moved == len(eng.tables) * cold * t.codec.nbytes
+
+
+def test_sink_block_is_attended_exactly(tiny_llama_dir, tmp_path):
+    """The first block is stored encoded like any other, and attended from the exact copy kept at
+    seal time: with no low-rank part at all (rank 1, no residual rows, no routed blocks), its
+    tokens still count exactly, so sink_blocks=1 and 0 differ; both keep the same bytes."""
+    args = {"rank": 1, "residuals": 0, "recent_blocks": 1}
+    out = {}
+    for sink in (0, 1):
+        with engine(tiny_llama_dir, tmp_path, kv_policy="dkv", policy_args=args | {"sink_blocks": sink}) as eng:
+            out[sink] = eng.generate(PROMPTS, 4, keep_logits=True)
+            t = eng.tables[(0, 0)]
+            assert t.nbytes_on(Tier.COMPUTE) == (t.length // t.bs) * t.codec.nbytes
+            if sink:
+                assert eng.kv_policy._state[t].sink[0].shape == t.block_shape  # one raw block, on compute
+    assert not torch.allclose(out[0].logits[-1], out[1].logits[-1])
 
 
 def test_snapshot_replay(tiny_llama_dir, tmp_path):
@@ -282,7 +298,7 @@ def test_routing_finds_the_block_the_query_matches(route):
     st = type("S", (), {"mean": mean})()
     every = pick(p, torch.arange(4).expand(SHAPE[1], -1))  # leading [n, B]
     usable = torch.ones(4, SHAPE[1], SHAPE[3], dtype=torch.bool).scatter_(2, every.res_idx.long(), False)
-    got, scores = pol._route(q, lowrank_scores(q, every, usable), st, 1)
+    got, scores = pol._route(q, lowrank_scores(q, every, usable), st.mean, 1)
     assert got.tolist() == [[2]] * SHAPE[1]
     # handed on to the attention: the routed blocks' own low-rank scores
     sub = pick(p, got)

@@ -3,7 +3,7 @@ log-sum-exp merge of partial attentions (seed 001; docs/dkv.md)."""
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +27,9 @@ class _State:
 
     mean: torch.Tensor  # [num_blocks, B, Hkv, D] float32
     pads: torch.Tensor | None = None  # [B]
+    sink: dict = field(default_factory=dict)  # block -> kv [2, B, Hkv, bs, D]: the first blocks, exact
     cached: int = 0  # cold blocks held below
+    first: int = 0  # the first of them (after the exact sink blocks)
     res_k: torch.Tensor | None = None  # [B, Hkv, n*m, D] their residual rows' keys ...
     res_v: torch.Tensor | None = None  # [B, Hkv, n*m, D] ... values
     res_ok: torch.Tensor | None = None  # [B, n*m] valid (not left padding)
@@ -45,9 +47,9 @@ class DKV(KVPolicy):
     """DKV, "Anchor + Low-Rank Differential KV-Cache Compression for Scalable Long-Context
     Inference" (seed 001). Every sealed block is stored encoded (kv/dkv/codec.py: anchor, rank-r
     joint K|V SVD delta, `residuals` exact rows) on its home tier; the last `recent_blocks`
-    sealed blocks and the open block stay exact. A decode step attends
+    sealed blocks, the first `sink_blocks` and the open block stay exact. A decode step attends
 
-      window:    the exact recent blocks, the open block and the new token,
+      window:    the exact sink and recent blocks, the open block and the new token,
       residuals: every cold block's exact residual rows,
       low-rank:  the `topk` cold blocks (per sequence) whose exact mean key scores highest,
                  scored and summed in low-rank space (kv/dkv/attention.py), residual rows masked,
@@ -63,6 +65,7 @@ class DKV(KVPolicy):
     residuals: int = 16
     topk: int = 8
     recent_blocks: int = 1
+    sink_blocks: int = 1  # the first blocks stay exact too (the attention sinks and the chat template)
     sparse_prefill: bool = False
     prefill_topk: int = 8
     dense_layers: int = 0  # the first layers keep an exact cache (as Quest leaves its first two)
@@ -74,7 +77,7 @@ class DKV(KVPolicy):
     attends = True  # the engine hands this policy the whole decode attention
 
     def __post_init__(self):
-        for name in ("rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers", "pick_window",
+        for name in ("rank", "residuals", "topk", "recent_blocks", "sink_blocks", "prefill_topk", "dense_layers", "pick_window",
                      "pick_follow"):
             least = 1 if name in ("rank", "pick_window") else 0
             if getattr(self, name) < least:
@@ -110,6 +113,8 @@ class DKV(KVPolicy):
             if s is None:
                 return
             s.forget_from(block)
+            if block < self.sink_blocks:
+                s.sink[block] = kv.clone()  # the table stores it encoded; this copy is what attention reads
             pos = block * bs + torch.arange(bs, device=kv.device)
             pads = s.pads if s.pads is not None else torch.zeros(b, dtype=torch.long, device=kv.device)
             valid = (pos[None, :] >= pads[:, None])[:, None]  # valid: [B, 1, bs]
@@ -158,9 +163,14 @@ class DKV(KVPolicy):
         pads = self._pads(table, pads)
         sealed = table.length // bs
         recent = list(range(max(0, sealed - self.recent_blocks), sealed))
+        sinks = [b for b in range(min(self.sink_blocks, sealed)) if b not in recent and b in st.sink]
         kv, pos = table.gather(recent + ([table.num_blocks - 1] if table.length % bs else []))  # exact
+        if sinks:  # the exact first blocks, kept at seal time
+            kv = torch.cat([*(st.sink[b] for b in sinks), kv], dim=3)  # kv: [2, B, Hkv, T, D]
+            pos = torch.cat([table.positions(sinks, pos.device), pos])
         k_ex, v_ex, ok = kv[0], kv[1], pos[None, :] >= pads[:, None]  # ok: [B, T]
-        cold = list(range(sealed - len(recent)))
+        first = len(sinks)
+        cold = list(range(first, sealed - len(recent)))
         low = None
         if cold:
             for job in jobs:  # a block sealed by this very append must be encoded before it is read
@@ -168,7 +178,7 @@ class DKV(KVPolicy):
             jobs = []
             codec: DKVCodec = table.codec
             p = codec.parts(table.rows(cold))  # leading [n]
-            self._cache_cold(st, p, bs, q.shape[3], pads)
+            self._cache_cold(st, p, first, bs, q.shape[3], pads)
             # the exact tokens (window and every cold block's residual rows) in one attention
             k_ex, v_ex = torch.cat([k_ex, st.res_k], dim=2), torch.cat([v_ex, st.res_v], dim=2)
             ok = torch.cat([ok, st.res_ok], dim=1)
@@ -178,7 +188,7 @@ class DKV(KVPolicy):
                 low = lowrank_attention(q, p, st.usable)
             else:
                 scores = lowrank_scores(q, p, st.usable)  # scores: [n, B, H, bs]
-                route, scores = self._route(q, scores, st, kk)  # route: [B, K]
+                route, scores = self._route(q, scores, st.mean[first:], kk)  # route: [B, K]
                 ar = torch.arange(q.shape[0], device=q.device)[None, :]
                 low = lowrank_attention(q, pick(p, route), st.usable[route.T, ar], scores)
             self.counts["routed_blocks"] += kk
@@ -190,16 +200,17 @@ class DKV(KVPolicy):
         return merge_attention(parts).to(q.dtype), jobs
 
     @staticmethod
-    def _cache_cold(st: _State, p, bs: int, d: int, pads: torch.Tensor) -> None:
+    def _cache_cold(st: _State, p, first: int, bs: int, d: int, pads: torch.Tensor) -> None:
         """Bring the per-table cache of cold blocks' residual rows and usable tokens up to the n
-        blocks of p (parts with leading [n]): only the blocks encoded since the last step."""
+        blocks of p (parts with leading [n], blocks first .. first + n - 1): only the blocks encoded
+        since the last step."""
         n = p.anchor.shape[0]
-        if st.cached > n:
-            st.cached = 0
+        if st.cached > n or st.first != first:
+            st.cached, st.first = 0, first
         if st.cached == n:
             return
         c0 = st.cached
-        ids = torch.arange(c0, n, device=pads.device)
+        ids = torch.arange(first + c0, first + n, device=pads.device)
         sub = DKVParts(*(getattr(p, f)[c0:] for f in DKVParts.__dataclass_fields__))  # leading [n - c0]
         rk, rv, rpos = residual_kv(sub, ids, bs, d)  # rk, rv: [B, Hkv, (n-c0)*m, D]; rpos: [B, (n-c0)*m]
         tok = ids[:, None] * bs + torch.arange(bs, device=pads.device)  # tok: [n-c0, bs]
@@ -212,25 +223,26 @@ class DKV(KVPolicy):
         st.res_ok = rpos >= pads[:, None]
         st.cached = n
 
-    def _route(self, q, scores: torch.Tensor, st: _State, kk: int):
+    def _route(self, q, scores: torch.Tensor, mean: torch.Tensor, kk: int):
         """Per sequence, the K compressed blocks (route: [B, K] block indices) to attend in
         low-rank form, with their scores [K, B, H, bs]: by attention mass in low-rank space
         (route "lowrank", from every block's scores [n, B, H, bs]), or by the exact mean key
-        against the query summed over heads (route "mean")."""
+        against the query summed over heads (route "mean"; mean: [>= n, B, Hkv, D] from the first
+        cold block)."""
         if self.route == "lowrank":
             mass = scores.logsumexp(dim=(2, 3)).T  # mass: [B, n]
         else:
             b, h, _, d = q.shape
-            hkv = st.mean.shape[2]
+            hkv = mean.shape[2]
             qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-            mass = torch.einsum("bgd,nbgd->bn", qg, st.mean[:scores.shape[0]])  # mass: [B, n]
+            mass = torch.einsum("bgd,nbgd->bn", qg, mean[:scores.shape[0]])  # mass: [B, n]
         route = mass.topk(kk, dim=1).indices  # route: [B, K]
         ar = torch.arange(route.shape[0], device=route.device)[None, :]
         return route, scores[route.T, ar]  # [K, B, H, bs]
 
     def stats(self) -> dict:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
-        config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
+        config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks", "sink_blocks",
                                                 "sparse_prefill", "prefill_topk", "dense_layers", "route",
                                                 "residual_pick", "pick_window", "pick_follow")}
         blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],
