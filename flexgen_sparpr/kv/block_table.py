@@ -41,8 +41,10 @@ class BlockTable:
         self.codec = codec  # how the coded tiers' blocks are stored (what a copy from them moves)
         # tiers whose sealed blocks are stored encoded (default: every tier, when the codec encodes)
         self.coded = frozenset() if not codec.compressed else frozenset(coded_tiers or tuple(Tier))
-        # exact copies of the newest sealed encoded blocks (a lossy codec's recency window), on compute
+        # exact copies of the newest sealed encoded blocks (a lossy codec's recency window), and of
+        # the first ones (the attention sinks every query reads), on compute
         self.exact_recent = 0
+        self.exact_first = 0
         self._exact: dict[int, torch.Tensor] = {}
         self.slot = [self.homes[:b].count(h) for b, h in enumerate(self.homes)]
         self.length = 0
@@ -148,9 +150,10 @@ class BlockTable:
         home = self.homes[b]
         if home == Tier.COMPUTE and home not in self.coded:
             return None
-        if self.exact_recent and home in self.coded:
+        if (self.exact_recent or b < self.exact_first) and home in self.coded:
             self._exact[b] = kv.clone()
-            for old in sorted(self._exact)[:-(self.exact_recent + 1)]:  # one spare survives a rewind
+            later = sorted(x for x in self._exact if x >= self.exact_first)
+            for old in later[:-(self.exact_recent + 1)]:  # one spare survives a rewind
                 del self._exact[old]
         blk = kv.clone()  # the tail is reused at once; the store reads a private copy
         return lambda: self._store(b, blk)
@@ -187,7 +190,7 @@ class BlockTable:
         them (the other rows of out are left as they were). A disk read is queued on disk_reads
         when given (gather runs them together), else done now."""
         home, slot, dev = self.homes[b], self.slot[b], self.devices
-        exact = self._exact.get(b) if b >= self.length // self.bs - self.exact_recent else None
+        exact = self._exact.get(b) if b < self.exact_first or b >= self.length // self.bs - self.exact_recent else None
         if rows is None or not self.reads_rows(b):
             rows = [(0, self.block_shape[1])]
         if exact is not None:  # inside the recency window: the exact copy, nothing crosses a link

@@ -184,7 +184,7 @@ def test_state_is_compressed_and_bounded(tiny_llama_dir, tmp_path):
         for t in eng.tables.values():
             sealed = t.length // t.bs
             assert t.nbytes_on(Tier.COMPUTE) == sealed * t.codec.nbytes < sealed * t.raw.nbytes
-            assert len(t._exact) <= 2 and t.exact_recent == 1
+            assert len(t._exact) <= 3 and t.exact_recent == 1 and t.exact_first == 1  # sink, recent, a spare
         c = pol.counts
         assert c["steps"] and c["routed_blocks"] == c["steps"] * 1  # topk 1: one routed block a step
 
@@ -203,9 +203,8 @@ def test_decode_reads_the_encoded_rows_from_disk(tiny_opt_dir, tmp_path):
 
 
 def test_sink_block_is_attended_exactly(tiny_llama_dir, tmp_path):
-    """The first block is stored encoded like any other, and attended from the exact copy kept at
-    seal time: with no low-rank part at all (rank 1, no residual rows, no routed blocks), its
-    tokens still count exactly, so sink_blocks=1 and 0 differ; both keep the same bytes."""
+    """The first block is stored encoded like any other, and attended from the exact copy the
+    table keeps at seal time (exact_first): sink_blocks=1 and 0 differ; both store the same bytes."""
     args = {"rank": 1, "residuals": 0, "recent_blocks": 1}
     out = {}
     for sink in (0, 1):
@@ -213,8 +212,7 @@ def test_sink_block_is_attended_exactly(tiny_llama_dir, tmp_path):
             out[sink] = eng.generate(PROMPTS, 4, keep_logits=True)
             t = eng.tables[(0, 0)]
             assert t.nbytes_on(Tier.COMPUTE) == (t.length // t.bs) * t.codec.nbytes
-            if sink:
-                assert eng.kv_policy._state[t].sink[0].shape == t.block_shape  # one raw block, on compute
+            assert t.exact_first == sink and (0 in t._exact) == bool(sink)  # one raw block, on compute
     assert not torch.allclose(out[0].logits[-1], out[1].logits[-1])
 
 
@@ -262,9 +260,9 @@ def test_sparpr_with_dkv_cold_codec(tiny_llama_dir, tmp_path):
         st.max_new = len(st.tokens) + 1
         eng.decode(st)
         moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
-        # the newest sealed block is read from its exact copy on compute (the recency window)
-        assert t.exact_recent == 1
-        assert moved == len(eng.tables) * (t.length // t.bs - 1) * t.codec.nbytes
+        # the newest sealed block and the sink block are read from their exact copies on compute
+        assert t.exact_recent == 1 and t.exact_first == 1
+        assert moved == len(eng.tables) * (t.length // t.bs - 2) * t.codec.nbytes
 
 
 def test_table_keeps_the_newest_encoded_blocks_exact():
@@ -275,12 +273,15 @@ def test_table_keeps_the_newest_encoded_blocks_exact():
                    homes=[Tier.COMPUTE] * 4, devices=Devices(torch.device("cpu")),
                    codec=DKVCodec(shape, torch.float32, rank=1, residuals=0))
     t.exact_recent = 1
-    k, v = torch.randn(1, 2, 24, 4), torch.randn(1, 2, 24, 4)
+    t.exact_first = 1
+    k, v = torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4)
     for job in t.append(k, v):
         job()
-    kv, _ = t.gather([1, 2])
-    assert torch.equal(kv[0, :, :, 8:], k[:, :, 16:24])  # block 2, the newest: exact
-    assert not torch.allclose(kv[0, :, :, :8], k[:, :, 8:16], atol=1e-3)  # block 1: rank 1
+    kv, _ = t.gather([0, 1, 2, 3])
+    assert torch.equal(kv[0, :, :, 24:], k[:, :, 24:32])  # block 3, the newest: exact
+    assert torch.equal(kv[0, :, :, :8], k[:, :, :8])  # block 0, the sink: exact, and never let go
+    assert not torch.allclose(kv[0, :, :, 8:16], k[:, :, 8:16], atol=1e-3)  # blocks 1, 2: rank 1
+    assert sorted(t._exact) == [0, 2, 3]  # the sink, the newest and one spare for a rewind
 
 
 @pytest.mark.parametrize("route", ["lowrank", "mean"])

@@ -3,7 +3,7 @@ log-sum-exp merge of partial attentions (seed 001; docs/dkv.md)."""
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +27,6 @@ class _State:
 
     mean: torch.Tensor  # [num_blocks, B, Hkv, D] float32
     pads: torch.Tensor | None = None  # [B]
-    sink: dict = field(default_factory=dict)  # block -> kv [2, B, Hkv, bs, D]: the first blocks, exact
     cached: int = 0  # cold blocks held below
     first: int = 0  # the first of them (after the exact sink blocks)
     res_k: torch.Tensor | None = None  # [B, Hkv, n*m, D] their residual rows' keys ...
@@ -107,14 +106,13 @@ class DKV(KVPolicy):
         st = self._state[table] = _State(mean)
         ref = weakref.ref(st)
         table.exact_recent = max(table.exact_recent, self.recent_blocks)  # the table keeps them exact
+        table.exact_first = max(table.exact_first, self.sink_blocks)  # these too
 
         def on_seal(block: int, kv: torch.Tensor) -> None:
             s = ref()
             if s is None:
                 return
             s.forget_from(block)
-            if block < self.sink_blocks:
-                s.sink[block] = kv.clone()  # the table stores it encoded; this copy is what attention reads
             pos = block * bs + torch.arange(bs, device=kv.device)
             pads = s.pads if s.pads is not None else torch.zeros(b, dtype=torch.long, device=kv.device)
             valid = (pos[None, :] >= pads[:, None])[:, None]  # valid: [B, 1, bs]
@@ -163,11 +161,8 @@ class DKV(KVPolicy):
         pads = self._pads(table, pads)
         sealed = table.length // bs
         recent = list(range(max(0, sealed - self.recent_blocks), sealed))
-        sinks = [b for b in range(min(self.sink_blocks, sealed)) if b not in recent and b in st.sink]
-        kv, pos = table.gather(recent + ([table.num_blocks - 1] if table.length % bs else []))  # exact
-        if sinks:  # the exact first blocks, kept at seal time
-            kv = torch.cat([*(st.sink[b] for b in sinks), kv], dim=3)  # kv: [2, B, Hkv, T, D]
-            pos = torch.cat([table.positions(sinks, pos.device), pos])
+        sinks = [b for b in range(min(self.sink_blocks, sealed)) if b not in recent]
+        kv, pos = table.gather(sinks + recent + ([table.num_blocks - 1] if table.length % bs else []))  # exact
         k_ex, v_ex, ok = kv[0], kv[1], pos[None, :] >= pads[:, None]  # ok: [B, T]
         first = len(sinks)
         cold = list(range(first, sealed - len(recent)))

@@ -11,6 +11,7 @@ import torch
 from ...runtime.costs import (CostModel, cost_ratio, dtype_name, keep_target, kv_rebuild_flops,
                               merge_spans, plan_recovery, should_fall_back)
 from ...storage.tiers import Tier
+from ..dkv.codec import DKVCodec
 from ..dkv.exact_rows import with_exact_rows
 from ..dkv.importance import hint_sealed_blocks
 from ..block_table import BlockTable
@@ -183,6 +184,8 @@ class SparPR(BudgetPolicy):
         if table in self._sums:  # attached twice (engine policy and observer): one hook
             return
         table.keep_exact_rows = True  # DKV cold blocks: their exact rows also stay on compute (select)
+        if isinstance(table.codec, DKVCodec):  # the sink block, read at every step, stays exact too
+            table.exact_first = max(table.exact_first, 1)
         if not self.quest_only:
             self.cost_model(table)  # start-up: probe (or read the cache) before the first step
         _, b, hkv, bs, d = table.block_shape
