@@ -47,3 +47,14 @@ def test_frontier_refuses_files_of_other_prompts(tmp_path):
     data = json.loads((tmp_path / "res" / "frontier.json").read_text())
     assert data["frontier"]["sparpr"] == [{"task": "passkey", "length": 2048, "keep": 0.1}]
     assert (tmp_path / "res" / "frontier.png").stat().st_size > 0
+
+
+def test_batches_run_short_lengths_first_with_stable_ids():
+    import sys
+    from tests.scripts.runner import REPO
+    sys.path.insert(0, str(REPO / "scripts"))
+    from _fidelity import plan_batches
+    items = {("b", 4096): list(range(4)), ("a", 4096): list(range(2)), ("b", 2048): list(range(3))}
+    got = [(bid, len(chunk)) for bid, _, chunk in plan_batches(items, 2)]
+    assert got == [("b:2048:0", 2), ("b:2048:2", 1), ("a:4096:0", 2), ("b:4096:0", 2), ("b:4096:2", 2)]
+    assert [b for b, *_ in plan_batches({2048: [1, 2, 3]}, 2)] == ["2048:0", "2048:2"]
