@@ -97,7 +97,7 @@ def render(payload, png: Path) -> str:
                   PAPER.get((lab.split("@")[0], float(lab.split("@")[1])), "") if "@" in lab and task == "passkey"
                   else ""] for lab in labels]
         lines += [f"## {task}", "", md_table(["config", *[f"{n} tok" for n in lengths], "paper (passkey)"], table)]
-        sp = [by[(f"sparpr@0.1", n)] for n in lengths if ("sparpr@0.1", n) in by]
+        sp = [by[("sparpr@0.1", n)] for n in lengths if ("sparpr@0.1", n) in by]
         if sp:
             lines.append("SparPR keep 0.1 vs dense (target ≥ 0.9×): " + ", ".join(
                 f"{r['length']}: {r['hits']}/{r['dense_hits']}" + (f" = {r['vs_dense']:.2f}" if r["vs_dense"] else "")

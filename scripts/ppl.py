@@ -9,6 +9,7 @@ a run stopped by --max-minutes (or anything else) resumes where it stopped when 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -91,13 +92,12 @@ def render(payload, png: Path) -> str:
         f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {cfg['engine_commit']}.", "",
         *([f"Not run (time limit; run the same command again to resume): {len(payload['skipped'])} batches: "
            f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
-        "## Config", "", "```json", __import__("json").dumps({k: v for k, v in cfg.items() if k != "machine"},
-                                                            indent=1, default=str), "```", "",
+        "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
+                                               default=str), "```", "",
         "Machine: " + json_compact(cfg.get("machine")), ""])
 
 
 def json_compact(x) -> str:
-    import json
     return json.dumps(x, default=str)
 
 

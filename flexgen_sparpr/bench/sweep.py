@@ -14,6 +14,7 @@ prefill per batch, and every configuration of the family decodes from a snapshot
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -99,7 +100,6 @@ class PolicySweep:
         """Decode `prompts` under every configuration. sampler_for(cfg) gives each decode's sampler
         (sampler_for(None): the prefill's); on_done(cfg, result, sampler, seconds) sees each
         decode as it ends. Returns {"prefill_s": {family: s}}."""
-        import time
         times: dict = {"prefill_s": {}}
         for family in ("raw", "dkv"):
             fam = [c for c in cfgs if c.family == family]
