@@ -81,6 +81,14 @@ def parse_args(argv=None):
 def render(payload, png: Path) -> str:
     cfg = payload["config"]
     rows = summarize(payload["records"])
+    if not rows and payload["records"]:  # no dense answers here (--no-dense): scores only; frontier.py joins
+        groups = {}
+        for r in payload["records"]:
+            groups.setdefault((r["task"], r["length"], r["label"]), []).append(r)
+        rows = [{"task": t, "length": n, "label": lab, "policy": rs[0]["policy"], "keep": rs[0]["keep"],
+                 "n": len(rs), "hits": sum(x["hit"] for x in rs), "score": sum(x["hit"] for x in rs) / len(rs),
+                 "agree": "?", "agree_rate": None, "vs_dense": None, "dense_hits": None}
+                for (t, n, lab), rs in groups.items()]
     lengths = sorted({r["length"] for r in rows})
     lines = ["# Retrieval fidelity on SmolLM2-135M-Instruct", "",
              f"Split **{cfg['split']}**: texts {', '.join(cfg['texts'])}, depths {cfg['depths']}, seed {cfg['seed']}. "
@@ -113,6 +121,8 @@ def render(payload, png: Path) -> str:
 
 
 def plot(rows, lengths, png: Path) -> None:
+    if not rows:
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,6 +131,7 @@ def plot(rows, lengths, png: Path) -> None:
     for i, task in enumerate(tasks):
         for ax, n in zip(axes[i], lengths):
             rs = [r for r in rows if r["task"] == task and r["length"] == n]
+            rs = [r for r in rs if r["agree_rate"] is not None]
             for j, pol in enumerate(sorted({r["policy"] for r in rs if r["policy"] not in ("dense", "dkv")})):
                 pts = sorted((r["keep"], r["agree_rate"]) for r in rs if r["policy"] == pol)
                 ax.plot([k for k, _ in pts], [a for _, a in pts], marker="os^Dv<>"[j % 7], label=pol)
@@ -210,6 +221,7 @@ def main(argv=None) -> None:
                 payload["wall_s"] = round(base + wall(), 1)
                 dh = sum(r["hit"] for r in recs if r["label"] == "dense")
                 print(f"{bid}: dense {dh}/{len(trials)}, prefill {pre['prefill_s']}, elapsed {wall():.0f}s", flush=True)
+                write_results(out, "needle", payload)  # the records first: a report that fails loses nothing
                 write_results(out, "needle", payload, render(payload, out / "needle.png"))
     finally:
         sweep.close()
