@@ -61,11 +61,11 @@ def plot(fr: dict, dkv: dict, cells: list[tuple[str, int]], png: Path) -> None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks), 3.6), squeeze=False, sharey=True)
     for ax, task in zip(axes[0], tasks):
         lengths = sorted(n for t, n in cells if t == task)
-        for i, pol in enumerate(POLICIES):
-            ys = [fr[pol].get((task, n)) for n in lengths]
-            ax.plot(lengths, [y if y is not None else 1.05 for y in ys], marker="os^"[i], label=pol)
-        ys = [dkv.get((task, n)) for n in lengths]
-        ax.plot(lengths, [dkv_bytes() if y else 1.05 for y in ys], "k:", marker="x", label="dkv (bytes)")
+        for i, pol in enumerate(POLICIES):  # measured cells only; 1.05: measured, never agreed enough
+            pts = [(n, fr[pol][(task, n)]) for n in lengths if (task, n) in fr[pol]]
+            ax.plot([n for n, _ in pts], [y if y is not None else 1.05 for _, y in pts], marker="os^"[i], label=pol)
+        pts = [(n, dkv[(task, n)]) for n in lengths if (task, n) in dkv]
+        ax.plot([n for n, _ in pts], [dkv_bytes() if y else 1.05 for _, y in pts], "k:", marker="x", label="dkv (bytes)")
         ax.axhline(1.05, color="0.8", lw=0.8)
         ax.set(title=task, xlabel="context tokens", xscale="log", yscale="log", ylim=(0.015, 1.2))
         ax.set_xticks(lengths)
