@@ -1,198 +1,152 @@
-"""Passkey retrieval, the SparPR paper's fidelity task, on SmolLM2-135M-Instruct: dense attention
-against every registered KV policy at several context lengths and keep ratios.
+"""Retrieval fidelity on SmolLM2-135M-Instruct: dense attention against every KV policy on the
+passkey needle and harder retrieval tasks (--task), at several context lengths and keep ratios.
 
-Each batch of trials is prefilled once; every policy observes that prefill and decodes from a
-snapshot of it. Writes <out>/needle.json (config + every trial), needle.md and needle.png.
+Each batch of trials is prefilled once per family (flexgen_sparpr/bench/sweep.py) and every
+configuration decodes from a snapshot of it. Prompts come from the split's texts, depths and
+seed (--split held-out for reported results; --split tuning is what the selection rules were
+tuned on: alice29, depths 0.25/0.75, seed 0, the original needle grid's prompts). Writes
+<out>/needle.json (plan, config, every trial), needle.md and needle.png after every batch; run
+the same command again to resume.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, int_list, machine_info, timer, write_results  # noqa: E402
+from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+from _fidelity import COMPOSED, engine_commit, float_list, plan_batches, resolve_split, split_args  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
+from flexgen_sparpr.bench.fidelity import summarize  # noqa: E402
+from flexgen_sparpr.bench.forced import ForcedTokens  # noqa: E402
+from flexgen_sparpr.bench.needle_prompt import NeedlePrompts  # noqa: E402
+from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # noqa: E402
+from flexgen_sparpr.bench.sweep import Config, PolicySweep, configs, known_policies  # noqa: E402
+from flexgen_sparpr.bench.tasks import TASKS, build_trial, canonical, hit  # noqa: E402
+from flexgen_sparpr.engine.sampling import Sampler  # noqa: E402
 
-from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, random_key  # noqa: E402
-from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
-from flexgen_sparpr.engine.executor import Engine  # noqa: E402
-from flexgen_sparpr.kv.policies.h2o import H2O  # noqa: E402
-from flexgen_sparpr.kv.policies import POLICIES, make_policy  # noqa: E402
-from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
-
-# the paper's scores (2k / 4k / 8k contexts), quoted beside ours
-PAPER = {
-    ("sparpr", 0.5): ".943 / .879 / .780", ("sparpr", 0.1): ".600 / .482 / .308",
-    ("h2o", 0.5): "≈ .49–.51", ("h2o", 0.1): "≈ .12",
-    ("streaming-llm", 0.5): "≈ .45–.49", ("streaming-llm", 0.1): "≈ .02",
-    ("quest", 0.5): ".777 (Quest-only ablation)", ("quest", 0.1): ".777 (Quest-only ablation)",
-    ("dense", 1.0): "≈ 1.0 (task statement)",
-}
-PAPER_CURVES = {("sparpr", 0.5): [.943, .879, .780], ("sparpr", 0.1): [.600, .482, .308]}
-
-
-def engine_commit() -> str:
-    """The engine's git commit (+ "-dirty" with local changes), for the config."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "flexgen_sparpr"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
-        return rev.stdout.strip() + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
-def scores(trials):
-    """(policy, keep, length) -> (hits, n)."""
-    acc = {}
-    for r in trials:
-        h, n = acc.get((r["policy"], r["keep"], r["length"]), (0, 0))
-        acc[(r["policy"], r["keep"], r["length"])] = (h + r["hit"], n + 1)
-    return acc
-
-
-def render(payload, png: Path) -> str:
-    """The markdown report (and the plot beside it)."""
-    cfg, acc = payload["config"], scores(payload["trials"])
-    lengths = sorted({k[2] for k in acc})
-    rows = sorted({k[:2] for k in acc}, key=lambda pk: (pk[0] != "dense", -pk[1], pk[0]))
-    head = "| policy | keep | " + " | ".join(f"{n} tok" for n in lengths) + " | paper (2k / 4k / 8k) |"
-    lines = [head, "|" + "---|" * (len(lengths) + 3)]
-    for pol, keep in rows:
-        cells = [f"{acc[(pol, keep, n)][0] / acc[(pol, keep, n)][1]:.2f} ({acc[(pol, keep, n)][1]})"
-                 if (pol, keep, n) in acc else "–" for n in lengths]
-        lines.append(f"| {pol} | {keep:g} | " + " | ".join(cells) + f" | {PAPER.get((pol, keep), '–')} |")
-    for keep in cfg["keep"]:
-        if ("sparpr", keep) not in rows:  # not measured (not implemented when this ran)
-            lines.append(f"| sparpr | {keep:g} | " + " | ".join("paper only" for _ in lengths)
-                         + f" | {PAPER.get(('sparpr', keep), '–')} |")
-    plot(acc, lengths, cfg["keep"], png)
-    return "\n".join([
-        "# Passkey retrieval (needle) on SmolLM2-135M-Instruct", "",
-        "Score = fraction of trials whose answer contains the key as a whole number (trials in "
-        "brackets). Keep = fraction of the context's KV tokens attention may read per step "
-        "(sinks and recent window inside it; the step's own new token on top). Prefill dense; "
-        "one prefill per batch serves every policy. Paper: the SparPR paper's needle task at "
-        "2k/4k/8k; a 'paper only' row was not measured in this run.", "",
-        *lines, "",
-        f"Wall time: {payload['wall_s']} s. Plot: {png.name}.", "",
-        *([f"Not run (time limit): {json.dumps(payload['skipped'])}", ""] if payload.get("skipped") else []),
-        *([f"Engine: {cfg['engine_commit']}.", ""] if cfg.get("engine_commit") else []),
-        *([f"Engine workaround during the run: {cfg['engine_workaround']}.", ""]
-          if cfg.get("engine_workaround") else []),
-        "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"},
-                                               indent=1, default=str), "```", "",
-        "Machine: " + json.dumps(cfg.get("machine"), default=str), ""])
-
-
-def plot(acc, lengths, keeps, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(keeps), figsize=(5 * len(keeps), 3.8), squeeze=False)
-    for ax, keep in zip(axes[0], keeps):
-        pols = sorted({p for p, k, _ in acc if k in (keep, 1.0)}, key=lambda p: (p != "dense", p))
-        for i, pol in enumerate(pols):
-            k = 1.0 if pol == "dense" else keep
-            xs = [n for n in lengths if (pol, k, n) in acc]
-            shift = 2 ** (0.04 * (i - len(pols) / 2))  # side by side where scores coincide
-            style = dict(color="0.6", lw=4, alpha=0.5) if pol == "dense" else dict(marker="os^Dv<>"[i % 7])
-            ax.plot([x * shift for x in xs], [acc[(pol, k, n)][0] / acc[(pol, k, n)][1] for n in xs],
-                    label=pol, **style)
-        if ("sparpr", keep) in PAPER_CURVES:
-            ax.plot([2048, 4096, 8192], PAPER_CURVES[("sparpr", keep)], "k:", marker="x", label="SparPR (paper)")
-        ax.set(title=f"keep {keep:g}", xlabel="context tokens", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(set(lengths) | {2048, 4096, 8192}))
-        ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 else str(n) for n in ax.get_xticks()])
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-
-
-def float_list(text: str) -> list[float]:
-    vals = [float(v) for v in text.split(",") if v.strip()]
-    if not vals:
-        raise ValueError(text)
-    return vals
+FRONTIER_POLICIES = ("sparpr", "quest", "sparpr+dkv")  # swept over --frontier-keep too
+# the SparPR paper's passkey scores (2k / 4k / 8k), quoted beside ours
+PAPER = {("sparpr", 0.5): ".943 / .879 / .780", ("sparpr", 0.1): ".600 / .482 / .308",
+         ("h2o", 0.5): "≈ .49–.51", ("h2o", 0.1): "≈ .12", ("streaming-llm", 0.5): "≈ .45–.49",
+         ("streaming-llm", 0.1): "≈ .02", ("quest", 0.5): ".777 (Quest-only)", ("quest", 0.1): ".777 (Quest-only)"}
 
 
 def parse_args(argv=None):
     ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--filler", default=str(REPO / "tests/data/alice29.txt"))
-    ap.add_argument("--depths", type=float_list, default=[0.25, 0.75], help="trial i uses depths[i %% n]")
-    ap.add_argument("--key-digits", type=int, default=5)
+    split_args(ap, depths=True)
+    ap.add_argument("--task", default="passkey", help=f"comma list of {', '.join(TASKS)}, or all")
     ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192], help="prompt tokens")
-    ap.add_argument("--keep", type=float_list, default=[0.5, 0.1], help="keep ratios")
-    ap.add_argument("--policies", default="", help="comma list (default: every registered but dense)")
-    ap.add_argument("--trials", type=int, default=10, help="trials per context length")
-    ap.add_argument("--trials-at", default="", help="per-length overrides, e.g. 8192:6")
-    ap.add_argument("--batch", type=int, default=5, help="prompts per prefill (the GPU batch)")
-    ap.add_argument("--block-size", type=int, default=16, help="KV block tokens (Quest's page size)")
-    ap.add_argument("--answer-prefix", default="The secret passkey is",
-                    help="text that opens the assistant turn (RULER-style answer prefix)")
+    ap.add_argument("--keep", type=float_list, default=[0.5, 0.1, 0.05], help="keep ratios (every policy)")
+    ap.add_argument("--frontier-keep", type=float_list, default=[],
+                    help=f"further keep ratios for {', '.join(FRONTIER_POLICIES)} only (the frontier's sweep)")
+    ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="leave dense out (its answers come from another run of the same plan; frontier.py joins them)")
+    ap.add_argument("--trials", type=int, default=10, help="trials per task and length")
+    ap.add_argument("--batch", type=int, default=5, help="prompts per prefill")
+    ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family (Quest's page)")
+    ap.add_argument("--dkv-block", type=int, default=256, help="KV block of the dkv family")
+    ap.add_argument("--answer-prefix", default="The secret passkey is", help="opens the passkey tasks' answer")
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
-    ap.add_argument("--gen-len", type=int, default=12)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/needle.json")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(REPO / "results/needle"))
     args = ap.parse_args(argv)
-    # policies that store their own cache form (DKV) cannot share the dense prefill: scripts/bench_dkv.py
-    shared = sorted(n for n in POLICIES if n != "dense" and not POLICIES[n].attends)
-    names = [p for p in args.policies.split(",") if p] or shared
-    for n in names:
-        if n not in shared:
-            die(f"policy {n!r} cannot observe a shared dense prefill (these can: {', '.join(shared)})")
-    args.policy_names = names
-    args.trials_by_len = {n: args.trials for n in args.lengths}
-    for item in filter(None, args.trials_at.split(",")):
-        length, n = (int(v) for v in item.split(":"))
-        args.trials_by_len[length] = n
-    if args.key_digits < 1 or args.batch < 1 or args.gen_len < 1:
-        die("--key-digits, --batch and --gen-len must be >= 1")
+    resolve_split(args)
+    args.tasks = list(TASKS) if args.task == "all" else [t for t in args.task.split(",") if t]
+    if not args.tasks or set(args.tasks) - set(TASKS):
+        die(f"--task must be a comma list of {', '.join(TASKS)} or all (got {args.task!r})")
+    args.policy_names = ([p for p in args.policies.split(",") if p]
+                         or [p for p in known_policies(COMPOSED) if p != "dense"])
+    try:
+        cfgs = configs(args.policy_names, args.keep, dense=not args.no_dense)
+        extra = [Config(p, k) for p in args.policy_names if p in FRONTIER_POLICIES
+                 for k in args.frontier_keep if k not in args.keep]
+    except ValueError as e:
+        die(str(e))
+    args.configs = cfgs + extra
+    if args.trials < 1 or args.batch < 1:
+        die("--trials and --batch must be >= 1")
+    if not all(0 < k <= 1 for k in args.keep + args.frontier_keep):
+        die("keep ratios must be in (0, 1]")
     return args
 
 
-def build_policies(names, keeps):
-    """One instance per (policy, keep ratio); they all observe the same prefill."""
-    return {(n, k): make_policy(n, keep_ratio=k) for n in names for k in keeps}
+def render(payload, png: Path) -> str:
+    cfg = payload["config"]
+    rows = summarize(payload["records"])
+    if not rows and payload["records"]:  # no dense answers here (--no-dense): scores only; frontier.py joins
+        groups = {}
+        for r in payload["records"]:
+            groups.setdefault((r["task"], r["length"], r["label"]), []).append(r)
+        rows = [{"task": t, "length": n, "label": lab, "policy": rs[0]["policy"], "keep": rs[0]["keep"],
+                 "n": len(rs), "hits": sum(x["hit"] for x in rs), "score": sum(x["hit"] for x in rs) / len(rs),
+                 "agree": "?", "agree_rate": None, "vs_dense": None, "dense_hits": None}
+                for (t, n, lab), rs in groups.items()]
+    lengths = sorted({r["length"] for r in rows})
+    lines = ["# Retrieval fidelity on SmolLM2-135M-Instruct", "",
+             f"Split **{cfg['split']}**: texts {', '.join(cfg['texts'])}, depths {cfg['depths']}, seed {cfg['seed']}. "
+             "Cell: score (hits / trials) · agreement with dense trial by trial (the answers' numbers, or the "
+             "phrase, equal dense's). Keep = the share of the context's KV tokens a step may read (sinks and "
+             "recent window inside it). Raw policies: KV blocks of "
+             f"{cfg['block_size']} tokens; dkv and sparpr+dkv: {cfg['dkv_block']} (rank 32, 16 exact rows).", ""]
+    for task in [t for t in TASKS if any(r["task"] == t for r in rows)]:
+        by = {(r["label"], r["length"]): r for r in rows if r["task"] == task}
+        labels = sorted({lab for lab, _ in by}, key=lambda s: (s != "dense", s.split("@")[0],
+                                                               -float(s.split("@")[1]) if "@" in s else 0))
+        table = [[lab, *[f"{by[(lab, n)]['score']:.2f} · {by[(lab, n)]['agree']}/{by[(lab, n)]['n']}"
+                         if (lab, n) in by else "–" for n in lengths],
+                  PAPER.get((lab.split("@")[0], float(lab.split("@")[1])), "") if "@" in lab and task == "passkey"
+                  else ""] for lab in labels]
+        lines += [f"## {task}", "", md_table(["config", *[f"{n} tok" for n in lengths], "paper (passkey)"], table)]
+        sp = [by[("sparpr@0.1", n)] for n in lengths if ("sparpr@0.1", n) in by]
+        if sp:
+            lines.append("SparPR keep 0.1 vs dense (target ≥ 0.9×): " + ", ".join(
+                f"{r['length']}: {r['hits']}/{r['dense_hits']}" + (f" = {r['vs_dense']:.2f}" if r["vs_dense"] else "")
+                for r in sp) + "\n")
+    plot(rows, lengths, png)
+    return "\n".join([
+        *lines, f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {cfg['engine_commit']}.", "",
+        *([f"Not run (time limit; the same command resumes): {len(payload['skipped'])} batches: "
+           f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
+        "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
+                                               default=str), "```", "",
+        "Machine: " + json.dumps(cfg.get("machine"), default=str), ""])
 
 
-def run_batch(eng, trials, pols, gen_len, eos, tok):
-    """Prefill the batch once, decode it densely and with every policy. Returns records, times."""
-    dense = make_policy("dense")
-    eng.set_kv_policy(dense, attach=False)  # the engine's own policy must not also be an observer
-    h2os = [p for p in pols.values() if isinstance(p, H2O)]
-    observers = tuple(p for p in pols.values() if p not in h2os[1:])
-    with timer() as t_pre:
-        st = eng.prefill([t.ids for t in trials], gen_len, observers=observers)
-    for p in h2os[1:]:
-        p.adopt_prefill(h2os[0], eng.tables.values())  # same prefill statistics, other budget
-    snap = eng.snapshot(st)
-    records, times = [], {"prefill_s": round(t_pre(), 2)}
-    for (name, keep), pol in [(("dense", 1.0), dense), *pols.items()]:
-        eng.set_kv_policy(pol, attach=False)
-        with timer() as t_dec:
-            res = eng.decode(eng.restore(snap), stop=eos)
-        times[f"{name}@{keep}"] = round(t_dec(), 2)
-        for trial, toks in zip(trials, res.tokens):
-            toks = toks[:toks.index(eos)] if eos in toks else toks
-            answer = tok.decode(toks, skip_special_tokens=True)
-            records.append({"policy": name, "keep": keep, "length": len(trial.ids), "depth": trial.depth,
-                            "key": trial.key, "answer": answer, "hit": passkey_hit(answer, trial.key),
-                            "start": trial.start, "needle_at": trial.needle_at})
-    return records, times
+def plot(rows, lengths, png: Path) -> None:
+    if not rows:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
+    fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(4.2 * len(lengths), 3.2 * len(tasks)), squeeze=False)
+    for i, task in enumerate(tasks):
+        for ax, n in zip(axes[i], lengths):
+            rs = [r for r in rows if r["task"] == task and r["length"] == n]
+            rs = [r for r in rs if r["agree_rate"] is not None]
+            for j, pol in enumerate(sorted({r["policy"] for r in rs if r["policy"] not in ("dense", "dkv")})):
+                pts = sorted((r["keep"], r["agree_rate"]) for r in rs if r["policy"] == pol)
+                ax.plot([k for k, _ in pts], [a for _, a in pts], marker="os^Dv<>"[j % 7], label=pol)
+            for r in rs:
+                if r["policy"] == "dkv":
+                    ax.axhline(r["agree_rate"], color="k", ls=":", label="dkv")
+            ax.axhline(0.95, color="0.6", lw=1, ls="--")
+            ax.set(title=f"{task}, {n} tok", xscale="log", ylim=(-0.05, 1.05), xlabel="keep",
+                   ylabel="agrees with dense")
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
 
 
 def main(argv=None) -> None:
@@ -200,47 +154,80 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    src = resolve_source(args.model, "")
+    from flexgen_sparpr.weights.resolve import resolve_source
+    src = resolve_source("smollm2-135m", "")
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
-    builder = NeedlePrompts(tok, Path(args.filler), args.answer_prefix)
-    eos = src.spec.eos_id
-    rng = random.Random(args.seed)
-    config = {k: v for k, v in vars(args).items() if k not in ("trials_at",)}
-    config |= {"model_dir": str(src.tokenizer_dir), "engine_commit": engine_commit(), "machine": machine_info()}
-    plans = {n: [builder.build(n, args.depths[i % len(args.depths)], random_key(rng, args.key_digits), rng)
-                 for i in range(args.trials_by_len[n])] for n in args.lengths}
-    # round-robin over lengths, so a time limit leaves every length with trials
-    todo = [(n, plans[n][i:i + args.batch]) for i in range(0, max(map(len, plans.values())), args.batch)
-            for n in args.lengths if plans[n][i:i + args.batch]]
-    records, batches, skipped, engines = [], [], [], {}
+    builders = [NeedlePrompts(tok, t.path, args.answer_prefix) for t in args.text_objs]
+    rng = random.Random(args.seed)  # one stream: --split tuning --task passkey rebuilds the original grid
+    plans = {}
+    for task in args.tasks:
+        for n in args.lengths:
+            try:
+                plans[(task, n)] = [build_trial(task, builders[i % len(builders)], n, args.depths[i % len(args.depths)],
+                                                rng, args.text_objs[i % len(builders)].name)
+                                    for i in range(args.trials)]
+            except ValueError as e:
+                die(str(e))
+    plan = {"split": args.split, "texts": [t.name for t in args.text_objs], "depths": args.depths, "seed": args.seed,
+            "tasks": args.tasks, "lengths": args.lengths, "trials": args.trials, "batch": args.batch,
+            "configs": [c.label for c in args.configs], "block_size": args.block_size, "dkv_block": args.dkv_block,
+            "answer_prefix": args.answer_prefix}
     out = Path(args.out)
-    payload = {"config": config, "wall_s": 0.0, "batches": batches, "skipped": skipped, "trials": records}
-    with timer() as wall:
-        for length, chunk in todo:
-            if args.max_minutes and wall() > 60 * args.max_minutes:
-                skipped.append({"length": length, "trials": len(chunk)})
-                continue
-            if len(chunk) not in engines:
-                engines[len(chunk)] = Engine(src, Policy(gpu_batch_size=len(chunk)),
-                                             EngineConfig(device=args.device, block_size=args.block_size))
-            pols = build_policies(args.policy_names, args.keep)
-            recs, times = run_batch(engines[len(chunk)], chunk, pols, args.gen_len, eos, tok)
-            records += recs
-            batches.append({"length": length, "trials": len(chunk), **times})
-            hits = sum(r["hit"] for r in recs if r["policy"] == "dense")
-            print(f"{length} tokens x {len(chunk)}: dense {hits}/{len(chunk)}, prefill {times['prefill_s']}s, "
-                  f"elapsed {wall():.0f}s", flush=True)
-            payload = {"config": config, "wall_s": round(wall(), 1), "batches": batches, "skipped": skipped,
-                       "trials": records}
-            write_results(out, "needle", payload, render(payload, out / "needle.png"))
-    for eng in engines.values():
-        eng.close()
-    payload["wall_s"] = round(wall(), 1)
-    if skipped:
-        print(f"time limit: skipped {sum(b['trials'] for b in skipped)} trials: {skipped}")
+    try:
+        old = None if args.fresh else load_partial(out / "needle.json", plan)
+    except (PlanMismatch, ValueError) as e:
+        die(str(e))
+    config = dict(plan, keep=args.keep, frontier_keep=args.frontier_keep, policies=args.policy_names,
+                  device=args.device, engine_commit=engine_commit(), machine=machine_info())
+    payload = {"plan": plan, "config": config, "batches": old["batches"] if old else [],
+               "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
+    done = done_ids(old)
+    todo = [b for b in plan_batches(plans, args.batch) if b[0] not in done]
+    print(f"{len(done)} batches already in {out / 'needle.json'}; {len(todo)} to run", flush=True)
+    eos = src.spec.eos_id
+    sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block)
+    base = payload["wall_s"]
+    from tqdm import tqdm
+    try:
+        with timer() as wall:
+            for bid, (task, n), trials in tqdm(todo, desc="batches"):
+                if args.max_minutes and wall() > 60 * args.max_minutes:
+                    payload["skipped"].append(bid)
+                    continue
+                recs, times = [], {}
+                forced = [t.forced for t in trials]
+                nf = len(forced[0])
+
+                def sampler_for(cfg, forced=forced, nf=nf):
+                    if not nf:
+                        return Sampler()
+                    return ForcedTokens([f[0 if cfg is None else 1:] for f in forced])  # then greedy
+
+                def done_one(cfg, res, sampler, secs, trials=trials, bid=bid, nf=nf):
+                    times[cfg.label] = round(secs, 2)
+                    for j, (t, toks) in enumerate(zip(trials, res.tokens)):
+                        toks = toks[nf:]
+                        toks = toks[:toks.index(eos)] if eos in toks else toks
+                        answer = tok.decode(toks, skip_special_tokens=True)
+                        recs.append({"batch": bid, "trial": f"{bid}:{j}", "task": t.task, "length": n, "text": t.text,
+                                     "depth": t.depth, "expected": list(t.expected), "label": cfg.label,
+                                     "policy": cfg.policy, "keep": cfg.keep, "answer": answer,
+                                     "hit": hit(t.task, answer, t.expected), "canon": canonical(t.task, answer)})
+                # forced tokens may hold the stop token (the chat template's turn end): then no early stop
+                pre = sweep.run([t.ids for t in trials], nf + trials[0].gen_len, args.configs, sampler_for,
+                                stop=None if nf else eos, on_done=done_one)
+                payload["records"] += recs
+                payload["batches"].append({"id": bid, "task": task, "length": n, "trials": len(trials), **pre,
+                                           "decode_s": times})
+                payload["wall_s"] = round(base + wall(), 1)
+                dh = sum(r["hit"] for r in recs if r["label"] == "dense")
+                print(f"{bid}: dense {dh}/{len(trials)}, prefill {pre['prefill_s']}, elapsed {wall():.0f}s", flush=True)
+                write_results(out, "needle", payload)  # the records first: a report that fails loses nothing
+                write_results(out, "needle", payload, render(payload, out / "needle.png"))
+    finally:
+        sweep.close()
     paths = write_results(out, "needle", payload, render(payload, out / "needle.png"))
     print(f"wrote {', '.join(str(p) for p in paths)}, {out / 'needle.png'}")
-    print(f"total wall time: {wall():.1f}s")
 
 
 if __name__ == "__main__":

@@ -18,16 +18,47 @@ from _common import OneLineParser, REPO, die, int_list, machine_info, timer, wri
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from needle import float_list, run_batch, scores  # noqa: E402
+from _fidelity import float_list  # noqa: E402
 
-from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key  # noqa: E402
+from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, random_key  # noqa: E402
 from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
 from flexgen_sparpr.engine.executor import Engine  # noqa: E402
 from flexgen_sparpr.kv.policies.sparpr import SparPR  # noqa: E402
+from flexgen_sparpr.kv.policy import make_policy  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
 INTS = ("recent_blocks", "summary_tokens")
 BOOLS = ("per_sequence",)
+
+
+def scores(trials):
+    """(variant, keep, length) -> (hits, n)."""
+    acc = {}
+    for r in trials:
+        h, n = acc.get((r["policy"], r["keep"], r["length"]), (0, 0))
+        acc[(r["policy"], r["keep"], r["length"])] = (h + r["hit"], n + 1)
+    return acc
+
+
+def run_batch(eng, trials, pols, gen_len, eos, tok):
+    """Prefill the batch once, decode it densely and with every variant. Returns records, times."""
+    dense = make_policy("dense")
+    eng.set_kv_policy(dense, attach=False)  # the engine's own policy must not also be an observer
+    with timer() as t_pre:
+        st = eng.prefill([t.ids for t in trials], gen_len, observers=tuple(pols.values()))
+    snap = eng.snapshot(st)
+    records, times = [], {"prefill_s": round(t_pre(), 2)}
+    for (name, keep), pol in [(("dense", 1.0), dense), *pols.items()]:
+        eng.set_kv_policy(pol, attach=False)
+        with timer() as t_dec:
+            res = eng.decode(eng.restore(snap), stop=eos)
+        times[f"{name}@{keep}"] = round(t_dec(), 2)
+        for trial, toks in zip(trials, res.tokens):
+            toks = toks[:toks.index(eos)] if eos in toks else toks
+            answer = tok.decode(toks, skip_special_tokens=True)
+            records.append({"policy": name, "keep": keep, "length": len(trial.ids), "depth": trial.depth,
+                            "key": trial.key, "answer": answer, "hit": passkey_hit(answer, trial.key)})
+    return records, times
 
 
 def parse_variant(text: str) -> dict:

@@ -55,11 +55,17 @@ class NeedlePrompts:
         self.cuts = [i + 1 for i, t in enumerate(pieces) if _SENTENCE_END.search(t)]
         if len(self.cuts) < 2:
             raise ValueError("filler text has too few sentences")
+        self.answer_prefix = answer_prefix
+        self.head, self.tail = self.template(QUESTION, answer_prefix)
+
+    def template(self, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
+        """Token ids of the chat template before the context and after it (the question, the
+        assistant turn's opening, the answer prefix)."""
         marker = "\x00CONTEXT\x00"
-        chat = self.tok.apply_chat_template([{"role": "user", "content": f"{marker}\n\n{QUESTION}"}],
+        chat = self.tok.apply_chat_template([{"role": "user", "content": f"{marker}\n\n{question}"}],
                                             add_generation_prompt=True, tokenize=False)
         head, tail = chat.split(marker)
-        self.head, self.tail = self._encode(head), self._encode(tail + answer_prefix)
+        return self._encode(head), self._encode(tail + answer_prefix)
 
     def _encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -67,13 +73,26 @@ class NeedlePrompts:
     def overhead(self, key: str) -> int:
         return len(self.head) + len(self.tail) + len(self._needle(key))
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a sentence inserted into the filler (a leading space, as after a sentence end)."""
+        return self._encode(" " + text)
+
     def _needle(self, key: str) -> list[int]:
-        return self._encode(" " + NEEDLE.format(key=key))
+        return self.encode(NEEDLE.format(key=key))
 
     def build(self, length: int, depth: float, key: str, rng: random.Random) -> Needle:
         """A prompt of exactly `length` tokens with the key at `depth` (0 = start, 1 = end)."""
-        needle = self._needle(key)
-        n = length - len(self.head) - len(self.tail) - len(needle)  # filler tokens
+        ids, (at,), start = self.build_many(length, [(depth, self._needle(key))], rng)
+        return Needle(ids, key, depth, start, at)
+
+    def build_many(self, length: int, inserts: list[tuple[float, list[int]]], rng: random.Random,
+                   tail: list[int] | None = None) -> tuple[list[int], list[int], int]:
+        """A prompt of exactly `length` tokens: a filler excerpt with each insert's token ids after
+        the sentence end nearest its depth (0 = start, 1 = end), then `tail` (default: the passkey
+        question's). Returns the ids, each insert's token index in the prompt (in the order given)
+        and the excerpt's filler offset. One insert draws from rng exactly as `build` always has."""
+        tail = self.tail if tail is None else tail
+        n = length - len(self.head) - len(tail) - sum(len(p) for _, p in inserts)  # filler tokens
         if n < 16:
             raise ValueError(f"length {length} leaves no room for filler")
         starts = [c for c in self.cuts if c + n <= len(self.filler)] or [0]
@@ -81,9 +100,16 @@ class NeedlePrompts:
         excerpt = self.filler[start:start + n]
         if len(excerpt) < n:  # filler shorter than the context: wrap around
             excerpt = (excerpt + self.filler * (n // len(self.filler) + 1))[:n]
-        # the sentence end in the excerpt nearest to the asked depth
-        ends = [c - start for c in self.cuts if 0 < c - start < n] or [round(depth * n)]
-        at = min(ends, key=lambda e: abs(e - depth * n))
-        ids = self.head + excerpt[:at] + needle + excerpt[at:] + self.tail
+        # the sentence end in the excerpt nearest to each asked depth
+        ends = [c - start for c in self.cuts if 0 < c - start < n]
+        cut = [min(ends, key=lambda e: abs(e - d * n)) if ends else round(d * n) for d, _ in inserts]
+        order = sorted(range(len(inserts)), key=lambda i: (cut[i], i))
+        ids, prev, where = list(self.head), 0, [0] * len(inserts)
+        for i in order:
+            ids += excerpt[prev:cut[i]]
+            prev = cut[i]
+            where[i] = len(ids)
+            ids += inserts[i][1]
+        ids += excerpt[prev:] + tail
         assert len(ids) == length
-        return Needle(ids, key, depth, start, len(self.head) + at)
+        return ids, where, start

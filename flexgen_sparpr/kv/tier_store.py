@@ -122,9 +122,11 @@ class TierStore:
         home = self.homes[b]
         if home == Tier.COMPUTE and home not in self.coded:
             return None
-        if self.codec.exact_recent and home in self.coded:
+        first, recent = self.codec.exact_first, self.codec.exact_recent
+        if (recent or b < first) and home in self.coded:
             self._exact[b] = kv.clone()
-            for old in sorted(self._exact)[:-(self.codec.exact_recent + 1)]:  # one spare survives a rewind
+            later = sorted(x for x in self._exact if x >= first)  # the first blocks stay
+            for old in later[:-(recent + 1)]:  # one spare survives a rewind
                 del self._exact[old]
         blk = kv.clone()  # the open buffer is reused at once; the store reads a private copy
         return lambda: self._store(b, blk)
@@ -196,10 +198,10 @@ class TierStore:
         them (the other rows of out are left as they were). A disk read is queued on disk_reads
         when given (gather runs them together), else done now."""
         home, slot, dev = self.homes[b], self.slots[b], self.devices
-        exact = self._exact.get(b) if b >= sealed - self.codec.exact_recent else None
+        exact = self._exact.get(b) if b < self.codec.exact_first or b >= sealed - self.codec.exact_recent else None
         if rows is None or not self.reads_rows(b):
             rows = [(0, self.block_shape[1])]
-        if exact is not None:  # inside the recency window: the exact copy, nothing crosses a link
+        if exact is not None:  # a first or recent block kept exact: the copy, nothing crosses a link
             out.copy_(exact)
         elif home == Tier.DISK:
             if disk_reads is None:

@@ -12,6 +12,7 @@ class Codec:
 
     compressed = False
     exact_recent = 0  # newest sealed blocks also kept exact on compute (a lossy codec's recency window)
+    exact_first = 0  # first sealed blocks also kept exact on compute (the attention sinks every query reads)
     takes_hints = False  # encode uses a per-block hint (DKV: its tokens' importance [B, bs])
     nbytes: int
 

@@ -99,7 +99,7 @@ def test_lowrank_scores_equal_scores_against_decompressed_keys():
     q = torch.randn(b, h, 1, SHAPE[4])
     route = torch.tensor([[2, 0], [1, 2]])  # route: [B, K] per-sequence blocks
     usable = torch.rand(b, 2, SHAPE[3]) > 0.3  # usable: [B, K, bs]
-    out, lse = lowrank_attention(q, pick(parts, route), usable)
+    out, lse = lowrank_attention(q, pick(parts, route), usable.transpose(0, 1))  # block-major: [K, B, ...]
     # the same attention over decompressed keys and values, sequence by sequence
     for i in range(b):
         k = torch.cat([approx[j][0, i] for j in route[i].tolist()], dim=1)[None]  # k: [1, Hkv, K*bs, D]
@@ -187,7 +187,8 @@ def test_state_is_compressed_and_bounded(tiny_llama_dir, tmp_path):
         for t in eng.tables.values():
             sealed = t.length // t.bs
             assert t.nbytes_on(Tier.COMPUTE) == sealed * t.store.codec.nbytes < sealed * t.store.raw.nbytes
-            assert len(t.store._exact) <= 2 and t.store.codec.exact_recent == 1
+            c = t.store.codec
+            assert len(t.store._exact) <= 3 and c.exact_recent == 1 and c.exact_first == 1  # sink, recent, a spare
         c = pol.counts
         assert c["steps"] and c["routed_blocks"] == c["steps"] * 1  # topk 1: one routed block a step
 
@@ -201,8 +202,22 @@ def test_decode_reads_the_encoded_rows_from_disk(tiny_opt_dir, tmp_path):
         st.max_new = len(st.tokens) + 1
         eng.decode(st)
         moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
-        cold = t.length // t.bs - 1  # the sealed blocks outside the exact recent window
+        cold = t.length // t.bs - 2  # the sealed blocks besides the exact recent and sink blocks
         assert moved == len(eng.tables) * cold * t.store.codec.nbytes
+
+
+def test_sink_block_is_attended_exactly(tiny_llama_dir, tmp_path):
+    """The first block is stored encoded like any other, and attended from the exact copy the
+    table keeps at seal time (exact_first): sink_blocks=1 and 0 differ; both store the same bytes."""
+    args = {"rank": 1, "residuals": 0, "recent_blocks": 1}
+    out = {}
+    for sink in (0, 1):
+        with engine(tiny_llama_dir, tmp_path, kv_policy="dkv", policy_args=args | {"sink_blocks": sink}) as eng:
+            out[sink] = eng.generate(PROMPTS, 4, keep_logits=True)
+            t = eng.tables[(0, 0)]
+            assert t.nbytes_on(Tier.COMPUTE) == (t.length // t.bs) * t.store.codec.nbytes
+            assert t.store.codec.exact_first == sink and (0 in t.store._exact) == bool(sink)  # one raw block, on compute
+    assert not torch.allclose(out[0].logits[-1], out[1].logits[-1])
 
 
 def test_snapshot_replay(tiny_llama_dir, tmp_path):
@@ -249,9 +264,9 @@ def test_sparpr_with_dkv_cold_codec(tiny_llama_dir, tmp_path):
         st.max_new = len(st.tokens) + 1
         eng.decode(st)
         moved = eng.devices.counters.snapshot().get("disk->cpu", 0) - before
-        # the newest sealed block is read from its exact copy on compute (the recency window)
-        assert t.store.codec.exact_recent == 1
-        assert moved == len(eng.tables) * (t.length // t.bs - 1) * t.store.codec.nbytes
+        # the newest sealed block and the sink block are read from their exact copies on compute
+        assert t.store.codec.exact_recent == 1 and t.store.codec.exact_first == 1
+        assert moved == len(eng.tables) * (t.length // t.bs - 2) * t.store.codec.nbytes
 
 
 def test_table_keeps_the_newest_encoded_blocks_exact():
@@ -260,13 +275,15 @@ def test_table_keeps_the_newest_encoded_blocks_exact():
     shape = (2, 1, 2, 8, 4)
     t = BlockTable(name="t", batch=1, num_kv_heads=2, head_dim=4, block_size=8, max_len=32, dtype=torch.float32,
                    homes=[Tier.COMPUTE] * 4, devices=Devices(torch.device("cpu")),
-                   codec=DKVCodec(shape, torch.float32, rank=1, residuals=0, exact_recent=1))
-    k, v = torch.randn(1, 2, 24, 4), torch.randn(1, 2, 24, 4)
+                   codec=DKVCodec(shape, torch.float32, rank=1, residuals=0, exact_recent=1, exact_first=1))
+    k, v = torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4)
     for job in t.append(k, v):
         job()
-    kv, _ = t.gather([1, 2])
-    assert torch.equal(kv[0, :, :, 8:], k[:, :, 16:24])  # block 2, the newest: exact
-    assert not torch.allclose(kv[0, :, :, :8], k[:, :, 8:16], atol=1e-3)  # block 1: rank 1
+    kv, _ = t.gather([0, 1, 2, 3])
+    assert torch.equal(kv[0, :, :, 24:], k[:, :, 24:32])  # block 3, the newest: exact
+    assert torch.equal(kv[0, :, :, :8], k[:, :, :8])  # block 0, the sink: exact, and never let go
+    assert not torch.allclose(kv[0, :, :, 8:16], k[:, :, 8:16], atol=1e-3)  # blocks 1, 2: rank 1
+    assert sorted(t.store._exact) == [0, 2, 3]  # the sink, the newest and one spare for a rewind
 
 
 @pytest.mark.parametrize("route", ["lowrank", "mean"])
@@ -282,12 +299,14 @@ def test_routing_finds_the_block_the_query_matches(route):
     pol = DKV(route=route, topk=1)
     mean = torch.stack([x[0].mean(dim=2) for x in blocks])  # mean: [n, B, Hkv, D]
     st = type("S", (), {"mean": mean})()
-    got, scores = pol._route(q, p, torch.arange(4), torch.zeros(SHAPE[1], dtype=torch.long), st, 1)
+    every = pick(p, torch.arange(4).expand(SHAPE[1], -1))  # leading [n, B]
+    usable = torch.ones(4, SHAPE[1], SHAPE[3], dtype=torch.bool).scatter_(2, every.res_idx.long(), False)
+    got, scores = pol._route(q, lowrank_scores(q, every, usable), st.mean, 1)
     assert got.tolist() == [[2]] * SHAPE[1]
-    if scores is not None:  # handed on to the attention: the routed blocks' own low-rank scores
-        sub = pick(p, got)
-        usable = torch.ones(SHAPE[1], 1, SHAPE[3], dtype=torch.bool).scatter_(2, sub.res_idx.long(), False)
-        torch.testing.assert_close(scores, lowrank_scores(q, sub, usable))
+    # handed on to the attention: the routed blocks' own low-rank scores
+    sub = pick(p, got)
+    usable = torch.ones(1, SHAPE[1], SHAPE[3], dtype=torch.bool).scatter_(2, sub.res_idx.long(), False)
+    torch.testing.assert_close(scores, lowrank_scores(q, sub, usable))
 
 
 # --- query-aware residual rows ---

@@ -15,10 +15,11 @@ from .codec import DKVParts
 
 
 def pick(parts: DKVParts, idx: torch.Tensor) -> DKVParts:
-    """Per-sequence blocks: parts with leading [n] (block) over B -> leading [B, K] for
-    idx: [B, K] block numbers (sequence b takes block idx[b, j] of its own row)."""
-    ar = torch.arange(idx.shape[0], device=idx.device)[:, None]  # ar: [B, 1]
-    return DKVParts(*(getattr(parts, f)[idx, ar] for f in DKVParts.__dataclass_fields__))
+    """Per-sequence blocks: parts with leading [n] (block) over B -> leading [K, B] for
+    idx: [B, K] block numbers (sequence b takes block idx[b, j] of its own row). Block-major, as
+    the rows are: the attention below runs batched matmuls over (block, sequence)."""
+    ar = torch.arange(idx.shape[0], device=idx.device)[None, :]  # ar: [1, B]
+    return DKVParts(*(getattr(parts, f)[idx.T, ar] for f in DKVParts.__dataclass_fields__))
 
 
 def _kv_split(x: torch.Tensor, hkv: int, d: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,38 +32,40 @@ def _kv_split(x: torch.Tensor, hkv: int, d: int, dim: int) -> tuple[torch.Tensor
 def lowrank_scores(q: torch.Tensor, p: DKVParts, usable: torch.Tensor) -> torch.Tensor:
     """Scaled scores q.k / sqrt(D) of K blocks per sequence, in low-rank form.
 
-    q: [B, H, 1, D]; p: parts with leading [B, K]; usable: [B, K, bs] bool (False: -inf).
-    Returns [B, Hkv, G, K, bs] float32."""
+    q: [B, H, 1, D]; p: parts with leading [K, B] (every sequence its own K blocks); usable:
+    [K, B, bs] bool (False: -inf). Returns [K, B, H, bs] float32."""
     b, h, _, d = q.shape
     hkv = p.anchor.shape[-1] // (2 * d)
-    qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
-    a_k, _ = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_k: [B, K, Hkv, D]
-    w_k, _ = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_k: [B, K, Hkv, D, r]
-    proj = torch.einsum("bgqd,bkgdr->bkgqr", qg, w_k)  # proj: [B, K, Hkv, G, r]
-    base = torch.einsum("bgqd,bkgd->bgqk", qg, a_k)  # base: [B, Hkv, G, K]
-    scores = torch.einsum("bktr,bkgqr->bgqkt", p.coeffs.float(), proj) + base[..., None]  # [B, Hkv, G, K, bs]
-    return (scores / math.sqrt(d)).masked_fill(~usable[:, None, None], float("-inf"))
+    qg = q.float().view(1, b, hkv, h // hkv, d)  # qg: [1, B, Hkv, G, D]
+    a_k, _ = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_k: [K, B, Hkv, D]
+    w_k, _ = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_k: [K, B, Hkv, D, r]
+    proj = torch.matmul(qg, w_k)  # proj: [K, B, Hkv, G, r] (q projected once per block: r numbers a head)
+    base = torch.matmul(qg, a_k[..., None])  # base: [K, B, Hkv, G, 1]
+    k_, b_ = proj.shape[:2]
+    scores = torch.matmul(proj.reshape(k_, b_, h, -1), p.coeffs.float().mT)  # scores: [K, B, H, bs]
+    scores = (scores + base.reshape(k_, b_, h, 1)) / math.sqrt(d)
+    return scores.masked_fill_(~usable[:, :, None], float("-inf"))
 
 
 def lowrank_attention(q: torch.Tensor, p: DKVParts, usable: torch.Tensor, scores: torch.Tensor | None = None):
     """Attention over K blocks per sequence in low-rank form.
 
-    q: [B, H, 1, D]; p: parts with leading [B, K]; usable: [B, K, bs] bool (valid tokens that are
+    q: [B, H, 1, D]; p: parts with leading [K, B]; usable: [K, B, bs] bool (valid tokens that are
     not residual rows); scores: lowrank_scores(q, p, usable) when already computed.
     Returns out: [B, H, 1, D] float32 and lse: [B, H, 1] (-inf if empty)."""
     b, h, _, d = q.shape
     hkv = p.anchor.shape[-1] // (2 * d)
-    _, a_v = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_v: [B, K, Hkv, D]
-    _, w_v = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_v: [B, K, Hkv, D, r]
-    coeffs = p.coeffs.float()  # coeffs: [B, K, bs, r]
+    _, a_v = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_v: [K, B, Hkv, D]
+    _, w_v = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_v: [K, B, Hkv, D, r]
     if scores is None:
-        scores = lowrank_scores(q, p, usable)  # scores: [B, Hkv, G, K, bs]
-    flat = scores.flatten(-2)  # flat: [B, Hkv, G, K*bs]
-    lse = torch.logsumexp(flat, dim=-1)  # lse: [B, Hkv, G]
+        scores = lowrank_scores(q, p, usable)  # scores: [K, B, H, bs]
+    lse = torch.logsumexp(scores, dim=(0, 3))  # lse: [B, H] over every block's tokens
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w = torch.exp(scores - safe[..., None, None])  # w: [B, Hkv, G, K, bs]
-    wc = torch.einsum("bgqkt,bktr->bgqkr", w, coeffs)  # wc: [B, Hkv, G, K, r]
-    out = torch.einsum("bgqkr,bkgdr->bgqd", wc, w_v) + torch.einsum("bgqk,bkgd->bgqd", w.sum(-1), a_v)
+    w = torch.exp(scores - safe[None, :, :, None])  # w: [K, B, H, bs]
+    k_ = w.shape[0]
+    wc = torch.matmul(w, p.coeffs.float())  # wc: [K, B, H, r] the weighted sum, in r dimensions
+    out = torch.matmul(wc.view(k_, b, hkv, h // hkv, -1), w_v.mT)  # out: [K, B, Hkv, G, D] mapped back
+    out = out.sum(0).reshape(b, h, d) + (w.sum(-1).view(k_, b, hkv, h // hkv, 1) * a_v[:, :, :, None]).sum(0).reshape(b, h, d)
     return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
 
 

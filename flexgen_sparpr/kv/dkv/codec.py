@@ -52,7 +52,8 @@ class DKVCodec(Codec):
     compressed = True
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int = 32, residuals: int = 16,
-                 refit: bool = True, residual_pick: str = "attention", exact_recent: int = 0):
+                 refit: bool = True, residual_pick: str = "attention", exact_recent: int = 0,
+                 exact_first: int = 0):
         planes, b, hkv, bs, d = shape
         if planes != 2:
             raise ValueError("DKV encodes K and V together (planes = 2)")
@@ -63,6 +64,7 @@ class DKVCodec(Codec):
         self.residual_pick = residual_pick
         self.takes_hints = residual_pick != "error"  # the other picks read the token importance (encode)
         self.exact_recent = exact_recent  # the newest sealed blocks also kept exact (lossy: the recency window)
+        self.exact_first = exact_first  # ... and the first ones (the attention sinks every query reads)
         self.shape, self.dtype, self.refit = tuple(shape), dtype, refit
         self.batch, self.hkv, self.bs, self.head_dim = b, hkv, bs, d
         self.width = 2 * hkv * d  # F

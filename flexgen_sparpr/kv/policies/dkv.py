@@ -12,7 +12,7 @@ import torch
 from ...models.layers import attention_with_lse, merge_attention
 from ..block_table import BlockTable
 from ..dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
-from ..dkv.codec import PICKS, DKVCodec
+from ..dkv.codec import PICKS, DKVCodec, DKVParts
 from ..dkv.importance import FOLLOW, WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
 from ..knobs import KnobError, at_least, knob, one_of
@@ -23,10 +23,24 @@ from .base import masked_mean_keys
 
 @dataclass(eq=False)
 class _State:
-    """Per table: exact mean keys of sealed blocks (routing)."""
+    """Per table: exact mean keys of sealed blocks (routing), and what a decode step would
+    otherwise rebuild from the encoded rows every step (the cold blocks' exact residual rows and
+    which of their tokens the low-rank part attends): it changes only when a block is encoded, so
+    it grows by one block at a time and is cut back when a rewind re-seals a block."""
 
     mean: torch.Tensor  # [num_blocks, B, Hkv, D] float32
     pads: torch.Tensor | None = None  # [B]
+    cached: int = 0  # cold blocks held below
+    first: int = 0  # the first of them (after the exact sink blocks)
+    res_k: torch.Tensor | None = None  # [B, Hkv, n*m, D] their residual rows' keys ...
+    res_v: torch.Tensor | None = None  # [B, Hkv, n*m, D] ... values
+    res_ok: torch.Tensor | None = None  # [B, n*m] valid (not left padding)
+    usable: torch.Tensor | None = None  # [n, B, bs] valid tokens that are not residual rows
+    res_pos: torch.Tensor | None = None  # [B, n*m] their positions
+
+    def forget_from(self, block: int) -> None:
+        if block < self.cached:
+            self.cached = 0  # a re-sealed block: rebuild from the rows (rare: rewinds)
 
 
 @dataclass(eq=False)
@@ -34,9 +48,9 @@ class DKV(KVPolicy):
     """DKV, "Anchor + Low-Rank Differential KV-Cache Compression for Scalable Long-Context
     Inference" (seed 001). Every sealed block is stored encoded (kv/dkv/codec.py: anchor, rank-r
     joint K|V SVD delta, `residuals` exact rows) on its home tier; the last `recent_blocks`
-    sealed blocks and the open block stay exact. A decode step attends
+    sealed blocks, the first `sink_blocks` and the open block stay exact. A decode step attends
 
-      window:    the exact recent blocks, the open block and the new token,
+      window:    the exact sink and recent blocks, the open block and the new token,
       residuals: every cold block's exact residual rows,
       low-rank:  the `topk` cold blocks (per sequence) whose exact mean key scores highest,
                  scored and summed in low-rank space (kv/dkv/attention.py), residual rows masked,
@@ -56,6 +70,8 @@ class DKV(KVPolicy):
     residuals: int = knob(16, "exact residual tokens per block")
     topk: int = knob(8, "compressed blocks each query attends in low-rank form; 0 = all")
     recent_blocks: int = knob(1, "sealed blocks kept exact besides the open one", dest="dkv_recent")
+    sink_blocks: int = knob(1, "the first sealed blocks also kept exact (the attention sinks and the chat "
+                            "template every query reads)")
     sparse_prefill: bool = knob(False, "block-sparse prefill attention (sink, local and top-k blocks per "
                                 "query block)")
     prefill_topk: int = knob(8, "with --dkv-sparse-prefill: top-k key blocks per query block")
@@ -72,8 +88,8 @@ class DKV(KVPolicy):
     attends = True  # the engine hands this policy the whole decode attention
 
     def __post_init__(self):
-        for name in ("block", "rank", "residuals", "topk", "recent_blocks", "prefill_topk", "dense_layers",
-                     "pick_window", "pick_follow"):
+        for name in ("block", "rank", "residuals", "topk", "recent_blocks", "sink_blocks", "prefill_topk",
+                     "dense_layers", "pick_window", "pick_follow"):
             at_least(self, name, 1 if name in ("block", "rank", "pick_window") else 0)
         one_of(self, "route", ("lowrank", "mean"))
         one_of(self, "residual_pick", PICKS)
@@ -108,7 +124,8 @@ class DKV(KVPolicy):
         """How the engine stores this policy's sealed blocks (on every tier): raw in dense layers."""
         return None if layer < self.dense_layers else DKVCodec(block_shape, dtype, self.rank, self.residuals,
                                                                residual_pick=self.residual_pick,
-                                                               exact_recent=self.recent_blocks)
+                                                               exact_recent=self.recent_blocks,
+                                                               exact_first=self.sink_blocks)
 
     # --- state ---
     def attach(self, table: BlockTable, layer: int) -> None:
@@ -125,6 +142,7 @@ class DKV(KVPolicy):
             s = ref()
             if s is None:
                 return
+            s.forget_from(block)
             pos = block * bs + torch.arange(bs, device=kv.device)
             pads = s.pads if s.pads is not None else torch.zeros(b, dtype=torch.long, device=kv.device)
             valid = (pos[None, :] >= pads[:, None])[:, None]  # valid: [B, 1, bs]
@@ -169,66 +187,87 @@ class DKV(KVPolicy):
                              "(it cannot take over a cache prefilled under another policy)")
         self.attach(table, layer)
         jobs = table.append(k, v)  # seals a block when full (its mean key kept by the hook)
-        st, bs, d = self._state[table], table.bs, q.shape[3]
+        st, bs = self._state[table], table.bs
         pads = self._pads(table, pads)
         sealed = table.length // bs
         recent = list(range(max(0, sealed - self.recent_blocks), sealed))
-        kv, pos = table.gather(recent + ([table.num_blocks - 1] if table.length % bs else []))  # exact
-        parts = [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None])]
-        cold = list(range(sealed - len(recent)))
+        sinks = [b for b in range(min(self.sink_blocks, sealed)) if b not in recent]
+        kv, pos = table.gather(sinks + recent + ([table.num_blocks - 1] if table.length % bs else []))  # exact
+        k_ex, v_ex, ok = kv[0], kv[1], pos[None, :] >= pads[:, None]  # ok: [B, T]
+        first = len(sinks)
+        cold = list(range(first, sealed - len(recent)))
+        low = None
         if cold:
             for job in jobs:  # a block sealed by this very append must be encoded before it is read
                 job()
             jobs = []
             codec: DKVCodec = table.store.codec
             p = codec.parts(table.rows(cold))  # leading [n]
-            ids = torch.tensor(cold, device=q.device)
-            rk, rv, rpos = residual_kv(p, ids, bs, d)  # rk, rv: [B, Hkv, n*m, D]; rpos: [B, n*m]
-            if rk.shape[2]:
-                parts.append(attention_with_lse(q, rk, rv, rpos >= pads[:, None]))
+            self._cache_cold(st, p, first, bs, q.shape[3], pads)
+            # the exact tokens (window and every cold block's residual rows) in one attention
+            k_ex, v_ex = torch.cat([k_ex, st.res_k], dim=2), torch.cat([v_ex, st.res_v], dim=2)
+            ok = torch.cat([ok, st.res_ok], dim=1)
             kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
-            everything = torch.arange(len(cold), device=q.device).expand(q.shape[0], -1)  # [B, n]
-            route, scores = (everything, None) if kk == len(cold) else self._route(q, p, ids, pads, st, kk)
-            sub = pick(p, route)  # leading [B, K]
-            parts.append(lowrank_attention(q, sub, self._usable(sub, ids[route], bs, pads), scores))
+            # the rows' parts are block-major, [n, B, ...]: every sequence reads every block as they are
+            if kk == len(cold):
+                low = lowrank_attention(q, p, st.usable)
+            else:
+                scores = lowrank_scores(q, p, st.usable)  # scores: [n, B, H, bs]
+                route, scores = self._route(q, scores, st.mean[first:], kk)  # route: [B, K]
+                ar = torch.arange(q.shape[0], device=q.device)[None, :]
+                low = lowrank_attention(q, pick(p, route), st.usable[route.T, ar], scores)
             self.counts["routed_blocks"] += kk
-            self.counts["residual_tokens"] += rk.shape[2]
+            self.counts["residual_tokens"] += st.res_k.shape[2]
             self.counts["cold_blocks"] += len(cold)
         self.counts["steps"] += 1
         self.counts["window_tokens"] += pos.shape[0]
+        parts = [attention_with_lse(q, k_ex, v_ex, ok)] + ([low] if low is not None else [])
         return merge_attention(parts).to(q.dtype), jobs
 
     @staticmethod
-    def _usable(sub, blocks: torch.Tensor, bs: int, pads: torch.Tensor) -> torch.Tensor:
-        """[B, K, bs]: valid tokens of the blocks [B, K] that are not residual rows."""
-        tok = blocks[..., None] * bs + torch.arange(bs, device=blocks.device)  # tok: [B, K, bs]
-        usable = tok >= pads[:, None, None]
-        return usable.scatter_(2, sub.res_idx.long(), False)  # residual rows are attended exactly
+    def _cache_cold(st: _State, p, first: int, bs: int, d: int, pads: torch.Tensor) -> None:
+        """Bring the per-table cache of cold blocks' residual rows and usable tokens up to the n
+        blocks of p (parts with leading [n], blocks first .. first + n - 1): only the blocks encoded
+        since the last step."""
+        n = p.anchor.shape[0]
+        if st.cached > n or st.first != first:
+            st.cached, st.first = 0, first
+        if st.cached == n:
+            return
+        c0 = st.cached
+        ids = torch.arange(first + c0, first + n, device=pads.device)
+        sub = DKVParts(*(getattr(p, f)[c0:] for f in DKVParts.__dataclass_fields__))  # leading [n - c0]
+        rk, rv, rpos = residual_kv(sub, ids, bs, d)  # rk, rv: [B, Hkv, (n-c0)*m, D]; rpos: [B, (n-c0)*m]
+        tok = ids[:, None] * bs + torch.arange(bs, device=pads.device)  # tok: [n-c0, bs]
+        usable = (tok[:, None] >= pads[None, :, None]).scatter_(  # usable: [n-c0, B, bs]
+            2, sub.res_idx.long(), False)  # residual rows are attended exactly
+        if c0:
+            rk, rv = torch.cat([st.res_k, rk], dim=2), torch.cat([st.res_v, rv], dim=2)
+            rpos, usable = torch.cat([st.res_pos, rpos], dim=1), torch.cat([st.usable, usable], dim=0)
+        st.res_k, st.res_v, st.res_pos, st.usable = rk.contiguous(), rv.contiguous(), rpos, usable
+        st.res_ok = rpos >= pads[:, None]
+        st.cached = n
 
-    def _route(self, q, p, ids, pads, st: _State, kk: int):
-        """Per sequence, the K compressed blocks (route: [B, K] indices into ids) to attend in
-        low-rank form: by their attention mass scored in low-rank space (route "lowrank"; their
-        scores [B, Hkv, G, K, bs] come back too, so they are not computed twice), or by their
-        exact mean key against the query summed over heads (route "mean"; scores None)."""
+    def _route(self, q, scores: torch.Tensor, mean: torch.Tensor, kk: int):
+        """Per sequence, the K compressed blocks (route: [B, K] block indices) to attend in
+        low-rank form, with their scores [K, B, H, bs]: by attention mass in low-rank space
+        (route "lowrank", from every block's scores [n, B, H, bs]), or by the exact mean key
+        against the query summed over heads (route "mean"; mean: [>= n, B, Hkv, D] from the first
+        cold block)."""
         if self.route == "lowrank":
-            n = ids.shape[0]
-            everything = torch.arange(n, device=q.device).expand(q.shape[0], -1)  # [B, n]
-            sub = pick(p, everything)
-            scores = lowrank_scores(q, sub, self._usable(sub, ids[everything], p.coeffs.shape[2], pads))
-            mass = scores.permute(0, 3, 1, 2, 4).flatten(2).logsumexp(-1)  # mass: [B, n]
-            route = mass.topk(kk, dim=1).indices  # route: [B, K]
-            idx = route[:, None, None, :, None].expand(*scores.shape[:3], kk, scores.shape[4])
-            return route, scores.gather(3, idx)
+            mass = scores.logsumexp(dim=(2, 3)).T  # mass: [B, n]
         else:
             b, h, _, d = q.shape
-            hkv = st.mean.shape[2]
+            hkv = mean.shape[2]
             qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-            mass = torch.einsum("bgd,nbgd->bn", qg, st.mean[:ids.shape[0]])  # mass: [B, n]
-        return mass.topk(kk, dim=1).indices, None
+            mass = torch.einsum("bgd,nbgd->bn", qg, mean[:scores.shape[0]])  # mass: [B, n]
+        route = mass.topk(kk, dim=1).indices  # route: [B, K]
+        ar = torch.arange(route.shape[0], device=route.device)[None, :]
+        return route, scores[route.T, ar]  # [K, B, H, bs]
 
     def stats(self) -> dict | None:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
-        config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks",
+        config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks", "sink_blocks",
                                                 "sparse_prefill", "prefill_topk", "dense_layers", "route",
                                                 "residual_pick", "pick_window", "pick_follow")}
         blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],

@@ -13,6 +13,7 @@ import torch
 from ...runtime.costs import (CostModel, cost_ratio, dtype_name, keep_target, kv_rebuild_flops,
                               merge_spans, plan_recovery, should_fall_back)
 from ...storage.tiers import Tier
+from ..dkv.codec import DKVCodec
 from ..dkv.exact_rows import with_exact_rows
 from ..dkv.importance import hint_sealed_blocks
 from ..block_table import BlockTable

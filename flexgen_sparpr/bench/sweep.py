@@ -1,0 +1,162 @@
+"""Every KV policy from one prefill per batch: the fidelity scripts' shared runner.
+
+Two families of configurations store the cache differently, so each has its own engine and one
+prefill per batch, and every configuration of the family decodes from a snapshot of it
+(Engine.snapshot / restore):
+
+- raw (KV block `block_size`, 16 by default: Quest's page): dense and every budgeted policy
+  (sparpr, quest, h2o, streaming-llm, flexgen-topk) at each keep ratio, all observers of one
+  dense prefill;
+- dkv (KV block `dkv_block`, 256 by default: a rank-32 basis of a 16-token block would be
+  lossless): the dkv policy, whose engine prefills the cache in DKV form, and "sparpr+dkv",
+  SparPR at each keep ratio reading those same DKV blocks (what `--cold-codec dkv` stores, with
+  the same query-aware exact rows, attended as there; here on the compute tier: fidelity only).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..engine.config import EngineConfig, Policy
+from ..engine.executor import Engine
+from ..kv import policies
+from ..kv.knobs import knobs
+from ..kv.policies import POLICIES, make_policy
+from ..kv.policies.h2o import H2O
+from ..kv.policy import KVPolicy
+
+REFERENCE = policies.DEFAULT  # full attention: what every configuration is compared with
+RAW = "raw"  # the family of configurations whose cache is stored raw
+
+
+@dataclass(frozen=True)
+class Config:
+    """One decode configuration: a policy name, or "A+C" (policy A reading the blocks policy C's
+    codec stores, as `--cold-codec C` does), and its keep ratio (1 for policies without one)."""
+
+    policy: str
+    keep: float = 1.0
+
+    @property
+    def parts(self) -> tuple[str, str | None]:
+        """(the policy that decodes, the policy whose codec stores the blocks it reads, or None)."""
+        name, _, cold = self.policy.partition("+")
+        return name, cold or None
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the policy reads a keep ratio of the cache (it has that knob)."""
+        return any(k.name == "keep_ratio" for k in knobs(POLICIES[self.parts[0]]))
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}@{self.keep:g}" if self.budgeted else self.policy
+
+    @property
+    def family(self) -> str:
+        """How the cache it reads is stored: RAW, or the name of the policy whose codec stores it."""
+        name, cold = self.parts
+        return cold or (name if name in policies.codec_names() else RAW)
+
+
+def known_policies(composed: tuple[str, ...] = ()) -> list[str]:
+    """Every registered policy, then the compositions given ("A+C": budgeted policy A reading the
+    blocks codec policy C stores)."""
+    bad = [c for c in composed if not _composable(c)]
+    if bad:
+        raise ValueError(f"not a budgeted policy over a codec policy: {bad} (codecs: {policies.codec_names()})")
+    return sorted(POLICIES) + list(composed)
+
+
+def _composable(name: str) -> bool:
+    a, _, c = name.partition("+")
+    return a in POLICIES and c in policies.codec_names() and Config(a).budgeted
+
+
+def configs(names: list[str], keeps: list[float], dense: bool = True) -> list[Config]:
+    """The reference first (unless not `dense`), then each policy (registered, or a composition
+    "A+C") at each keep ratio (once for a policy without one). Raises ValueError."""
+    bad = [p for p in names if p not in POLICIES and not _composable(p)]
+    if bad:
+        raise ValueError(f"unknown policies {bad} (known: {', '.join(sorted(POLICIES))}, and A+C compositions "
+                         f"of a budgeted policy over {', '.join(policies.codec_names())})")
+    out = [Config(REFERENCE)] if dense else []
+    for p in names:
+        if p != REFERENCE:
+            out += [Config(p, k) for k in keeps] if Config(p).budgeted else [Config(p)]
+    return out
+
+
+def new_policy(cfg: Config, codec_args: dict | None = None) -> KVPolicy:
+    """A fresh policy for cfg; codec_args: the knobs of a policy with a codec (e.g. DKV's)."""
+    name, _ = cfg.parts
+    args = dict(codec_args or {}) if name in policies.codec_names() else {}
+    if cfg.budgeted:
+        args["keep_ratio"] = cfg.keep
+    return make_policy(name, **args)
+
+
+class PolicySweep:
+    """Engines kept across batches (one per family and batch size); `run` prefills a batch once
+    per family and decodes it under every configuration."""
+
+    def __init__(self, source, *, device: str = "cpu", block_size: int = 16, dkv_block: int = 256,
+                 dkv_args: dict | None = None):
+        self.src, self.device, self.block_size, self.dkv_block = source, device, block_size, dkv_block
+        self.dkv_args = dict(dkv_args or {})
+        self._engines: dict[tuple[str, int], Engine] = {}
+
+    def engine(self, family: str, batch: int) -> Engine:
+        key = (family, batch)
+        if key not in self._engines:
+            if family == RAW:
+                cfg = EngineConfig(device=self.device, block_size=self.block_size)
+            else:  # the codec's own policy prefills the cache in its form
+                cfg = EngineConfig(device=self.device, block_size=self.dkv_block, kv_policy=family,
+                                   policy_args=self.dkv_args)
+            self._engines[key] = Engine(self.src, Policy(gpu_batch_size=batch), cfg)
+        return self._engines[key]
+
+    def run(self, prompts: list[list[int]], max_new: int, cfgs: list[Config],
+            sampler_for: Callable[[Config | None], object], stop: int | None = None,
+            on_done: Callable[[Config, object, object, float], None] | None = None) -> dict:
+        """Decode `prompts` under every configuration. sampler_for(cfg) gives each decode's sampler
+        (sampler_for(None): the prefill's); on_done(cfg, result, sampler, seconds) sees each
+        decode as it ends. Returns {"prefill_s": {family: s}}."""
+        times: dict = {"prefill_s": {}}
+        for family in dict.fromkeys([RAW] + [c.family for c in cfgs]):
+            fam = [c for c in cfgs if c.family == family]
+            if not fam:
+                continue
+            eng = self.engine(family, len(prompts))
+            pols = {c: new_policy(c, self.dkv_args) for c in fam}
+            if family == RAW:
+                own = pols.get(Config(REFERENCE)) or make_policy(REFERENCE)
+            else:  # the codec's own policy, fresh (its counters); its configuration decodes with it
+                own = make_policy(family, **self.dkv_args)
+                pols = {c: (own if c.policy == family else p) for c, p in pols.items()}
+            eng.set_kv_policy(own, attach=False)  # the engine's own policy must not also be an observer
+            # H2O's prefill statistics depend on no knob: one instance computes them for all
+            h2os = [p for p in pols.values() if isinstance(p, H2O)]
+            observers = tuple(p for p in pols.values() if p is not eng.kv_policy and p not in h2os[1:])
+            t0 = time.perf_counter()
+            st = eng.prefill(prompts, max_new, sampler_for(None), observers=observers)
+            times["prefill_s"][family] = round(time.perf_counter() - t0, 2)
+            for p in h2os[1:]:
+                p.adopt_prefill(h2os[0], eng.tables.values())
+            snap = eng.snapshot(st)
+            for c in fam:
+                eng.set_kv_policy(pols[c], attach=False)
+                state = eng.restore(snap)
+                state.sampler = sampler_for(c)
+                t0 = time.perf_counter()
+                res = eng.decode(state, stop=stop)
+                if on_done is not None:
+                    on_done(c, res, state.sampler, time.perf_counter() - t0)
+        return times
+
+    def close(self) -> None:
+        for eng in self._engines.values():
+            eng.close()
+        self._engines.clear()

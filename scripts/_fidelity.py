@@ -1,0 +1,74 @@
+"""What the fidelity scripts (ppl.py, needle.py, frontier.py) share: the split flags, the engine
+commit for the config, and cutting a plan into batches with stable ids (for resuming)."""
+from __future__ import annotations
+
+import subprocess
+
+from _common import REPO, die
+
+from flexgen_sparpr.bench.texts import SPLITS, texts_of
+
+# policy compositions the fidelity scripts sweep by default: SparPR reading DKV-coded blocks
+# (what `--kv-policy sparpr --cold-codec dkv` stores)
+COMPOSED = ("sparpr+dkv",)
+
+
+def engine_commit() -> str:
+    """The engine's git commit (+ "-dirty" with local changes), for the config."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "flexgen_sparpr"], cwd=REPO, capture_output=True,
+                               text=True).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def float_list(text: str) -> list[float]:
+    vals = [float(v) for v in text.split(",") if v.strip()]
+    if not vals:
+        raise ValueError(text)
+    return vals
+
+
+def split_args(ap, depths: bool = False) -> None:
+    """--split (tuning | held-out), --texts and --seed (default: the split's); with `depths`,
+    --depths too. After parse_args, call resolve_split(args)."""
+    ap.add_argument("--split", default="held-out", choices=list(SPLITS),
+                    help="which texts/depths/seeds: held-out (reported results) or tuning (what rules were tuned on)")
+    ap.add_argument("--texts", default="", help="comma list of texts of the split (default: all of the split's)")
+    ap.add_argument("--seed", type=int, default=None, help="default: the split's")
+    if depths:
+        ap.add_argument("--depths", type=float_list, default=None,
+                        help="needle depths, trial i uses depths[i %% n] (default: the split's)")
+
+
+def resolve_split(args) -> None:
+    """Fill args.text_objs, args.seed (and args.depths, if the parser has them) from the split."""
+    sp = SPLITS[args.split]
+    try:
+        args.text_objs = texts_of(args.split, [t for t in args.texts.split(",") if t])
+    except ValueError as e:
+        die(str(e))
+    args.seed = sp.seed if args.seed is None else args.seed
+    if hasattr(args, "depths"):
+        args.depths = list(sp.depths) if args.depths is None else args.depths
+        if not all(0 <= d <= 1 for d in args.depths):
+            die(f"--depths must be in [0, 1] (got {args.depths})")
+
+
+def plan_batches(items: dict, batch: int) -> list[tuple[str, object, list]]:
+    """{key: [item, ...]} (key: a length, or a (task, length) tuple) -> [(id, key, chunk)]: the
+    shorter lengths first, and within a length round-robin over the keys (a time limit leaves
+    the short lengths complete and every task with some trials); ids "<key>:<index of the
+    chunk's first item>", e.g. "2048:5" or "passkey:2048:5" (stable across runs: for resuming)."""
+    def name(key) -> str:
+        return ":".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+    def length(key) -> int:
+        return key[-1] if isinstance(key, tuple) else key
+    out = []
+    for k, xs in items.items():
+        for j, i in enumerate(range(0, len(xs), batch)):
+            out.append((length(k), j, name(k), (f"{name(k)}:{i}", k, xs[i:i + batch])))
+    return [b for *_, b in sorted(out, key=lambda o: o[:3])]

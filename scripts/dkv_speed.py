@@ -1,0 +1,115 @@
+"""DKV's decode speed against dense, interleaved in one run (SmolLM2-135M-Instruct, CPU).
+
+Per context length: one batch of held-out passkey prompts, prefilled once by a dense engine and
+once by a dkv engine (both with the cache on the compute tier, `--block` tokens per block); then
+`--rounds` rounds that each time one dense decode and one dkv decode of `--gen-len` tokens (no
+stop token), alternating, so machine load hits both alike. Also checks that the greedy answers
+(with the stop token) agree. Writes <out>/speed.{json,md}: tok/s per round, the median of the
+per-round ratios dkv / dense, the answers, the config and the engine commit.
+"""
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+from _fidelity import engine_commit, resolve_split, split_args  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from flexgen_sparpr.bench.needle_prompt import NeedlePrompts  # noqa: E402
+from flexgen_sparpr.bench.tasks import build_trial, canonical  # noqa: E402
+from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
+from flexgen_sparpr.engine.executor import Engine  # noqa: E402
+
+TARGET = 0.8  # dkv decode tok/s >= 0.8 x dense at 4k and 8k (issue #16)
+
+
+def parse_args(argv=None):
+    ap = OneLineParser(description=__doc__.splitlines()[0])
+    split_args(ap, depths=True)
+    ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192])
+    ap.add_argument("--batch", type=int, default=4, help="prompts per batch")
+    ap.add_argument("--gen-len", type=int, default=16, help="tokens per timed decode")
+    ap.add_argument("--rounds", type=int, default=3, help="dense/dkv decode pairs per length")
+    ap.add_argument("--block", type=int, default=256, help="KV block tokens (both engines)")
+    ap.add_argument("--out", default=str(REPO / "results/dkv/speed-interleaved"))
+    args = ap.parse_args(argv)
+    resolve_split(args)
+    if min(args.batch, args.rounds) < 1 or args.gen_len < 2:
+        die("--batch and --rounds must be >= 1 and --gen-len >= 2")
+    return args
+
+
+def render(payload) -> str:
+    c = payload["config"]
+    rows = [[r["length"], " / ".join(f"{x:.1f}" for x in r["dense_tok_s"]), " / ".join(f"{x:.1f}" for x in r["dkv_tok_s"]),
+             f"{r['ratio_median']:.2f}", f"{r['answers_equal']}/{r['trials']}"] for r in payload["runs"]]
+    return "\n".join([
+        "# DKV decode speed vs dense, interleaved (SmolLM2-135M-Instruct)", "",
+        f"Batch {c['batch']}, {c['gen_len']} tokens per timed decode (no stop), {c['rounds']} alternating rounds per "
+        f"length, KV blocks of {c['block']} tokens on the compute tier, {c['device']}; torch threads "
+        f"{payload['machine']['torch_threads']}, load average at the start {payload['machine']['load_average']}. "
+        f"Held-out passkey prompts ({', '.join(c['texts'])}). Target: dkv ≥ {TARGET} × dense at 4k and 8k.", "",
+        md_table(["context", "dense tok/s (rounds)", "dkv tok/s (rounds)", "dkv / dense (median of rounds)",
+                  "answers equal"], rows),
+        f"Command: `{payload['command']}`. Engine: {c['engine_commit']}. Wall: {payload.get('wall_s')} s.", ""])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    from flexgen_sparpr.weights.resolve import resolve_source
+    src = resolve_source("smollm2-135m", "")
+    tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
+    builders = [NeedlePrompts(tok, t.path, "The secret passkey is") for t in args.text_objs]
+    rng = random.Random(args.seed)
+    config = {k: v for k, v in vars(args).items() if k != "text_objs"} | {
+        "texts": [t.name for t in args.text_objs], "device": "cpu", "engine_commit": engine_commit()}
+    payload = {"config": config, "machine": machine_info(), "runs": [],
+               "command": " ".join(["scripts/dkv_speed.py", *(argv if argv is not None else sys.argv[1:])])}
+    eos = src.spec.eos_id
+    with timer() as wall:
+        for n in args.lengths:
+            trials = [build_trial("passkey", builders[i % len(builders)], n, args.depths[i % len(args.depths)], rng)
+                      for i in range(args.batch)]
+            engines = {name: Engine(src, Policy(gpu_batch_size=args.batch),
+                                    EngineConfig(device="cpu", block_size=args.block, **kw))
+                       for name, kw in (("dense", {}), ("dkv", {"kv_policy": "dkv"}))}
+            try:
+                snaps, answers = {}, {}
+                for name, eng in engines.items():
+                    snaps[name] = eng.snapshot(eng.prefill([t.ids for t in trials], args.gen_len))
+                    res = eng.decode(eng.restore(snaps[name]), stop=eos)  # the answers, and a warm-up
+                    answers[name] = [tok.decode(r[:r.index(eos)] if eos in r else r, skip_special_tokens=True)
+                                     for r in res.tokens]
+                speed = {name: [] for name in engines}
+                for _ in range(args.rounds):
+                    for name, eng in engines.items():
+                        with timer() as t:
+                            eng.decode(eng.restore(snaps[name]))
+                        speed[name].append(args.batch * (args.gen_len - 1) / t())
+            finally:
+                for eng in engines.values():
+                    eng.close()
+            ratios = [k / d for k, d in zip(speed["dkv"], speed["dense"])]
+            equal = sum(canonical("passkey", a) == canonical("passkey", b) for a, b in zip(answers["dkv"], answers["dense"]))
+            payload["runs"].append({"length": n, "trials": len(trials), "dense_tok_s": speed["dense"],
+                                    "dkv_tok_s": speed["dkv"], "ratios": ratios, "ratio_median": statistics.median(ratios),
+                                    "answers_equal": equal, "answers": answers})
+            print(f"{n}: dense {speed['dense']}, dkv {speed['dkv']}, median ratio {statistics.median(ratios):.2f}, "
+                  f"answers equal {equal}/{len(trials)}", flush=True)
+            payload["wall_s"] = round(wall(), 1)
+            write_results(Path(args.out), "speed", payload, render(payload))
+    print(f"wrote {args.out}/speed.json and speed.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The keep frontier: for SparPR, Quest, DKV and SparPR+DKV, the smallest keep at which the answer
+still equals dense's in >= 95 % of trials, per task and context length (DKV has no keep: its one
+configuration's bytes are shown instead). Reads one or more needle.json files of scripts/needle.py
+made with the same prompts (split, texts, depths, seed, tasks, trials, batch): their records are
+joined by trial, so a run with --no-dense takes dense's answers from another. Writes
+<out>/frontier.{json,md,png}.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OneLineParser, REPO, die, md_table, write_results  # noqa: E402
+
+from flexgen_sparpr.bench.fidelity import frontier, summarize  # noqa: E402
+from flexgen_sparpr.kv.dkv.codec import DKVCodec  # noqa: E402
+
+POLICIES = ("sparpr", "quest", "sparpr+dkv")
+PROMPT_KEYS = ("split", "texts", "depths", "seed", "tasks", "trials", "batch", "answer_prefix")
+
+
+def load(paths: list[Path]) -> tuple[dict, list[dict], list[str]]:
+    """(prompt plan, records joined by (trial, label), engine commits). Dies on files whose prompts differ."""
+    plan, recs, commits, prompts = None, {}, [], {}
+    for p in paths:
+        try:
+            data = json.loads(Path(p).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            die(f"cannot read {p}: {e}")
+        if "plan" not in data or "records" not in data:
+            die(f"{p} is not a scripts/needle.py results file")
+        mine = {k: data["plan"].get(k) for k in PROMPT_KEYS}
+        if plan is None:
+            plan = mine
+        elif mine["split"] != plan["split"] or any(mine[k] != plan[k] for k in PROMPT_KEYS if k != "tasks"):
+            die(f"{p} was made from other prompts than {paths[0]} (plans differ in "
+                f"{', '.join(k for k in PROMPT_KEYS if mine[k] != plan[k])})")
+        for r in data["records"]:
+            recs[(r["trial"], r["label"])] = r
+            # a trial id names the same prompt in every file only if its draws agree
+            seen = prompts.setdefault(r["trial"], (r["expected"], r["depth"], r.get("text")))
+            if seen != (r["expected"], r["depth"], r.get("text")):
+                die(f"{p}: trial {r['trial']} is another prompt than in an earlier file (keys {seen[0]} vs "
+                    f"{r['expected']}): runs whose task lists differ draw their prompts differently")
+        commits.append(data["config"].get("engine_commit", "unknown"))
+    return plan, list(recs.values()), commits
+
+
+def dkv_bytes(block: int = 256, rank: int = 32, residuals: int = 16) -> float:
+    """DKV's encoded block over a raw one for SmolLM2 (3 KV heads x 64), float32."""
+    return DKVCodec.formula(1, 3, block, 64, rank, residuals, 4) / (2 * 3 * block * 64 * 4)
+
+
+def plot(fr: dict, dkv: dict, cells: list[tuple[str, int]], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tasks = sorted({t for t, _ in cells})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks), 3.6), squeeze=False, sharey=True)
+    for ax, task in zip(axes[0], tasks):
+        lengths = sorted(n for t, n in cells if t == task)
+        for i, pol in enumerate(POLICIES):  # measured cells only; 1.05: measured, never agreed enough
+            pts = [(n, fr[pol][(task, n)]) for n in lengths if (task, n) in fr[pol]]
+            ax.plot([n for n, _ in pts], [y if y is not None else 1.05 for _, y in pts], marker="os^"[i], label=pol)
+        pts = [(n, dkv[(task, n)]) for n in lengths if (task, n) in dkv]
+        ax.plot([n for n, _ in pts], [dkv_bytes() if y else 1.05 for _, y in pts], "k:", marker="x", label="dkv (bytes)")
+        ax.axhline(1.05, color="0.8", lw=0.8)
+        ax.set(title=task, xlabel="context tokens", xscale="log", yscale="log", ylim=(0.015, 1.2))
+        ax.set_xticks(lengths)
+        ax.set_xticklabels([f"{n // 1024}k" for n in lengths])
+    axes[0][0].set_ylabel("smallest keep with >= 95 % agreement\n(top line: none measured)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = OneLineParser(description=__doc__.splitlines()[0])
+    ap.add_argument("inputs", nargs="+", help="needle.json files of scripts/needle.py (same prompts)")
+    ap.add_argument("--threshold", type=float, default=0.95, help="agreement with dense needed")
+    ap.add_argument("--out", default=str(REPO / "results/fidelity"))
+    args = ap.parse_args(argv)
+    if not 0 < args.threshold <= 1:
+        die("--threshold must be in (0, 1]")
+    plan, recs, commits = load([Path(p) for p in args.inputs])
+    rows = summarize(recs)
+    cells = sorted({(r["task"], r["length"]) for r in rows if r["label"] != "dense"})
+    fr = {p: frontier(rows, p, args.threshold) for p in POLICIES}
+    dkv = {(r["task"], r["length"]): r["agree_rate"] >= args.threshold for r in rows if r["policy"] == "dkv"}
+    keeps = {p: sorted({r["keep"] for r in rows if r["policy"] == p}, reverse=True) for p in POLICIES}
+    n = {(r["task"], r["length"]): r["n"] for r in rows if r["label"] == "dense"}
+
+    def cell(pol, c):
+        if c not in fr[pol]:
+            return "–"
+        k = fr[pol][c]
+        return f"{k:g}" if k is not None else f"> {max(keeps[pol]):g}"
+    table = [[t, n_, n.get((t, n_), "?"), *[cell(p, (t, n_)) for p in POLICIES],
+              "–" if (t, n_) not in dkv else ("yes" if dkv[(t, n_)] else "no")] for t, n_ in cells]
+    png = Path(args.out) / "frontier.png"
+    plot(fr, dkv, cells, png)
+    payload = {"config": {"inputs": [str(p) for p in args.inputs], "threshold": args.threshold, "prompts": plan,
+                          "engine_commits": commits, "keeps": keeps, "dkv_bytes_ratio": dkv_bytes()},
+               "frontier": {p: [{"task": t, "length": n_, "keep": k} for (t, n_), k in sorted(fr[p].items())]
+                            for p in POLICIES},
+               "dkv_meets": [{"task": t, "length": n_, "meets": m} for (t, n_), m in sorted(dkv.items())],
+               "rows": rows}
+    md = "\n".join([
+        "# The keep frontier (SmolLM2-135M-Instruct)", "",
+        f"Smallest keep ratio at which a policy's answer equals dense's in ≥ {100 * args.threshold:g} % of the "
+        f"trials, at that keep and every larger one measured (`> k`: not even at the largest, k). Keeps "
+        f"measured: {json.dumps(keeps)}. DKV has no keep: its column says whether its one configuration (rank 32, "
+        f"16 exact rows, 256-token blocks: {dkv_bytes():.3f} of dense's bytes per block) meets the same bar. "
+        f"With n trials a cell needs ⌈{args.threshold:g}·n⌉ agreements (all 10 of 10). Split "
+        f"**{plan['split']}**: texts {', '.join(plan['texts'])}, depths {plan['depths']}, seed {plan['seed']}.", "",
+        md_table(["task", "context", "trials", *[f"{p} keep" for p in POLICIES], "dkv meets"], table),
+        f"Inputs: {', '.join(args.inputs)}; engine commits {', '.join(sorted(set(commits)))}. Plot: {png.name}.", ""])
+    paths = write_results(Path(args.out), "frontier", payload, md)
+    print(md)
+    print(f"wrote {', '.join(map(str, paths))}, {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Long-text perplexity per KV policy on SmolLM2-135M-Instruct: prefill P tokens of a held-out
+public-domain text densely, then decode the next T tokens teacher-forced with every policy
+reading its keep of the cache, and score the text's true next token.
+
+One prefill per batch of windows serves every policy of a family (flexgen_sparpr/bench/sweep.py:
+raw blocks for dense and the budgeted policies, DKV blocks for dkv and sparpr+dkv). Writes
+<out>/ppl.json (plan, config, every window x policy), ppl.md and ppl.png; after every batch, so
+a run stopped by --max-minutes (or anything else) resumes where it stopped when run again.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+from _fidelity import COMPOSED, engine_commit, float_list, plan_batches, resolve_split, split_args  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from flexgen_sparpr.bench.forced import ForcedTokens  # noqa: E402
+from flexgen_sparpr.bench.needle_prompt import normalise_filler  # noqa: E402
+from flexgen_sparpr.bench.perplexity import summarize, windows  # noqa: E402
+from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # noqa: E402
+from flexgen_sparpr.bench.sweep import PolicySweep, configs, known_policies  # noqa: E402
+
+TARGET = ("sparpr", 0.1, 1.02)  # SparPR at keep 0.1 within +2 % of dense perplexity
+
+
+def parse_args(argv=None):
+    ap = OneLineParser(description=__doc__.splitlines()[0])
+    split_args(ap)
+    ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192], help="prefilled tokens P")
+    ap.add_argument("--score-tokens", type=int, default=64, help="teacher-forced, scored tokens T per window")
+    ap.add_argument("--windows", type=int, default=2, help="windows per text and length")
+    ap.add_argument("--keep", type=float_list, default=[0.5, 0.25, 0.1, 0.05], help="keep ratios")
+    ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
+    ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
+    ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
+    ap.add_argument("--dkv-block", type=int, default=256, help="KV block of the dkv family")
+    ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
+    ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/ppl.json")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=str(REPO / "results/ppl"))
+    args = ap.parse_args(argv)
+    resolve_split(args)
+    args.policy_names = ([p for p in args.policies.split(",") if p]
+                         or [p for p in known_policies(COMPOSED) if p != "dense"])
+    try:
+        args.configs = configs(args.policy_names, args.keep)
+    except ValueError as e:
+        die(str(e))
+    if args.score_tokens < 1 or args.windows < 1 or args.batch < 1:
+        die("--score-tokens, --windows and --batch must be >= 1")
+    if not all(0 < k <= 1 for k in args.keep):
+        die("--keep values must be in (0, 1]")
+    return args
+
+
+def render(payload, png: Path) -> str:
+    rows = summarize(payload["records"])
+    cfg = payload["config"]
+    lengths = sorted({r["length"] for r in rows})
+    by = {(r["label"], r["length"]): r for r in rows}
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    table = []
+    for lab in labels:
+        cells = []
+        for n in lengths:
+            r = by.get((lab, n))
+            cells.append("–" if r is None else f"{r['ppl']:.2f} ({r['ratio']:.3f} [{r['ratio_lo']:.3f}, "
+                         f"{r['ratio_hi']:.3f}])" if lab != "dense" else "–" if r is None else f"{r['ppl']:.2f}")
+        table.append([lab, *cells])
+    pol, keep, lim = TARGET
+    tgt = [by[(f"{pol}@{keep:g}", n)] for n in lengths if (f"{pol}@{keep:g}", n) in by]
+    verdict = ", ".join(f"{r['length']}: {100 * (r['ratio'] - 1):+.2f} % (CI upper {100 * (r['ratio_hi'] - 1):+.2f} %) "
+                        f"{'met' if r['ratio'] <= lim else 'missed'}" for r in tgt) or "not measured"
+    plot(rows, lengths, png)
+    n_win = {r["length"]: r["windows"] for r in rows if r["label"] == "dense"}
+    return "\n".join([
+        "# Long-text perplexity per KV policy (SmolLM2-135M-Instruct)", "",
+        f"Split **{cfg['split']}**: texts {', '.join(cfg['texts'])}; seed {cfg['seed']}. Each window: "
+        f"P prompt tokens prefilled densely, then {cfg['score_tokens']} tokens decoded teacher-forced with "
+        "the policy reading its keep of the cache, each scored on the text's true next token. Cell: "
+        "perplexity (ratio to dense on the same windows [95 % t-interval over windows]). Windows per "
+        f"length: {json_compact(n_win)}.", "",
+        md_table(["config", *[f"P = {n}" for n in lengths]], table),
+        f"Target (SparPR keep {keep:g} within +{100 * (lim - 1):.0f} % of dense): {verdict}.", "",
+        f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {cfg['engine_commit']}.", "",
+        *([f"Not run (time limit; run the same command again to resume): {len(payload['skipped'])} batches: "
+           f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
+        "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
+                                               default=str), "```", "",
+        "Machine: " + json_compact(cfg.get("machine")), ""])
+
+
+def json_compact(x) -> str:
+    return json.dumps(x, default=str)
+
+
+def plot(rows, lengths, png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 3.8), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        pols = sorted({r["policy"] for r in rows if r["length"] == n and r["policy"] not in ("dense", "dkv")})
+        for i, p in enumerate(pols):
+            rs = sorted((r for r in rows if r["length"] == n and r["policy"] == p), key=lambda r: r["keep"])
+            ax.errorbar([r["keep"] for r in rs], [r["ratio"] for r in rs], marker="os^Dv<>"[i % 7], capsize=2,
+                        yerr=[[r["ratio"] - r["ratio_lo"] for r in rs],
+                              [min(r["ratio_hi"], 10) - r["ratio"] for r in rs]], label=p)
+        for r in rows:
+            if r["length"] == n and r["policy"] == "dkv":
+                ax.axhline(r["ratio"], color="k", ls=":", label="dkv (r 32, m 16)")
+        ax.axhline(1.02, color="0.6", lw=1, ls="--", label="dense + 2 %")
+        ax.set(title=f"P = {n}", xlabel="keep ratio", ylabel="perplexity / dense", xscale="log")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    from flexgen_sparpr.weights.resolve import resolve_source
+    src = resolve_source("smollm2-135m", "")
+    tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
+    wins = {}
+    for t in args.text_objs:
+        ids = tok(normalise_filler(t.path.read_text(encoding="utf-8", errors="replace")),
+                  add_special_tokens=False)["input_ids"]
+        for n in args.lengths:
+            try:
+                wins.setdefault(n, []).extend(windows(t.name, ids, n, args.score_tokens, args.windows, args.seed))
+            except ValueError as e:
+                die(str(e))
+    plan = {"split": args.split, "texts": [t.name for t in args.text_objs], "seed": args.seed,
+            "lengths": args.lengths, "score_tokens": args.score_tokens, "windows": args.windows,
+            "configs": [c.label for c in args.configs], "batch": args.batch, "block_size": args.block_size,
+            "dkv_block": args.dkv_block}
+    out = Path(args.out)
+    try:
+        old = None if args.fresh else load_partial(out / "ppl.json", plan)
+    except (PlanMismatch, ValueError) as e:
+        die(str(e))
+    batches = plan_batches(wins, args.batch)
+    config = dict(plan, keep=args.keep, policies=args.policy_names, device=args.device,
+                  engine_commit=engine_commit(), machine=machine_info(),
+                  texts_detail={t.name: {"title": t.title, "file": t.file} for t in args.text_objs})
+    payload = {"plan": plan, "config": config, "batches": old["batches"] if old else [],
+               "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
+    done = done_ids(old)
+    sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block)
+    from tqdm import tqdm
+    todo = [(bid, n, ws) for bid, n, ws in batches if bid not in done]
+    print(f"{len(batches) - len(todo)} of {len(batches)} batches already in {out / 'ppl.json'}", flush=True)
+    base = payload["wall_s"]
+    try:
+        with timer() as wall:
+            for bid, n, ws in tqdm(todo, desc="batches"):
+                if args.max_minutes and wall() > 60 * args.max_minutes:
+                    payload["skipped"].append(bid)
+                    continue
+                recs, times = [], {}
+
+                def done_one(cfg, res, sampler, secs, ws=ws, n=n, bid=bid):
+                    nll, top1 = sampler.nll, sampler.top1  # [B, T]
+                    times[cfg.label] = round(secs, 2)
+                    for w, row_nll, row_top in zip(ws, nll, top1):
+                        recs.append({"batch": bid, "window": f"{w.text}:{w.start}", "text": w.text, "length": n,
+                                     "label": cfg.label, "policy": cfg.policy, "keep": cfg.keep,
+                                     "nll_sum": float(row_nll.sum()), "n": int(row_nll.numel()),
+                                     "top1": int(row_top.sum())})
+                pre = sweep.run([w.prompt for w in ws], args.score_tokens + 1, args.configs,
+                                # the prefill predicts forced[0] (dense for all); each decode scores the rest
+                                lambda cfg, ws=ws: ForcedTokens([w.forced[0 if cfg is None else 1:] for w in ws]),
+                                on_done=done_one)
+                payload["records"] += recs
+                payload["batches"].append({"id": bid, "length": n, "windows": len(ws), **pre, "decode_s": times})
+                payload["wall_s"] = round(base + wall(), 1)
+                dense = [r for r in recs if r["label"] == "dense"]
+                print(f"{bid}: dense ppl {math.exp(sum(r['nll_sum'] for r in dense) / sum(r['n'] for r in dense)):.2f}"
+                      f", prefill {pre['prefill_s']}, elapsed {wall():.0f}s", flush=True)
+                write_results(out, "ppl", payload, render(payload, out / "ppl.png"))
+    finally:
+        sweep.close()
+    paths = write_results(out, "ppl", payload, render(payload, out / "ppl.png"))
+    print(f"wrote {', '.join(str(p) for p in paths)}, {out / 'ppl.png'}")
+
+
+if __name__ == "__main__":
+    main()

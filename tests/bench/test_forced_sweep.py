@@ -1,0 +1,73 @@
+"""Teacher forcing through the engine's own loop (bench/forced.py) and the shared-prefill sweep
+(bench/sweep.py), on a tiny Llama made here: the forced NLLs are the model's, every policy
+decodes from one prefill, and keep 1 reads what dense reads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_sparpr.bench.forced import ForcedTokens
+from flexgen_sparpr.bench.sweep import Config, PolicySweep, configs
+from flexgen_sparpr.engine.config import EngineConfig, Policy
+from flexgen_sparpr.engine.executor import Engine
+from flexgen_sparpr.weights.resolve import resolve_source
+
+torch.manual_seed(0)
+TEXT = torch.randint(4, 300, (2, 80)).tolist()  # two sequences of 80 ids
+P = 64
+
+
+def test_forced_tokens_then_greedy():
+    s = ForcedTokens([[3, 4], [5, 6]])
+    logits = torch.zeros(2, 10)
+    logits[:, 7] = 5.0
+    assert s(logits).tolist() == [3, 5] and s(logits).tolist() == [4, 6]
+    assert s(logits).tolist() == [7, 7]  # forced run out: greedy
+    expect = -torch.log_softmax(logits.double(), -1)[0, 3]
+    assert s.nll.shape == (2, 2) and s.nll[0, 0] == pytest.approx(float(expect))
+    assert not s.top1.any()
+    with pytest.raises(ValueError):
+        ForcedTokens([1, 2, 3])
+
+
+def test_teacher_forced_decode_scores_what_a_full_forward_scores(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    ids = torch.tensor(TEXT)
+    with torch.no_grad():
+        ref = -torch.log_softmax(hf(ids).logits.double(), -1)  # ref: [2, 80, V]
+    want = ref[:, P:-1].gather(2, ids[:, P + 1:, None])[..., 0]  # tokens P+1.. scored from decode steps
+    src = resolve_source(str(tiny_llama_dir), "")
+    with Engine(src, Policy(gpu_batch_size=2), EngineConfig(block_size=8)) as eng:
+        st = eng.prefill([t[:P] for t in TEXT], 80 - P, ForcedTokens([t[P:] for t in TEXT]))
+        st.sampler = ForcedTokens([t[P + 1:] for t in TEXT])
+        res = eng.decode(st)
+    assert [r[:80 - P] for r in res.tokens] == [t[P:] for t in TEXT]  # it fed the text, not its guesses
+    assert torch.allclose(st.sampler.nll, want, atol=1e-4)
+
+
+def test_sweep_decodes_every_config_from_one_prefill(tiny_llama_dir):
+    src = resolve_source(str(tiny_llama_dir), "")
+    cfgs = configs(["sparpr", "h2o", "quest", "dkv", "sparpr+dkv"], [1.0, 0.25])
+    seen = {}
+
+    def done(cfg, res, sampler, secs):
+        seen[cfg] = sampler.nll.clone()
+    sweep = PolicySweep(src, block_size=8, dkv_block=16, dkv_args={"rank": 4, "residuals": 2})
+    try:
+        times = sweep.run([t[:P] for t in TEXT], 80 - P, cfgs,
+                          lambda c: ForcedTokens([t[P + (c is not None):] for t in TEXT]), on_done=done)
+    finally:
+        sweep.close()
+    assert set(seen) == set(cfgs) and set(times["prefill_s"]) == {"raw", "dkv"}
+    dense = seen[Config("dense")]
+    assert torch.allclose(seen[Config("sparpr", 1.0)], dense, atol=1e-6)  # keep 1 reads everything
+    assert torch.allclose(seen[Config("h2o", 1.0)], dense, atol=1e-6)
+    assert not torch.allclose(seen[Config("h2o", 0.25)], dense, atol=1e-3)  # a keep below 1 reads less
+    assert seen[Config("dkv")].shape == dense.shape
+
+
+def test_configs_reject_unknown_policies():
+    with pytest.raises(ValueError, match="nope"):
+        configs(["nope"], [0.5])
+    assert [c.label for c in configs(["dkv", "quest"], [0.5, 0.1])] == ["dense", "dkv", "quest@0.5", "quest@0.1"]

@@ -1,0 +1,60 @@
+"""scripts/needle.py, ppl.py, frontier.py and dkv_speed.py: bad input is one line and exit 2,
+before any model is loaded (their runs are long: they live in results/, not here; the logic they
+share is tested in tests/bench/)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.scripts.runner import run_script
+
+
+@pytest.mark.parametrize("script, args, msg", [
+    ("needle.py", ["--task", "nope"], "--task"),
+    ("needle.py", ["--policies", "nope"], "nope"),
+    ("needle.py", ["--texts", "alice29"], "tuning split"),  # a held-out run on the tuning text
+    ("needle.py", ["--split", "other"], "--split"),
+    ("needle.py", ["--keep", "0"], "keep"),
+    ("ppl.py", ["--keep", "1.5"], "--keep"),
+    ("ppl.py", ["--windows", "0"], "--windows"),
+    ("ppl.py", ["--texts", "nope"], "nope"),
+    ("dkv_speed.py", ["--gen-len", "1"], "--gen-len"),
+    ("frontier.py", ["/nonexistent/needle.json"], "cannot read"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, script, args, msg):
+    r = run_script(script, *args, "--out", str(tmp_path / "res"))
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "\n" not in r.stderr.strip()
+    assert not (tmp_path / "res").exists()
+
+
+def test_frontier_refuses_files_of_other_prompts(tmp_path):
+    rec = {"trial": "passkey:2048:0:0", "task": "passkey", "length": 2048, "label": "dense", "policy": "dense",
+           "keep": 1.0, "hit": True, "canon": "1", "expected": ["1"], "depth": 0.1, "text": "asyoulik"}
+    plan = {"split": "held-out", "texts": ["asyoulik"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
+            "trials": 1, "batch": 1, "answer_prefix": "x"}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"plan": plan, "config": {}, "records": [rec]}))
+    b.write_text(json.dumps({"plan": plan, "config": {}, "records": [rec | {"expected": ["2"], "label": "x@0.1"}]}))
+    r = run_script("frontier.py", str(a), str(b), "--out", str(tmp_path / "res"))
+    assert r.returncode == 2 and "another prompt" in r.stderr
+    ok = tmp_path / "c.json"
+    ok.write_text(json.dumps({"plan": plan, "config": {}, "records": [
+        rec, rec | {"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1}]}))
+    r = run_script("frontier.py", str(ok), "--out", str(tmp_path / "res"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "res" / "frontier.json").read_text())
+    assert data["frontier"]["sparpr"] == [{"task": "passkey", "length": 2048, "keep": 0.1}]
+    assert (tmp_path / "res" / "frontier.png").stat().st_size > 0
+
+
+def test_batches_run_short_lengths_first_with_stable_ids():
+    import sys
+    from tests.scripts.runner import REPO
+    sys.path.insert(0, str(REPO / "scripts"))
+    from _fidelity import plan_batches
+    items = {("b", 4096): list(range(4)), ("a", 4096): list(range(2)), ("b", 2048): list(range(3))}
+    got = [(bid, len(chunk)) for bid, _, chunk in plan_batches(items, 2)]
+    assert got == [("b:2048:0", 2), ("b:2048:2", 1), ("a:4096:0", 2), ("b:4096:0", 2), ("b:4096:2", 2)]
+    assert [b for b, *_ in plan_batches({2048: [1, 2, 3]}, 2)] == ["2048:0", "2048:2"]
