@@ -5,9 +5,9 @@ import sys
 
 
 def main(argv=None) -> int:
-    # torch's C++ side logs a lost peer or store as warnings with a stack dump; this rank's one
-    # error line says it instead (read when torch loads, so set before the import below)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # torch's C++ side logs a lost peer or an unreachable store with a stack dump before raising;
+    # this rank's one error line says it instead (read when torch loads: set before the import)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from .cli.dist import run_dist
     from .cli.guard import guarded
     from .cli.launch import label

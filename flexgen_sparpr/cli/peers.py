@@ -116,6 +116,17 @@ class Peers:
         except (RuntimeError, ValueError):  # the store is gone with its host
             return {"rank": rank, "why": why}
 
+    def _silent(self, guess: int) -> int:
+        """The rank that went silent: every rank that loses a link marks itself at once, so after
+        the grace the one that marked nothing (and did not leave) is the dead one; `guess` (the
+        peer this rank waited on) when it is among them or none can be told apart."""
+        try:
+            quiet = [r for r in range(self.world_size) if r != self.rank
+                     and not self.store.check([f"lost/{r}"]) and not self.store.check([f"left/{r}"])]
+        except (RuntimeError, ValueError):
+            return guess
+        return guess if guess in quiet or not quiet else quiet[0]
+
     def _recorded(self, wait: float) -> dict | None:
         end = time.monotonic() + wait
         while True:
@@ -141,6 +152,10 @@ class Peers:
                                   "its offload files removed")
             self._record(self.rank, describe(e)[1])
             return e
+        try:
+            self.store.set(f"lost/{self.rank}", "1")  # alive, and lost a link: not the one that died
+        except (RuntimeError, ValueError):
+            pass
         rec = self._recorded(GRACE_S)
         if rec is None:
             timed_out = "timed out" in str(lost).lower() or "timeout" in str(lost).lower()
@@ -148,7 +163,7 @@ class Peers:
                 "it exited or died: its connection closed"
             if lost.what == "the rendezvous store":
                 why = f"the rendezvous store on {self.store_host} stopped answering"
-            rec = self._record(lost.peer, why)
+            rec = self._record(lost.peer if lost.what == "the rendezvous store" else self._silent(lost.peer), why)
         if offload_dir:
             sweep_dead_runs(Path(offload_dir).expanduser())
         return PeerFailed(f"rank {rec['rank']} failed ({rec['why']}); this rank stopped, its offload files removed")

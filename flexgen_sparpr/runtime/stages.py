@@ -119,9 +119,9 @@ def stage_spec(spec: ModelSpec, num_layers: int, first: bool = True, last: bool 
 
 
 # --- time ---
-def activation_bytes(spec: ModelSpec, rows: int, new_tokens: int, dtype_bytes: int) -> int:
-    """Hidden states of one micro-batch crossing a stage boundary."""
-    return rows * new_tokens * spec.hidden * dtype_bytes
+def activation_bytes(hidden: int, rows: int, new_tokens: int, dtype_bytes: int) -> int:
+    """Hidden states of one micro-batch (rows sequences, new_tokens each) crossing a stage boundary."""
+    return rows * new_tokens * hidden * dtype_bytes
 
 
 def pipeline_step_s(stage_micro_s: list[float], micro_batches: int) -> float:
@@ -192,8 +192,8 @@ def choose_stages(wl: Workload, hw: Hardware, stages: int, micro_batches: int, g
     split = (gpu_batch_size, B // gpu_batch_size)
     b = DTYPE_BYTES[wl.dtype]
     bw = hw.interconnect_bw
-    xfer_pre = activation_bytes(spec, B // M, wl.prompt_len, b) / bw if bw > 0 else 0.0
-    xfer_dec = activation_bytes(spec, B // M, 1, b) / bw if bw > 0 else 0.0
+    xfer_pre = activation_bytes(spec.hidden, B // M, wl.prompt_len, b) / bw if bw > 0 else 0.0
+    xfer_dec = activation_bytes(spec.hidden, B // M, 1, b) / bw if bw > 0 else 0.0
     scored: dict[tuple[int, bool, bool], dict | None] = {}
 
     def stage(n: int, first: bool, last: bool) -> dict | None:
