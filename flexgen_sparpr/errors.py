@@ -17,6 +17,10 @@ class ModelNotFound(ConfigError):
     """The named model has no weights on disk; the message says where they must go."""
 
 
+class PeerFailed(ValueError):
+    """Another rank of a distributed run failed, so this one stopped; the message names it."""
+
+
 class NoPlacementFits(ValueError):
     """No grid point fits the tiers' memory."""
 

@@ -95,9 +95,10 @@ def _is_torch_oom(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))
 
 
-def guarded(fn, *args) -> int:
+def guarded(fn, *args, label: str = "") -> int:
     """Run fn(*args) as a command: its int return (None: 0) is the exit code; a failure prints
-    one line on stderr (see the module doc). FLEXGEN_SPARPR_TRACEBACK=1 re-raises instead."""
+    one line on stderr (see the module doc), after `label` (a distributed run's `rank N: `).
+    FLEXGEN_SPARPR_TRACEBACK=1 re-raises instead."""
     try:
         with stop_signals_unwind():
             rc = fn(*args)
@@ -108,5 +109,5 @@ def guarded(fn, *args) -> int:
         if os.environ.get(TRACEBACK_ENV) and not isinstance(e, KeyboardInterrupt):
             raise
         code, msg = describe(e)
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+        print(f"error: {label}{msg}", file=sys.stderr, flush=True)
         return code

@@ -19,6 +19,7 @@ from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
 from ..engine.sampling import Sampler
 from ..engine.state import GenerationResult
+from ..runtime.stages import stage_spec
 from ..weights.resolve import DUMMY, resolve_source
 from . import preflight
 from . import report as fmt
@@ -45,6 +46,7 @@ class Setup:
     hardware: object | None = None  # ... and the hardware it planned for
     output: object | None = None  # --output-json, checked writable before any work (Path)
     log_path: object | None = None  # FlexGen's log file, likewise (None: --no-log)
+    stage: object | None = None  # a distributed run: this rank's engine/pipeline.py Stage
 
     @property
     def prompt_len(self) -> int:
@@ -68,15 +70,19 @@ class Generated:
     kv_stats: dict | None = None  # the KV policy's per-step statistics, if it keeps them
 
 
-def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig) -> Setup:
+def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig, pipeline=None) -> Setup:
     """The weight source, tokenizer and prompt ids; --policy auto's placement; every check that
-    needs no weights (cli/preflight.py: output paths, context, offload folder, capacity)."""
+    needs no weights (cli/preflight.py: output paths, context, offload folder, capacity).
+    pipeline: a distributed run's stage choice (cli/dist.py Pipeline): this rank's layers and,
+    with --policy auto, its placement; the capacity check is then the stage's."""
     output = writable_file(opts.output_json, "--output-json") if opts.output_json else None
     is_dummy = DUMMY in opts.path
     max_seq = opts.max_seq_len or (opts.prompt_len + opts.gen_len if is_dummy else None)
     src = resolve_source(opts.model, opts.path, max_seq, opts.seed)
-    plan = hw = None
-    if opts.policy == "auto":  # placement and batch split from the hardware file (runtime/placement.py)
+    plan = hw = stage = None
+    if pipeline is not None:
+        policy, ecfg, stage, plan, hw = pipeline.place(opts, policy, ecfg, src.spec)
+    elif opts.policy == "auto":  # placement and batch split from the hardware file (runtime/placement.py)
         policy, ecfg, plan, hw = apply_auto_policy(opts, policy, ecfg, src.spec)
     log_path = None if opts.no_log else writable_file(
         opts.log_file if opts.log_file != "auto" else fmt.flexgen_log_name(opts, policy, src.spec), "--log-file")
@@ -85,14 +91,16 @@ def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig) -> Setup:
     explicit = opts.prompt or opts.prompt_file or opts.prompt_ids_file
     stop = preflight.stop_token(opts.stop, src.spec)
     s = Setup(opts, policy, ecfg, src, tok, prompts, 0 if explicit else opts.prompt_len, stop, plan, hw,
-              output, log_path)
-    preflight.before_loading(opts, policy, ecfg, src.spec, s.prompt_len, is_dummy)  # nothing loaded yet
+              output, log_path, stage)
+    held = src.spec if stage is None else stage_spec(src.spec, stage.num_layers)  # what this process holds
+    preflight.before_loading(opts, policy, ecfg, held, s.prompt_len, is_dummy)  # nothing loaded yet
     return s
 
 
-def generate(s: Setup) -> Generated:
+def generate(s: Setup, link=None) -> Generated:
     """FlexGen's run: announce the sizes, load the weights, one short warm-up generation (unless
-    --warmup false), then the timed generation with peak memory and bytes moved."""
+    --warmup false), then the timed generation with peak memory and bytes moved. link: a
+    distributed run's engine/pipeline.py StageLink for s.stage (its micro-batches, its neighbours)."""
     opts, spec, n = s.opts, s.source.spec, s.policy.batch_size
     total = s.prompt_len + opts.gen_len
     s.say(f"model size: {spec.model_bytes() / fmt.GB:.3f} GB, cache size: {spec.cache_bytes(n, total) / fmt.GB:.3f} "
@@ -101,13 +109,16 @@ def generate(s: Setup) -> Generated:
         s.say(f"policy auto for {s.hardware.name} ({s.hardware.source}): {s.plan.describe(opts.gen_len)}")
     s.say("init weight...")
     tty = sys.stderr.isatty() and opts.verbose >= 1
-    eng = Engine(s.source, s.policy, s.engine, progress=tty)
+    eng = Engine(s.source, s.policy, s.engine, progress=tty, micro_batches=link.micro_batches if link else 1,
+                 link=link)
     try:
         if opts.warmup:
             s.say("warmup - generate")
             eng.generate([p[:32] for p in s.prompts], 1)
         s.say("benchmark - generate")
         eng.devices.counters.reset()
+        if link is not None:
+            link.reset()
         sampler = Sampler(opts.do_sample, opts.temperature, opts.top_p, opts.seed)
         with PeakMemory(eng.devices.compute) as mem:
             res = eng.generate(s.prompts, opts.cut_gen_len or opts.gen_len, sampler, stop=s.stop, progress=tty,
@@ -120,8 +131,9 @@ def generate(s: Setup) -> Generated:
                      str(eng.dtype).replace("torch.", ""), eng.kv_policy.stats())
 
 
-def report(s: Setup, g: Generated) -> dict:
-    """FlexGen's summary lines and benchmark log, then the JSON (written to --output-json)."""
+def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
+    """FlexGen's summary lines and benchmark log, then the JSON (written to --output-json) with
+    `extra`'s keys added (a distributed run's per-stage report)."""
     opts, spec, n, plen = s.opts, s.source.spec, s.policy.batch_size, s.prompt_len
     times = g.result.step_times
     prefill_lat = times[0]
@@ -164,6 +176,7 @@ def report(s: Setup, g: Generated) -> dict:
                               **dataclasses.asdict(s.plan), "predicted_per_token_s": s.plan.per_token_s(opts.gen_len)}
     if g.kv_stats is not None:  # per-step statistics of policies that keep them (sparpr, dkv)
         out["kv_policy_stats"] = g.kv_stats
+    out.update(extra or {})
     deliver(out, s.output, s.log_path, log)  # the JSON first: a failing log never loses the results
     return out
 

@@ -3,7 +3,8 @@
 While layer j computes batch k, the I/O pool loads layer j+1's weights and batch k+1's KV
 blocks, and stores the blocks batch k-1 sealed; `overlap=False` runs the same tasks inline.
 What a decode cell's attention reads is the KVReader's (engine/cell.py); the attention step
-only attends (engine/attention.py).
+only attends (engine/attention.py). A pipeline stage runs the same loop over its slice of layers,
+micro-batch after micro-batch, with a StageLink at the slice's ends (engine/pipeline.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .cell import KVReader
 from .config import EngineConfig, Policy
 from .io import Done, IOPool, to_compute
 from .kv_tables import build_tables
+from .pipeline import StageLink, schedule
 from .prefetch import Ahead
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
@@ -43,8 +45,19 @@ class Layer:
 
 
 class Engine:
-    def __init__(self, source, policy: Policy, cfg: EngineConfig, progress: bool = False):
+    """micro_batches: the step's GPU batches run as this many groups one after another, each in
+    FlexGen's order (1: FlexGen's schedule). link: this rank's stage of a pipeline (its layers and
+    its neighbours); None runs every layer."""
+
+    def __init__(self, source, policy: Policy, cfg: EngineConfig, progress: bool = False,
+                 micro_batches: int = 1, link: StageLink | None = None):
         self.spec, self.policy, self.cfg = source.spec, policy, cfg
+        self.link, self.micro_batches = link, micro_batches
+        if policy.num_gpu_batches % micro_batches:
+            raise ConfigError(f"{micro_batches} micro-batches do not divide --num-gpu-batches {policy.num_gpu_batches}")
+        if link is not None and link.stage.layers.stop > self.spec.num_layers:
+            raise ConfigError(f"stage {link.stage.index} runs layers up to {link.stage.layers.stop - 1}; "
+                              f"{self.spec.name} has {self.spec.num_layers}")
         self.arch = build_arch(self.spec)
         self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight)
         self.gpu_limit = self._cap_device(cfg.gpu_mem)
@@ -102,16 +115,18 @@ class Engine:
         return not self.devices.is_cuda and self.policy.gpu_batch_size == 1
 
     def _layers(self) -> list[Layer]:
-        a, sep = self.arch, self.policy.sep_layer
-        layers = [Layer("embed", -1, a.embed_names())]
-        for i in range(self.spec.num_layers):
+        """The schedule's layers: this stage's decoder layers, the embeddings on the first stage
+        and the LM head on the last (every one without a link)."""
+        a, sep, stage = self.arch, self.policy.sep_layer, self.link.stage if self.link else None
+        layers = [Layer("embed", -1, a.embed_names())] if stage is None or stage.is_first else []
+        for i in (stage.layers if stage else range(self.spec.num_layers)):
             if sep:
                 layers += [Layer("attn", i, a.attn_names(i)), Layer("mlp", i, a.mlp_names(i))]
             else:
                 names = {f"a.{k}": v for k, v in a.attn_names(i).items()}
                 names |= {f"m.{k}": v for k, v in a.mlp_names(i).items()}
                 layers.append(Layer("block", i, names))
-        return layers + [Layer("head", -1, a.head_names())]
+        return layers + ([Layer("head", -1, a.head_names())] if stage is None or stage.is_last else [])
 
     # --- I/O tasks ---
     def _load_weights(self, j: int) -> Future:
@@ -128,7 +143,8 @@ class Engine:
         self.tables.update(build_tables(
             self.spec, self.policy, block_size=self.cfg.block_size, dtype=self.dtype, devices=self.devices,
             disk=self.disk, kv_policy=self.kv_policy, cold_codec=self.cold_codec, max_len=max_len,
-            name=f"g{self._generation}", observers=self._observers))
+            name=f"g{self._generation}", observers=self._observers,
+            layers=self.link.stage.layers if self.link else None))
 
     def _prefetch_cache(self, layer: Layer, k: int, ahead: Ahead | None = None) -> Future:
         """Gather batch k's blocks for layer `layer` (decode only) one cell ahead (engine/cell.py)."""
@@ -251,10 +267,12 @@ class Engine:
         # a batch without left padding needs no attention mask (lets SDPA take its fast path)
         pads = [st.pads[k * gbs:(k + 1) * gbs] for k in range(ngb)]
         pads = [p if bool(p.any()) else None for p in pads]
-        logits = self._step(ids, pos, pads, prefill)
-        if st.keep_logits:
+        logits = self._step(ids, pos, pads, prefill)  # None on a pipeline stage without the head
+        if st.keep_logits and logits is not None:
             st.logits.append(logits.cpu())
-        nxt = st.sampler(logits)  # nxt: [B]
+        nxt = st.sampler(logits) if logits is not None else None  # nxt: [B]
+        if self.link is not None:  # sampled once, on the last stage; every rank goes on with its ids
+            nxt = self.link.share_tokens(nxt, len(st.done), st.done.device)
         if stop is not None:
             nxt = torch.where(st.done, torch.full_like(nxt, stop), nxt)
             st.done |= nxt == stop
@@ -283,38 +301,60 @@ class Engine:
             t.rewind(snap.tables[key])
         return copy.deepcopy(snap.state)
 
-    def _step(self, ids, pos_all, pads, prefill: bool) -> torch.Tensor:
-        """One token step (or the prefill) through every layer and batch; returns logits [B, V]."""
-        p = self.policy
+    def _step(self, ids, pos_all, pads, prefill: bool) -> torch.Tensor | None:
+        """One token step (or the prefill) through this engine's layers and every batch; returns
+        logits [B, V] (None on a pipeline stage without the head)."""
+        p, link = self.policy, self.link
         gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
+        per = ngb // self.micro_batches  # GPU batches per micro-batch
+        last = len(self.layers) - 1
+        order = schedule(len(self.layers), ngb, self.micro_batches)
+        receives = link is not None and not link.stage.is_first
         hidden = [None] * ngb
         logits = [None] * ngb
-        w_next = self._load_weights(0)
-        fetched = None
-        for j, layer in enumerate(self.layers):
-            w = self.io.adopt(w_next.result())
-            if j + 1 < len(self.layers):
-                w_next = self._load_weights(j + 1)
-            stores: list[Future] = []
-            for k in range(ngb):
-                # prefetch the cache the next (layer, batch) in schedule order will read
-                nj, nk = (j, k + 1) if k + 1 < ngb else (j + 1, 0)
-                cache_next, sl = None, slice(k * gbs, (k + 1) * gbs)
-                if not prefill and nj < len(self.layers):
-                    ahead = Ahead(w if nj == j else w_next, hidden[nk], pos_all[nk * gbs:(nk + 1) * gbs], nk != k)
-                    cache_next = self._prefetch_cache(self.layers[nj], nk, ahead)
-                x = to_compute(self.devices, hidden[k])
-                y, jobs = self._compute(layer, w, x, ids[sl], k, pos_all[sl], pads[k],
-                                        self.io.adopt(fetched.result()) if fetched is not None else None, prefill)
-                stores += [self.io.submit(job) for job in jobs]
-                if layer.kind == "head":
-                    logits[k] = y
-                else:
-                    hidden[k] = self._park(y)
-                fetched = cache_next
-            for f in stores:
-                f.result()
-        return torch.cat(logits)
+        if link is not None:
+            link.begin_step(per * gbs, ids.shape[1], self.spec.hidden, self.dtype)
+        w_next = self._load_weights(order[0][0])
+        fetched = None if prefill else self._prefetch_cache(self.layers[order[0][0]], order[0][1])
+        stores: list[Future] = []
+        for n, (j, k) in enumerate(order):
+            layer = self.layers[j]
+            nj, nk = order[n + 1] if n + 1 < len(order) else (None, None)
+            if n == 0 or order[n - 1][0] != j:  # a layer's first cell: start loading the next layer
+                w = self.io.adopt(w_next.result())
+                later = next((jj for jj, _ in order[n:] if jj != j), None)
+                if later is not None:
+                    w_next = self._load_weights(later)
+            if receives and j == 0 and k % per == 0:  # a micro-batch's input from the stage before
+                x_in = link.receive(k // per)  # [per * gbs, S, hidden]
+                for i in range(per):
+                    hidden[k + i] = x_in[i * gbs:(i + 1) * gbs]
+            # prefetch the cache the next cell in schedule order will read; its input is computed
+            # unless it is this cell's output (one GPU batch) or a micro-batch still to be received
+            cache_next, sl = None, slice(k * gbs, (k + 1) * gbs)
+            if not prefill and nj is not None:
+                ready = nk != k and not (receives and nj == 0)
+                ahead = Ahead(w if nj == j else w_next, hidden[nk] if ready or nk == k else None,
+                              pos_all[nk * gbs:(nk + 1) * gbs], ready)
+                cache_next = self._prefetch_cache(self.layers[nj], nk, ahead)
+            x = to_compute(self.devices, hidden[k])
+            y, jobs = self._compute(layer, w, x, ids[sl], k, pos_all[sl], pads[k],
+                                    self.io.adopt(fetched.result()) if fetched is not None else None, prefill)
+            stores += [self.io.submit(job) for job in jobs]
+            if layer.kind == "head":
+                logits[k] = y
+            else:
+                hidden[k] = self._park(y)
+            fetched = cache_next
+            if nj != j:  # a layer's last cell: its sealed blocks are home before it runs again
+                for f in stores:
+                    f.result()
+                stores = []
+            if link is not None and not link.stage.is_last and j == last and k % per == per - 1:
+                link.send(k // per, torch.cat(hidden[k + 1 - per:k + 1]))  # the micro-batch, on
+        if link is not None:
+            link.end_step()
+        return torch.cat(logits) if logits[0] is not None else None
 
     def close(self) -> None:
         for t in getattr(self, "tables", {}).values():

@@ -13,11 +13,12 @@ from .config import Policy
 
 def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: torch.dtype, devices: Devices,
                  disk, kv_policy: KVPolicy, cold_codec: KVPolicy | None, max_len: int, name: str,
-                 observers: tuple[KVPolicy, ...] = ()) -> dict:
+                 observers: tuple[KVPolicy, ...] = (), layers: range | None = None) -> dict:
     """{(layer, batch): BlockTable} for `max_len` tokens homed by the placement's cache percents,
     attached to kv_policy; `cold_codec`'s codec stores the CPU and disk blocks of the layers
     kv_policy leaves raw; checkpoint tables where kv_policy or an observer wants them. `name`
-    prefixes the tables' disk files."""
+    prefixes the tables' disk files. layers: the decoder layers to make tables for (a pipeline
+    stage's; default all)."""
     homes = block_homes(-(-max_len // block_size), placement.cache_percents)
     keepers = [p for p in (kv_policy, *observers) if p.needs_checkpoints]
     gbs = placement.gpu_batch_size
@@ -25,7 +26,7 @@ def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: 
     common = dict(batch=gbs, block_size=block_size, max_len=max_len, dtype=dtype, homes=homes, devices=devices,
                   disk=disk)
     tables = {}
-    for i in range(spec.num_layers):
+    for i in (range(spec.num_layers) if layers is None else layers):
         codec, coded = kv_policy.codec(kv_shape, dtype, i), None
         if codec is None and cold_codec is not None:  # cold blocks only: compute-tier ones stay raw
             codec, coded = cold_codec.codec(kv_shape, dtype, i), (Tier.CPU, Tier.DISK)

@@ -35,8 +35,9 @@ _SCALARS = {
     "disk_write_bw": ("disk_write_GBps", GB),
     "compute_memory_bw": ("compute_memory_GBps", GB),
     "gpu_mem": ("gpu_mem_GiB", GiB),
+    "interconnect_bw": ("interconnect_GBps", GB),
 }
-_OPTIONAL = ("compute_memory_bw", "gpu_mem")  # 0.0 when unknown / not given
+_OPTIONAL = ("compute_memory_bw", "gpu_mem", "interconnect_bw")  # 0.0 when unknown / not given
 _LINKS = ("h2d_bw", "d2h_bw", "h2d_pageable_bw", "d2h_pageable_bw")
 _DICTS = {"flops": ("flops_TFLOPS", TFLOPS), "cpu_flops": ("cpu_flops_TFLOPS", TFLOPS)}
 
@@ -65,6 +66,8 @@ class Hardware:
     compute_memory_bw: float = 0.0  # bytes/s the compute device reads its own memory (0: unknown)
     # bytes: the card's whole memory; a run on a bigger CUDA device is capped to it (--gpu-mem; 0: no cap)
     gpu_mem: float = 0.0
+    # bytes/s between two such machines (pipeline stages' hidden states; 0: unknown, not counted)
+    interconnect_bw: float = 0.0
 
     def __post_init__(self):
         if self.compute not in COMPUTE_KINDS:
@@ -104,8 +107,8 @@ class Hardware:
         out = {"name": self.name, "compute": self.compute, "source": self.source}
         for name, (key, scale) in _SCALARS.items():
             v = getattr(self, name)
-            if name == "gpu_mem" and not v:
-                continue  # no cap: the key stays absent
+            if name in ("gpu_mem", "interconnect_bw") and not v:
+                continue  # no cap, no interconnect known: the key stays absent
             out[key] = None if (name in _LINKS and not self.is_cuda) else _round(v / scale)
         for name, (key, scale) in _DICTS.items():
             out[key] = {k: _round(v / scale) for k, v in getattr(self, name).items()}

@@ -51,6 +51,9 @@ class Workload:
     # tokens per KV block (0: not counted): the cache is allocated in whole blocks, and each
     # (layer, GPU batch) fills its open block on the compute device
     block_size: int = 0
+    # times a step streams each offloaded layer's weights: a pipeline stage running its
+    # micro-batches one after another loads them once per micro-batch (runtime/stages.py)
+    weight_passes: int = 1
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -63,6 +66,8 @@ class Workload:
             raise ValueError("prompt_len, gen_len and batch_size must be >= 1")
         if self.block_size < 0:
             raise ValueError(f"block_size must be >= 0 (got {self.block_size})")
+        if self.weight_passes < 1:
+            raise ValueError(f"weight_passes must be >= 1 (got {self.weight_passes})")
 
     @property
     def kv_tokens(self) -> int:
@@ -157,9 +162,10 @@ def total_bytes(parts: dict):
     return parts["weights"] + parts["kv"] + parts["working"]
 
 
-def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
+def candidates(wl: Workload, hw: Hardware, step: int = 5, split: tuple[int, int] | None = None) -> list[dict]:
     """The best feasible grid point per (activation tier, batch split), as dicts (percent,
-    split, times, memory); empty when nothing fits."""
+    split, times, memory); empty when nothing fits. split: only this (gpu batch size, GPU
+    batches) instead of every exact split of the batch."""
     s, L = wl.spec, wl.spec.num_layers
     b = DTYPE_BYTES[wl.dtype]
     wb = COMPRESSED_BYTES if wl.compress_weight else b
@@ -198,18 +204,20 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5) -> list[dict]:
         return total, np.array(list(parts))[stack.argmax(axis=0)]
 
     plans = []
-    for (gbs, ngb), act_on_cpu in itertools.product(_splits(B), (False, True) if cuda else (False,)):
+    splits = [split] if split is not None else _splits(B)
+    for (gbs, ngb), act_on_cpu in itertools.product(splits, (False, True) if cuda else (False,)):
         act_hop = B * s.hidden * b if act_on_cpu else 0.0  # hidden states in from and out to the host
         # decode layer: weights cross once per step (shared by the GPU batches), the cache is read
         # once, the new token's K/V are written home
         kv_read = B * s_mean * kv_tok * wl.kv_read_share
-        dec, bott = layer_time(h2d=off_w * Wl + off_c * kv_read + act_hop,
+        Wp = Wl * wl.weight_passes  # streamed weight bytes per layer and step
+        dec, bott = layer_time(h2d=off_w * Wp + off_c * kv_read + act_hop,
                                d2h=off_c * B * kv_tok + act_hop,
-                               dread=wd * Wl + cd * kv_read, dwrite=cd * B * kv_tok,
+                               dread=wd * Wp + cd * kv_read, dwrite=cd * B * kv_tok,
                                flops=2 * B * Pl + 4 * B * s_mean * s.hidden * wl.kv_read_share,
                                dev_bytes=ngb * Wl + kv_read, ngb=ngb)
-        pre, _ = layer_time(h2d=off_w * Wl + act_hop * p, d2h=off_c * B * p * kv_tok + act_hop * p,
-                            dread=wd * Wl, dwrite=cd * B * p * kv_tok,
+        pre, _ = layer_time(h2d=off_w * Wp + act_hop * p, d2h=off_c * B * p * kv_tok + act_hop * p,
+                            dread=wd * Wp, dwrite=cd * B * p * kv_tok,
                             flops=2 * B * p * Pl + 2 * B * p * p * s.hidden,
                             dev_bytes=ngb * Wl + B * p * kv_tok, ngb=ngb)
         total = L * pre + (g - 1) * L * dec

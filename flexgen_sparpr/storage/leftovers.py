@@ -44,13 +44,19 @@ def write_owner(run_dir: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """pid is a running process: a zombie (dead, its parent not yet told) is not; a killed rank of
+    a distributed run stays one until its launcher reaps it, while the others clean up."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 def dead_owner(run_dir: Path) -> int | None:
