@@ -155,6 +155,7 @@ class LLM:
         arguments are checked at once; the engine runs as the events are taken."""
         ids = self.encode(prompts)
         params = self.params(max_new_tokens, do_sample, temperature, top_p, stop, seed)
+        self._check_lengths(ids, params)
         return self._events(ids, params, self._bars(progress))
 
     def _events(self, ids: list[list[int]], params: Params, progress: bool):
@@ -194,8 +195,7 @@ class LLM:
         if self.closed:
             raise ConfigError("this LLM is closed: make a new one")
         eng, size = self.engine, self.batch_size
-        if ids:
-            preflight.check_context(self.spec, max(pad_to, max(map(len, ids))) + params.max_new, self._dummy)
+        self._check_lengths(ids, params, pad_to)
         batches = plan_batches([len(x) for x in ids], size, sort)
         stats = self.last_stats = Stats(num_prompts=len(ids), num_batches=len(batches),
                                         prompt_tokens=sum(map(len, ids)))
@@ -261,6 +261,10 @@ class LLM:
         check_stop(v["stop"])
         return Params(v["gen_len"], preflight.stop_token(v["stop"], self.spec), v["do_sample"], v["temperature"],
                       v["top_p"], v["seed"])
+
+    def _check_lengths(self, ids: list[list[int]], params: Params, pad_to: int = 0) -> None:
+        if ids:
+            preflight.check_context(self.spec, max(pad_to, max(map(len, ids))) + params.max_new, self._dummy)
 
     def _output(self, index: int, prompt: list[int], row: list[int], params: Params) -> Output:
         toks, reason = finish(row, params.max_new, params.stop)

@@ -78,7 +78,7 @@ def batch(argv=None) -> int:
                                   gen_len=max(j.max_new for j in jobs))
     preflight.ready_to_load(longest, pol, ecfg, src.spec, longest.prompt_len)
     bars = bars_wanted(opts.quiet)
-    t0, new_tokens, written = time.perf_counter(), 0, 0
+    t0, new_tokens = time.perf_counter(), 0
     with LLM.loaded(opts, pol, ecfg, src, tok, progress=bars) as llm, Appender(out_path) as out, \
             progress(total=len(jobs), initial=len(done), desc="batch", unit="prompt", enabled=bars) as bar:
         try:
@@ -89,15 +89,14 @@ def batch(argv=None) -> int:
                 recs = [{"id": j.id, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason}
                         for j, o in zip(b, outs) if j.id not in done]
                 out.write(recs)
-                written += len(recs)
                 new_tokens += sum(len(r["token_ids"]) for r in recs)
                 bar.update(len(recs))
                 bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.1f} tok/s")
         except KeyboardInterrupt:  # a stop signal (cli/guard.py): say what is kept, then unwind
-            print(f"note: {len(done) + written} of {len(jobs)} prompts are in {out_path}; the same command "
+            print(f"note: {len(done) + out.written} of {len(jobs)} prompts are in {out_path}; the same command "
                   "finishes the rest", file=sys.stderr, flush=True)
             raise
     secs = time.perf_counter() - t0
-    say(f"batch: {written} prompts in {secs:.1f} s ({new_tokens} tokens, {new_tokens / secs:.1f} tokens/s); "
+    say(f"batch: {out.written} prompts in {secs:.1f} s ({new_tokens} tokens, {new_tokens / secs:.1f} tokens/s); "
         f"all {len(jobs)} in {out_path}")
     return 0

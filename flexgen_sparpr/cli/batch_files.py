@@ -123,16 +123,26 @@ def read_done(path: Path, known: set) -> set:
 
 @contextmanager
 def _signals_held():
-    """Stop signals wait until the block is done (then arrive), so a batch's lines land whole."""
-    sigs = {getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """Stop signals wait until the block is done, then arrive, so a batch's lines land whole.
+    Python runs signal handlers in the main thread whichever thread the OS picked, so holding
+    them there works where a signal mask (per thread) would not."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    got: list[int] = []
+    sigs = [getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in sigs}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            handler = old[got[0]]
+            if callable(handler):
+                handler(got[0], None)
+            else:  # the default action (or ignored): as if it came now
+                os.kill(os.getpid(), got[0])
 
 
 class Appender:
@@ -142,6 +152,7 @@ class Appender:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.f = open(path, "a", encoding="utf-8")
+        self.written = 0  # lines this run wrote
 
     def write(self, records: list[dict]) -> None:
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
@@ -149,6 +160,7 @@ class Appender:
             self.f.write(text)
             self.f.flush()
             os.fsync(self.f.fileno())
+            self.written += len(records)
 
     def close(self) -> None:
         self.f.close()
