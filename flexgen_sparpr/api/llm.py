@@ -27,6 +27,7 @@ from ..engine.state import GenerationResult, GenState
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress as bar
 from ..weights.resolve import DUMMY, resolve_source
+from .batching import fill, plan_batches
 from .outputs import Output, Stats, StreamEvent, TextStream, finish
 
 # flags of one command-line run, not of a loaded model: prompts and sampling go to generate()
@@ -63,21 +64,6 @@ class Step:
     rows: list[int]
     state: GenState
     result: GenerationResult | None = None
-
-
-def plan_batches(lengths: list[int], batch_size: int, sort: bool = True) -> list[list[int]]:
-    """Input indices cut into batches: by length (stable) when sort, so a batch pads its prompts to
-    similar lengths; the last batch may be short."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__) if sort else list(range(len(lengths)))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def fill(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
-    """A short batch filled up with copies of its shortest prompt (the engine runs whole batches):
-    each sequence attends to its own cache only, so the copies, whose outputs are dropped, change
-    no other sequence's tokens (unless a KV policy selects blocks for the batch as a whole)."""
-    short = min(prompts, key=len)
-    return prompts + [short] * (batch_size - len(prompts))
 
 
 class LLM:
@@ -173,6 +159,14 @@ class LLM:
                 reason = "stop" if t == params.stop else "length" if count[i] == params.max_new else None
                 ended[i] = reason is not None
                 yield StreamEvent(i, t, texts[i].push(t, final=ended[i]), ended[i], reason)
+
+    def compare(self, prompts, kv_policies: dict[str, dict], max_new_tokens: int = 32, *, stop="eos",
+                progress: bool | None = None) -> dict[str, tuple[list[Output], Stats]]:
+        """Decode one batch of prompts greedily under this LLM's KV policy and under each of
+        kv_policies (label -> flag values, e.g. {"sparpr": {"kv_policy": "sparpr", "keep_ratio":
+        0.25}}) from one shared prefill: {label: (outputs, Stats of the decode)}, own policy first."""
+        from .compare import compare
+        return compare(self, prompts, kv_policies, max_new_tokens, stop, self._bars(progress))
 
     # --- the one path (also the command line's) ---
     def generate_ids(self, ids: list[list[int]], params: Params, *, progress: bool = False, pad_to: int = 0,

@@ -104,6 +104,22 @@ def test_stream_stops_early_and_the_llm_goes_on(tiny_opt_dir, tmp_path):
     assert [e.token_id for e in first[:2]] == [again[i].token_ids[0] for i in (first[0].index, first[1].index)]
 
 
+def test_compare_decodes_several_policies_from_one_prefill(tiny_llama_dir, tmp_path):
+    """The own policy's answers are generate()'s; a sparse one reads fewer disk bytes."""
+    prompts = [_prompt(40, 1), _prompt(33, 2)]
+    with _llm(tiny_llama_dir, tmp_path, gpu_batch_size=2, **DISK) as llm:
+        plain = llm.generate(prompts, N_NEW, stop=None)
+        runs = llm.compare(prompts, {"quest@0.25": {"kv_policy": "quest", "keep_ratio": 0.25, "dense_layers": 0}},
+                           N_NEW, stop=None)
+        with pytest.raises(ConfigError, match="its own codec"):
+            llm.compare(prompts, {"d": {"kv_policy": "dkv", "block_size": 4, "dkv_rank": 2, "dkv_residuals": 1}}, N_NEW)
+        assert llm.engine.kv_policy.name == "dense"  # put back
+    assert list(runs) == ["dense", "quest@0.25"]
+    (dense, d), (_, q) = runs["dense"], runs["quest@0.25"]
+    assert [o.token_ids for o in dense] == [o.token_ids for o in plain]
+    assert 0 < q.bytes_moved["disk->cpu"] < d.bytes_moved["disk->cpu"]
+
+
 # --- bad arguments: ConfigError, the CLI's line ------------------------------------------
 CLI_ERRORS = [
     (dict(gpu_batch_size=0), ["--gpu-batch-size", "0"]),
