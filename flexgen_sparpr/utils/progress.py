@@ -25,6 +25,10 @@ class _NoBar:
     def set_postfix_str(self, text: str = "", refresh: bool = True) -> None:
         pass
 
+    @staticmethod
+    def write(text: str) -> None:
+        print(text, flush=True)
+
     def close(self) -> None:
         pass
 
@@ -37,7 +41,8 @@ class _NoBar:
 
 def progress(iterable=None, *, enabled: bool, **kwargs):
     """A tqdm bar over `iterable` (or a bar to update by hand) when enabled, else one that does
-    nothing; tqdm's keyword arguments (desc, total, unit, leave, initial, ...) pass through."""
+    nothing; tqdm's keyword arguments (desc, total, unit, leave, initial, ...) pass through.
+    `bar.write(line)` prints a line to stdout above the bar (or plainly when it is off)."""
     if not enabled:
         return _NoBar(iterable)
     from tqdm import tqdm
