@@ -11,6 +11,7 @@ skips the ids already written and finishes the rest: every id once, the same gre
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import time
@@ -33,6 +34,9 @@ _NOT_HERE = ("prompt", "prompt_file", "prompt_ids_file", "output_json", "cut_gen
 def build_batch_parser():
     p = build_parser("flexgen-sparpr batch")
     p.description = (__doc__ or "").split("\n\n")[1].replace("\n", " ")
+    for a in p._actions:  # run's flags that a batch job refuses stay out of its --help
+        if a.dest in _NOT_HERE:
+            a.help = argparse.SUPPRESS
     g = p.add_argument_group("batch job")
     g.add_argument("--input", required=True, help="JSONL prompts (see above)")
     g.add_argument("--output", required=True, help="JSONL outputs, appended to; an existing one is resumed")
