@@ -113,6 +113,7 @@ def add_opt_bench_args(ap, gen_len: int) -> None:
     ap.add_argument("--min-keep", type=float, default=0.1, help="SparPR's floor (default: 0.1)")
     ap.add_argument("--gamma", type=float, default=0.9, help="SparPR's dense-fallback threshold (default: 0.9)")
     ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
 
 
 def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int]]:

@@ -33,6 +33,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, machine_info, md_table,  # noqa: E402
                      run_offload, timer, write_results)
+from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 STEM = "bench"
 
@@ -274,14 +275,16 @@ def main(argv=None) -> int:
         die(str(exc))
     payload = {"config": {k: v for k, v in vars(args).items()}, "machine": machine_info(),
                "max_seq_len": max_seq, "cells": [], "summary": [], "upstream": []}
-    with timer() as total:
+    cells = len(args.contexts) * (2 + bool(args.upstream))
+    with timer() as total, progress(total=cells, desc="cells", unit="cell", enabled=bars_wanted(args.quiet)) as bar:
         for ctx in args.contexts:
             up = None
             if args.upstream:  # first, while this process holds no device memory of its own
                 up = run_upstream_cell(args, ctx)
                 payload["upstream"].append(up)
-                print(f"ctx {ctx} upstream: " + (f"e2e {up['e2e_s']:.1f} s, decode {up['decode_tok_s']:.2f} tok/s"
-                                                 if up.get("ok") else f"error: {up['error']}"), flush=True)
+                bar.update()
+                bar.write(f"ctx {ctx} upstream: " + (f"e2e {up['e2e_s']:.1f} s, decode {up['decode_tok_s']:.2f} tok/s"
+                                                     if up.get("ok") else f"error: {up['error']}"))
             pair = {}
             for policy in ("dense", "sparpr"):
                 try:
@@ -289,8 +292,9 @@ def main(argv=None) -> int:
                 except ValueError as exc:  # e.g. an unwritable --offload-dir
                     die(str(exc))
                 c = pair[policy]
-                print(f"ctx {ctx} {policy}: e2e {c['e2e_s']:.1f} s, decode {c['decode_tok_s']:.2f} tok/s, "
-                      f"{c['bytes_per_token'] / 2**20:.1f} MiB/token", flush=True)
+                bar.update()
+                bar.write(f"ctx {ctx} {policy}: e2e {c['e2e_s']:.1f} s, decode {c['decode_tok_s']:.2f} tok/s, "
+                          f"{c['bytes_per_token'] / 2**20:.1f} MiB/token")
                 payload["cells"].append(c)
             payload["summary"].append(compare(pair["dense"], pair["sparpr"], up))
     payload["wall_s"] = total()

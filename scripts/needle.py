@@ -30,6 +30,7 @@ from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # 
 from flexgen_sparpr.bench.sweep import Config, PolicySweep, configs, known_policies  # noqa: E402
 from flexgen_sparpr.bench.tasks import TASKS, build_trial, canonical, hit  # noqa: E402
 from flexgen_sparpr.engine.sampling import Sampler  # noqa: E402
+from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 FRONTIER_POLICIES = ("sparpr", "quest", "sparpr+dkv")  # swept over --frontier-keep too
 # the SparPR paper's passkey scores (2k / 4k / 8k), quoted beside ours
@@ -57,6 +58,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/needle.json")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     ap.add_argument("--out", default=str(REPO / "results/needle"))
     args = ap.parse_args(argv)
     resolve_split(args)
@@ -187,10 +189,9 @@ def main(argv=None) -> None:
     eos = src.spec.eos_id
     sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block)
     base = payload["wall_s"]
-    from tqdm import tqdm
     try:
         with timer() as wall:
-            for bid, (task, n), trials in tqdm(todo, desc="batches"):
+            for bid, (task, n), trials in progress(todo, desc="batches", unit="batch", enabled=bars_wanted(args.quiet)):
                 if args.max_minutes and wall() > 60 * args.max_minutes:
                     payload["skipped"].append(bid)
                     continue

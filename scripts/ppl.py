@@ -27,6 +27,7 @@ from flexgen_sparpr.bench.needle_prompt import normalise_filler  # noqa: E402
 from flexgen_sparpr.bench.perplexity import summarize, windows  # noqa: E402
 from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # noqa: E402
 from flexgen_sparpr.bench.sweep import PolicySweep, configs, known_policies  # noqa: E402
+from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 TARGET = ("sparpr", 0.1, 1.02)  # SparPR at keep 0.1 within +2 % of dense perplexity
 
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/ppl.json")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     ap.add_argument("--out", default=str(REPO / "results/ppl"))
     args = ap.parse_args(argv)
     resolve_split(args)
@@ -161,13 +163,12 @@ def main(argv=None) -> None:
                "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
     done = done_ids(old)
     sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block)
-    from tqdm import tqdm
     todo = [(bid, n, ws) for bid, n, ws in batches if bid not in done]
     print(f"{len(batches) - len(todo)} of {len(batches)} batches already in {out / 'ppl.json'}", flush=True)
     base = payload["wall_s"]
     try:
         with timer() as wall:
-            for bid, n, ws in tqdm(todo, desc="batches"):
+            for bid, n, ws in progress(todo, desc="batches", unit="batch", enabled=bars_wanted(args.quiet)):
                 if args.max_minutes and wall() > 60 * args.max_minutes:
                     payload["skipped"].append(bid)
                     continue

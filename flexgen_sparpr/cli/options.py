@@ -51,6 +51,8 @@ class RunOptions:
     percent: tuple[int, ...]
     policy: str | None = None          # "auto": cli/run.py replaces the placement (runtime/placement.py)
     hardware: Hardware | None = None   # --hardware FILE or the config's hardware: section
+    stream: bool = False               # print tokens as they are decoded (cli/stream.py)
+    quiet: bool = False                # no progress bars
 
 
 def load_yaml(path: str) -> dict:

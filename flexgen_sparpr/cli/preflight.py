@@ -78,6 +78,12 @@ def before_loading(opts, policy, engine, spec, prompt_len: int, dummy: bool) -> 
     """Every check that needs the model and the prompts but no weights; returns the predicted
     bytes per tier."""
     check_context(spec, prompt_len + opts.gen_len, dummy)
+    return ready_to_load(opts, policy, engine, spec, prompt_len)
+
+
+def ready_to_load(opts, policy, engine, spec, prompt_len: int) -> dict | None:
+    """The checks of the model and the placement that need no prompt (the Python API makes them
+    before loading, and checks each call's lengths against the context itself)."""
     for p in (engine.make_kv_policy(), engine.make_cold_codec()):
         if p is not None:
             policies.check_width(p, 2 * spec.kv_dim)

@@ -30,8 +30,7 @@ def build_prompts(run, tokenizer, batch_size: int, vocab: int) -> list[list[int]
             raise ConfigError(f"--prompt-ids-file {run.prompt_ids_file}: {e.strerror}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"--prompt-ids-file {run.prompt_ids_file}: not JSON ({e})") from None
-        if not (isinstance(ids, list) and ids and all(isinstance(s, list) and s and
-                                                      all(isinstance(t, int) and 0 <= t < vocab for t in s) for s in ids)):
+        if not (isinstance(ids, list) and ids and all(isinstance(s, list) and is_token_ids(s, vocab) for s in ids)):
             raise ConfigError(f"--prompt-ids-file must hold a JSON list of non-empty lists of token ids in [0, {vocab})")
         return _fill(ids, batch_size)
     text = run.prompt
@@ -44,18 +43,29 @@ def build_prompts(run, tokenizer, batch_size: int, vocab: int) -> list[list[int]
             raise ConfigError(f"--prompt-file {run.prompt_file} is not UTF-8 text (byte {e.object[e.start]:#04x} "
                               f"at offset {e.start}); give a text file") from None
     if text is not None:
-        if tokenizer is None:
-            raise ConfigError("this model has no tokenizer: give token ids with --prompt-ids-file")
-        ids = encode(tokenizer, text, run.chat)
-        if not ids:
-            raise ConfigError("the prompt is empty: it encodes to no tokens")
-        if max(ids) >= vocab:  # a tokenizer whose added tokens the model's embedding lacks
-            raise ConfigError(f"the prompt encodes to token {max(ids)}, outside the model's vocabulary [0, {vocab})")
-        return _fill([ids], batch_size)
+        return _fill([text_ids(tokenizer, text, run.chat, vocab)], batch_size)
     if tokenizer is not None:  # FlexGen's benchmark prompt (the engine left-pads it to --prompt-len)
         return _fill([encode(tokenizer, FLEXGEN_PROMPT, run.chat)[-run.prompt_len:]], batch_size)
     g = torch.Generator().manual_seed(run.seed)  # no tokenizer (dummy OPT): fixed random ids
     return _fill([torch.randint(3, vocab, (run.prompt_len,), generator=g).tolist()], batch_size)
+
+
+def text_ids(tokenizer, text: str, chat: bool, vocab: int, ids_flag: str = "--prompt-ids-file") -> list[int]:
+    """A prompt text's token ids, checked: not empty, inside the model's vocabulary."""
+    if tokenizer is None:
+        raise ConfigError(f"this model has no tokenizer: give token ids with {ids_flag}")
+    ids = encode(tokenizer, text, chat)
+    if not ids:
+        raise ConfigError("the prompt is empty: it encodes to no tokens")
+    if max(ids) >= vocab:  # a tokenizer whose added tokens the model's embedding lacks
+        raise ConfigError(f"the prompt encodes to token {max(ids)}, outside the model's vocabulary [0, {vocab})")
+    return ids
+
+
+def is_token_ids(seq, vocab: int) -> bool:
+    """A non-empty list of token ids in [0, vocab)."""
+    return isinstance(seq, (list, tuple)) and len(seq) > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in seq)
 
 
 def encode(tokenizer, text: str, chat: bool) -> list[int]:

@@ -1,5 +1,5 @@
 """`flexgen-sparpr run` / `python -m flexgen_sparpr.flex_opt`: one offloaded generation,
-reported as upstream FlexGen reports it.
+reported as upstream FlexGen reports it; a thin user of the Python API (api/llm.py).
 
 Three steps, each callable from Python without argparse: `set_up` (the weights, the tokenizer,
 the prompts and, with --policy auto, the placement), `generate` (the engine's warm-up and timed
@@ -9,17 +9,15 @@ generation) and `report` (FlexGen's summary lines and log, the JSON). `run` is t
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 
 import torch
 
+from ..api.llm import LLM, Params
 from ..engine.config import EngineConfig, Policy
-from ..engine.executor import Engine
-from ..engine.memory import PeakMemory
-from ..engine.sampling import Sampler
 from ..engine.state import GenerationResult
 from ..runtime.stages import stage_spec
+from ..utils.progress import bars_wanted
 from ..weights.resolve import DUMMY, resolve_source
 from . import preflight
 from . import report as fmt
@@ -27,6 +25,7 @@ from .flags import build_parser
 from .options import RunOptions, apply_auto_policy, resolve
 from .outputs import deliver, writable_file
 from .prompts import build_prompts, load_tokenizer
+from .stream import StreamPrinter
 
 
 @dataclass
@@ -99,8 +98,10 @@ def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig, pipeline=None) 
 
 def generate(s: Setup, link=None) -> Generated:
     """FlexGen's run: announce the sizes, load the weights, one short warm-up generation (unless
-    --warmup false), then the timed generation with peak memory and bytes moved. link: a
-    distributed run's engine/pipeline.py StageLink for s.stage (its micro-batches, its neighbours)."""
+    --warmup false), then the timed generation with peak memory and bytes moved; through the
+    Python API (api/llm.py), the one path of every generation. --stream prints as it decodes.
+    link: a distributed run's engine/pipeline.py StageLink for s.stage (its micro-batches, its
+    neighbours)."""
     opts, spec, n = s.opts, s.source.spec, s.policy.batch_size
     total = s.prompt_len + opts.gen_len
     s.say(f"model size: {spec.model_bytes() / fmt.GB:.3f} GB, cache size: {spec.cache_bytes(n, total) / fmt.GB:.3f} "
@@ -108,27 +109,22 @@ def generate(s: Setup, link=None) -> Generated:
     if s.plan is not None:
         s.say(f"policy auto for {s.hardware.name} ({s.hardware.source}): {s.plan.describe(opts.gen_len)}")
     s.say("init weight...")
-    tty = sys.stderr.isatty() and opts.verbose >= 1
-    eng = Engine(s.source, s.policy, s.engine, progress=tty, micro_batches=link.micro_batches if link else 1,
-                 link=link)
-    try:
+    bars = bars_wanted(opts.quiet) and opts.verbose >= 1
+    with LLM.loaded(opts, s.policy, s.engine, s.source, s.tokenizer, progress=bars, link=link) as llm:
         if opts.warmup:
             s.say("warmup - generate")
-            eng.generate([p[:32] for p in s.prompts], 1)
+            llm.generate_ids([p[:32] for p in s.prompts], Params(1), sort=False)
         s.say("benchmark - generate")
-        eng.devices.counters.reset()
-        if link is not None:
-            link.reset()
-        sampler = Sampler(opts.do_sample, opts.temperature, opts.top_p, opts.seed)
-        with PeakMemory(eng.devices.compute) as mem:
-            res = eng.generate(s.prompts, opts.cut_gen_len or opts.gen_len, sampler, stop=s.stop, progress=tty,
-                               pad_to=s.pad_to)
-        moved = eng.devices.counters.snapshot()
-        disk_mode = sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else None
-    finally:
-        eng.close()
-    return Generated(res, moved, mem.report(), disk_mode, str(eng.devices.compute),
-                     str(eng.dtype).replace("torch.", ""), eng.kv_policy.stats())
+        params = Params(opts.cut_gen_len or opts.gen_len, s.stop, opts.do_sample, opts.temperature, opts.top_p,
+                        opts.seed)
+        printer = StreamPrinter(s.tokenizer, len(s.prompts), params) if opts.stream else None
+        rows = llm.generate_ids(s.prompts, params, progress=bars and not opts.stream, pad_to=s.pad_to, sort=False,
+                                on_step=printer)
+        if printer is not None:
+            printer.close()
+        st = llm.last_stats
+    res = GenerationResult(tokens=rows, step_times=st.step_times[0])
+    return Generated(res, st.bytes_moved, st.peak_memory, st.disk_io_mode, st.device, st.dtype, st.kv_policy_stats)
 
 
 def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:

@@ -75,6 +75,23 @@ def _scalar(a: argparse.Action, v, name: str):
     return v
 
 
+def typed_flag_values(values: dict, parser: argparse.ArgumentParser) -> dict:
+    """Values given from Python (the API's keyword arguments) converted as their flags convert
+    them (a tuple as a list); ConfigError naming the flag otherwise. Keys without a flag, and
+    objects a flag's text stands for (a Hardware for --hardware), pass as they are."""
+    acts, out = _actions(parser), {}
+    for key, v in values.items():
+        a = acts.get(key)
+        if isinstance(v, tuple):
+            v = list(v)
+        if a is None or v is None or (a.type is None and not isinstance(v, (str, bool, int, float, list, dict))
+                                      and not hasattr(v, "__fspath__")):
+            out[key] = v
+        else:
+            out[key] = _convert(a, v, a.option_strings[0])
+    return out
+
+
 # flag -> (test, what it must be); checked on the merged values (defaults < YAML < flags). A KV
 # policy's knobs are checked by the policies that have them (kv/policies/ check_given).
 _RANGES = {
@@ -93,16 +110,25 @@ _RANGES = {
 }
 
 
+def check_range(key: str, v) -> None:
+    """ConfigError when flag `key`'s value is out of its range (NaN is out of every range)."""
+    ok, what = _RANGES[key]
+    if isinstance(v, float) and math.isnan(v) or not ok(v):
+        raise ConfigError(f"--{key.replace('_', '-')} must be {what} (got {v})")
+
+
 def check_ranges(merged: dict) -> None:
     """ConfigError for the first merged value out of its range (NaN is out of every range)."""
-    for key, (ok, what) in _RANGES.items():
+    for key in _RANGES:
         v = merged.get(key)
         if v is None and key != "max_seq_len":
             continue
-        if isinstance(v, float) and math.isnan(v) or not ok(v):
-            raise ConfigError(f"--{key.replace('_', '-')} must be {what} (got {v})")
+        check_range(key, v)
     if not _DEVICE.match(str(merged.get("device"))):
         raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N (got {merged.get('device')!r})")
-    stop = merged.get("stop")
+    check_stop(merged.get("stop"))
+
+
+def check_stop(stop) -> None:
     if stop is not None and stop != "eos" and not re.fullmatch(r"\d+", str(stop)):
         raise ConfigError(f"--stop takes a token id or 'eos' (got {stop!r})")

@@ -209,14 +209,17 @@ class Engine:
                  pad_to: int = 0) -> GenerationResult:
         """Prefill the prompts (left-padded to one length, at least pad_to), then decode up to
         max_new_tokens."""
-        state = self.prefill(prompts, max_new_tokens, sampler, keep_logits=keep_logits, pad_to=pad_to)
+        state = self.prefill(prompts, max_new_tokens, sampler, keep_logits=keep_logits, pad_to=pad_to,
+                             progress=progress)
         return self.decode(state, stop=stop, progress=progress)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
-                keep_logits: bool = False, observers: tuple[KVPolicy, ...] = (), pad_to: int = 0) -> "GenState":
+                keep_logits: bool = False, observers: tuple[KVPolicy, ...] = (), pad_to: int = 0,
+                progress: bool = False) -> "GenState":
         """Step 0: build the block tables and run the prompt. `observers` are further KV policies
-        that see the prefill too (attach + on_prefill), so one prefill can serve several."""
+        that see the prefill too (attach + on_prefill), so one prefill can serve several;
+        `progress`: a bar over the layers (a long prompt's prefill takes a while)."""
         p, dev = self.policy, self.devices.compute
         if len(prompts) != p.batch_size:
             raise ConfigError(f"got {len(prompts)} prompts; the policy runs batches of "
@@ -240,34 +243,53 @@ class Engine:
         st = GenState(plen=plen, max_new=max_new_tokens, pads=pads, sampler=sampler or Sampler(),
                       keep_logits=keep_logits, done=torch.zeros(p.batch_size, dtype=torch.bool, device=dev))
         pos = (torch.arange(plen, device=dev)[None, :] - pads[:, None]).clamp(min=0)  # pos: [B, S]
-        self._advance(st, ids.to(dev), pos, prefill=True, stop=None)
-        self._observers = ()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(self.layers), desc="prefill", unit="layer", leave=False)
+        try:
+            self._advance(st, ids.to(dev), pos, prefill=True, stop=None, bar=bar)
+        finally:
+            self._observers = ()
+            if bar is not None:
+                bar.close()
         return st
 
     @torch.inference_mode()
     def decode(self, st: "GenState", stop: int | None = None, progress: bool = False) -> GenerationResult:
         """Decode from a prefilled state until max_new tokens (or every sequence hit `stop`)."""
+        for _ in self.decode_steps(st, stop, progress):
+            pass
+        return st.result()
+
+    @torch.inference_mode()
+    def decode_steps(self, st: "GenState", stop: int | None = None, progress: bool = False):
+        """The decode loop, one step at a time: yields each step's new tokens [B] as soon as they
+        are sampled (streaming); decode() drains it. Closing it early leaves `st` where it stopped."""
         if stop is not None:  # the prefill's token may already be the stop token
             st.done |= st.tokens[0] == stop
         steps = range(len(st.tokens), st.max_new)
         if progress:
             from tqdm import tqdm
-            steps = tqdm(steps, desc="decode", leave=False)
-        for i in steps:
-            if stop is not None and bool(st.done.all()):
-                break
-            length = st.plen + i - 1  # tokens cached before this step's input
-            self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
-        toks = torch.stack(st.tokens, dim=1).tolist()
-        return GenerationResult(tokens=toks, step_times=list(st.step_times), logits=list(st.logits))
+            steps = tqdm(steps, desc="decode", unit="tok", leave=False)
+        try:
+            for i in steps:
+                if stop is not None and bool(st.done.all()):
+                    break
+                length = st.plen + i - 1  # tokens cached before this step's input
+                self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
+                yield st.tokens[-1]
+        finally:
+            if progress:
+                steps.close()
 
-    def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None) -> None:
+    def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None, bar=None) -> None:
         t0 = time.perf_counter()
         gbs, ngb = self.policy.gpu_batch_size, self.policy.num_gpu_batches
         # a batch without left padding needs no attention mask (lets SDPA take its fast path)
         pads = [st.pads[k * gbs:(k + 1) * gbs] for k in range(ngb)]
         pads = [p if bool(p.any()) else None for p in pads]
-        logits = self._step(ids, pos, pads, prefill)  # None on a pipeline stage without the head
+        logits = self._step(ids, pos, pads, prefill, bar)  # None on a pipeline stage without the head
         if st.keep_logits and logits is not None:
             st.logits.append(logits.cpu())
         nxt = st.sampler(logits) if logits is not None else None  # nxt: [B]
@@ -301,9 +323,10 @@ class Engine:
             t.rewind(snap.tables[key])
         return copy.deepcopy(snap.state)
 
-    def _step(self, ids, pos_all, pads, prefill: bool) -> torch.Tensor | None:
+    def _step(self, ids, pos_all, pads, prefill: bool, bar=None) -> torch.Tensor | None:
         """One token step (or the prefill) through this engine's layers and every batch; returns
-        logits [B, V] (None on a pipeline stage without the head)."""
+        logits [B, V] (None on a pipeline stage without the head). `bar` (a progress bar) advances once
+        per layer."""
         p, link = self.policy, self.link
         gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
         per = ngb // self.micro_batches  # GPU batches per micro-batch
@@ -350,6 +373,8 @@ class Engine:
                 for f in stores:
                     f.result()
                 stores = []
+                if bar is not None:
+                    bar.update()
             if link is not None and not link.stage.is_last and j == last and k % per == per - 1:
                 link.send(k // per, torch.cat(hidden[k + 1 - per:k + 1]))  # the micro-batch, on
         if link is not None:

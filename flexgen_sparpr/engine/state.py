@@ -30,6 +30,10 @@ class GenState:
     step_times: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
 
+    def result(self) -> GenerationResult:
+        return GenerationResult(tokens=torch.stack(self.tokens, dim=1).tolist(), step_times=list(self.step_times),
+                                logits=list(self.logits))
+
 
 @dataclass
 class Snapshot:

@@ -1,0 +1,1 @@
+"""The Python API (`from flexgen_sparpr import LLM`): llm.py, and what it returns: outputs.py."""

@@ -1,0 +1,285 @@
+"""The Python API: `LLM(...)` loads a model onto its placement once; `generate` runs any number
+of prompts, cut into the policy's GPU batches; `stream` hands out tokens as they are decoded.
+
+The command line is a user of this class (cli/run.py, cli/batch.py): every generation of the
+package goes through `LLM._steps`, which drives the engine's one loop. `LLM(...)` takes the
+flags' names (`flexgen-sparpr run --help`; a KV policy's knobs too) with the flags' types, ranges
+and one-line ConfigError messages, merged as the CLI merges them: defaults < `config` YAML <
+arguments. A prompt is a text or a list of token ids; outputs come back in input order.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+import time
+import weakref
+from dataclasses import dataclass
+
+from ..cli import preflight
+from ..cli.flags import build_parser
+from ..cli.options import apply_auto_policy, resolve
+from ..cli.prompts import is_token_ids, load_tokenizer, text_ids
+from ..cli.validate import check_range, check_stop, typed_flag_values
+from ..engine.executor import Engine
+from ..engine.memory import PeakMemory
+from ..engine.sampling import Sampler
+from ..engine.state import GenerationResult, GenState
+from ..errors import ConfigError
+from ..utils.progress import bars_wanted, progress as bar
+from ..weights.resolve import DUMMY, resolve_source
+from .batching import fill, plan_batches
+from .outputs import Output, Stats, StreamEvent, TextStream, finish
+
+# flags of one command-line run, not of a loaded model: prompts and sampling go to generate()
+_PER_CALL = {"prompt": "give prompts to generate()", "prompt_file": "give prompts to generate()",
+             "prompt_ids_file": "give token-id prompts to generate()",
+             "do_sample": "give it to generate()", "temperature": "give it to generate()",
+             "top_p": "give it to generate()", "stop": "give it to generate()",
+             "cut_gen_len": "give max_new_tokens to generate()", "debug_mode": "the CLI's benchmark setting",
+             "output_json": "generate() returns the outputs; last_stats holds the measurements",
+             "log_file": "the CLI's FlexGen log", "no_log": "the CLI's FlexGen log", "verbose": "the CLI's output",
+             "warmup": "the CLI's benchmark setting", "stream": "use stream()"}
+
+
+@dataclass(frozen=True)
+class Params:
+    """One call's generation settings, checked (the flags' ranges and messages)."""
+
+    max_new: int
+    stop: int | None = None  # a token id
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def sampler(self) -> Sampler:
+        return Sampler(self.do_sample, self.temperature, self.top_p, self.seed)
+
+
+@dataclass
+class Step:
+    """After each engine step of a batch: which inputs its first rows are (the rest fill the batch
+    up), the engine's state (state.tokens[-1]: this step's tokens [B]); `result` once it is done."""
+
+    rows: list[int]
+    state: GenState
+    result: GenerationResult | None = None
+
+
+class LLM:
+    """A model loaded on its placement, ready to generate. Close it (or use `with`) to free its
+    memory and remove its offload files at once; garbage collection and interpreter exit do too."""
+
+    def __init__(self, model: str, *, path=None, percent=None, gpu_batch_size=None, num_gpu_batches=None,
+                 kv_policy=None, offload_dir=None, device=None, dtype=None, config=None, hardware=None,
+                 policy=None, **options):
+        given = dict(model=model, path=path, percent=percent, gpu_batch_size=gpu_batch_size,
+                     num_gpu_batches=num_gpu_batches, kv_policy=kv_policy, offload_dir=offload_dir, device=device,
+                     dtype=dtype, config=config, hardware=hardware, policy=policy, **options)
+        given = {k: v for k, v in given.items() if v is not None}
+        for key in sorted(set(given) & set(_PER_CALL)):
+            raise ConfigError(f"LLM() takes no {key!r}: {_PER_CALL[key]}")
+        given = typed_flag_values(given, _parser())
+        opts, pol, ecfg = resolve(given)
+        src = resolve_source(opts.model, opts.path, opts.max_seq_len, opts.seed)
+        if opts.policy == "auto":  # for the workload prompt_len + gen_len (FlexGen's 512 + 32 by default)
+            pol, ecfg, *_ = apply_auto_policy(opts, pol, ecfg, src.spec)
+        tok = load_tokenizer(src.tokenizer_dir) if DUMMY not in opts.path else None
+        preflight.ready_to_load(opts, pol, ecfg, src.spec, opts.prompt_len)
+        self._open(opts, pol, ecfg, src, tok, given)
+
+    @classmethod
+    def loaded(cls, opts, policy, engine_config, source, tokenizer, progress: bool | None = None,
+               link=None) -> "LLM":
+        """An LLM on options already resolved and checked (the command line's set_up); link: a
+        pipeline rank's engine/pipeline.py StageLink (its layers, micro-batches and neighbours)."""
+        self = cls.__new__(cls)
+        self._open(opts, policy, engine_config, source, tokenizer, None, progress, link)
+        return self
+
+    def _open(self, opts, policy, ecfg, source, tokenizer, given: dict | None, progress: bool | None = None,
+              link=None) -> None:
+        self.opts, self.policy, self.engine_config, self.tokenizer = opts, policy, ecfg, tokenizer
+        self.spec, self._given, self.last_stats = source.spec, given, Stats()
+        self._dummy = DUMMY in opts.path
+        self.engine = Engine(source, policy, ecfg, progress=self._bars(progress),
+                             micro_batches=link.micro_batches if link is not None else 1, link=link)
+        self._finalizer = weakref.finalize(self, self.engine.close)  # GC and exit remove the offload files
+
+    # --- lifetime ---
+    def close(self) -> None:
+        """Free the weights and the KV cache, and remove the offload files (idempotent)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per engine batch (gpu_batch_size x num_gpu_batches)."""
+        return self.policy.batch_size
+
+    # --- public calls ---
+    def generate(self, prompts, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0, stop="eos", seed: int | None = None, progress: bool | None = None) -> list[Output]:
+        """Generate for one prompt or a list (texts or token-id lists): one Output per prompt, in
+        input order. Prompts are sorted by length into batches of batch_size. stop: "eos" (the
+        model's end token), a token id, or None; seed: the sampler's (default: the LLM's seed);
+        progress: bars on stderr (default: when it is a terminal and not quiet)."""
+        ids = self.encode(prompts)
+        params = self.params(max_new_tokens, do_sample, temperature, top_p, stop, seed)
+        rows = self.generate_ids(ids, params, progress=self._bars(progress))
+        return [self._output(i, ids[i], rows[i], params) for i in range(len(ids))]
+
+    def stream(self, prompts, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
+               top_p: float = 1.0, stop="eos", seed: int | None = None, progress: bool | None = None):
+        """Yield a StreamEvent per new token of every prompt as it is decoded (batch by batch; in
+        a batch, step by step). Same arguments and tokens as generate(); no decode bar. The
+        arguments are checked at once; the engine runs as the events are taken."""
+        ids = self.encode(prompts)
+        params = self.params(max_new_tokens, do_sample, temperature, top_p, stop, seed)
+        self._check_lengths(ids, params)
+        return self._events(ids, params, self._bars(progress))
+
+    def _events(self, ids: list[list[int]], params: Params, progress: bool):
+        texts = [TextStream(self.tokenizer) for _ in ids]
+        count, ended = [0] * len(ids), [False] * len(ids)
+        for step in self._steps(ids, params, progress=progress, decode_bar=False):
+            if step.result is not None:
+                continue
+            toks = step.state.tokens[-1].tolist()
+            for r, i in enumerate(step.rows):
+                if ended[i]:
+                    continue
+                t = toks[r]
+                count[i] += 1
+                reason = "stop" if t == params.stop else "length" if count[i] == params.max_new else None
+                ended[i] = reason is not None
+                yield StreamEvent(i, t, texts[i].push(t, final=ended[i]), ended[i], reason)
+
+    def compare(self, prompts, kv_policies: dict[str, dict], max_new_tokens: int = 32, *, stop="eos",
+                progress: bool | None = None) -> dict[str, tuple[list[Output], Stats]]:
+        """Decode one batch of prompts greedily under this LLM's KV policy and under each of
+        kv_policies (label -> flag values, e.g. {"sparpr": {"kv_policy": "sparpr", "keep_ratio":
+        0.25}}) from one shared prefill: {label: (outputs, Stats of the decode)}, own policy first."""
+        from .compare import compare
+        return compare(self, prompts, kv_policies, max_new_tokens, stop, self._bars(progress))
+
+    # --- the one path (also the command line's) ---
+    def generate_ids(self, ids: list[list[int]], params: Params, *, progress: bool = False, pad_to: int = 0,
+                     sort: bool = True, on_step=None) -> list[list[int]]:
+        """The engine's rows of generated ids per prompt, in input order (a finished sequence's row
+        runs on with the stop token); on_step(Step) sees every step."""
+        out: list = [None] * len(ids)
+        for step in self._steps(ids, params, progress=progress, pad_to=pad_to, sort=sort):
+            if on_step is not None:
+                on_step(step)
+            if step.result is not None:
+                for r, i in enumerate(step.rows):
+                    out[i] = step.result.tokens[r]
+        return out
+
+    def _steps(self, ids: list[list[int]], params: Params, *, progress: bool = False, pad_to: int = 0,
+               sort: bool = True, decode_bar: bool = True):
+        """Every batch through the engine's loop, yielding a Step after the prefill, after each decode
+        step, and once more when the batch is done (with its result); fills last_stats."""
+        if self.closed:
+            raise ConfigError("this LLM is closed: make a new one")
+        eng, size = self.engine, self.batch_size
+        self._check_lengths(ids, params, pad_to)
+        batches = plan_batches([len(x) for x in ids], size, sort)
+        stats = self.last_stats = Stats(num_prompts=len(ids), num_batches=len(batches),
+                                        prompt_tokens=sum(map(len, ids)))
+        sampler = params.sampler()  # one per call: its random stream runs on across the batches
+        outer = bar(total=len(ids), desc="generate", unit="prompt", enabled=progress and len(batches) > 1)
+        t0, mem = time.perf_counter(), None
+        eng.devices.counters.reset()
+        if eng.link is not None:
+            eng.link.reset()  # a pipeline stage's timings and bytes, like the counters, per call
+        try:
+            with PeakMemory(eng.devices.compute) as mem:
+                for rows in batches:
+                    st = eng.prefill(fill([ids[i] for i in rows], size), params.max_new, sampler, pad_to=pad_to,
+                                     progress=progress)
+                    yield Step(rows, st)
+                    for _ in eng.decode_steps(st, params.stop, progress and decode_bar):
+                        yield Step(rows, st)
+                    res = st.result()
+                    stats.step_times.append(res.step_times)
+                    stats.generated_tokens += sum(len(finish(res.tokens[r], params.max_new, params.stop)[0])
+                                                  for r in range(len(rows)))
+                    yield Step(rows, st, res)
+                    outer.update(len(rows))
+        finally:
+            outer.close()
+            stats.wall_s = time.perf_counter() - t0
+            stats.prefill_s = sum(t[0] for t in stats.step_times)
+            stats.decode_s = sum(sum(t[1:]) for t in stats.step_times)
+            stats.bytes_moved = eng.devices.counters.snapshot()
+            stats.peak_memory = mem.report() if mem is not None else {}
+            stats.kv_policy_stats = eng.kv_policy.stats()
+            stats.disk_io_mode = sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else None
+            stats.device, stats.dtype = str(eng.devices.compute), str(eng.dtype).removeprefix("torch.")
+
+    # --- arguments ---
+    def encode(self, prompts) -> list[list[int]]:
+        """One prompt (a text or a list of token ids) or a list of them -> token-id lists, checked."""
+        if self.closed:
+            raise ConfigError("this LLM is closed: make a new one")
+        if isinstance(prompts, str) or _is_id_list(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ConfigError(f"prompts must be a text, a list of token ids, or a list of those (got "
+                              f"{type(prompts).__name__})")
+        out, vocab = [], self.spec.vocab
+        for n, p in enumerate(prompts):
+            if isinstance(p, str):
+                out.append(text_ids(self.tokenizer, p, self.opts.chat, vocab, "lists of token ids"))
+                continue
+            seq = [int(t) for t in p] if _is_id_list(p) else None
+            if seq is None or not is_token_ids(seq, vocab):
+                raise ConfigError(f"prompt {n}: give a text or a non-empty list of token ids in [0, {vocab})")
+            out.append(seq)
+        return out
+
+    def params(self, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+               stop="eos", seed: int | None = None) -> Params:
+        """generate()'s settings, checked as their flags are (--gen-len, --temperature, ...)."""
+        seed = self.opts.seed if seed is None else seed
+        v = typed_flag_values({"gen_len": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
+                               "top_p": top_p, "seed": seed, "stop": None if stop is None else str(stop)},
+                              _parser())
+        for key in ("gen_len", "temperature", "top_p", "seed"):
+            check_range(key, v[key])
+        check_stop(v["stop"])
+        return Params(v["gen_len"], preflight.stop_token(v["stop"], self.spec), v["do_sample"], v["temperature"],
+                      v["top_p"], v["seed"])
+
+    def _check_lengths(self, ids: list[list[int]], params: Params, pad_to: int = 0) -> None:
+        if ids:
+            preflight.check_context(self.spec, max(pad_to, max(map(len, ids))) + params.max_new, self._dummy)
+
+    def _output(self, index: int, prompt: list[int], row: list[int], params: Params) -> Output:
+        toks, reason = finish(row, params.max_new, params.stop)
+        text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
+        return Output(index, prompt, toks, text, reason)
+
+    def _bars(self, progress: bool | None) -> bool:
+        return bars_wanted(self.opts.quiet) if progress is None else bool(progress)
+
+
+@functools.cache
+def _parser():
+    return build_parser()
+
+
+def _is_id_list(p) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)
