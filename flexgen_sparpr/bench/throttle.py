@@ -110,6 +110,16 @@ class ReadThrottle:
         """Move process pid (all its threads) into the group; children it starts later follow."""
         (self.dir / "cgroup.procs").write_text(f"{pid}\n")
 
+    def read_bytes(self) -> int:
+        """Bytes the members read from the throttled disk so far (the kernel's count)."""
+        major, minor = self.device
+        total = 0
+        for line in (self.dir / "blkio.throttle.io_service_bytes").read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == f"{major}:{minor}" and parts[1] == "Read":
+                total += int(parts[2])
+        return total
+
     def members(self) -> list[int]:
         return [int(p) for p in (self.dir / "cgroup.procs").read_text().split()] if self.dir else []
 
