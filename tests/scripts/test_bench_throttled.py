@@ -1,4 +1,4 @@
-"""scripts/bench_throttled.py and bench_ablations.py: a tiny throttled run writes every run's counts
+"""scripts/bench_throttled.py, bench_ablations.py and bench_upstream_sparpr.py: a tiny throttled run writes every run's counts
 and the model's errors (no speed targets here: those live in results/); bad input is one line
 and exit 2."""
 from __future__ import annotations
@@ -45,6 +45,8 @@ def test_tiny_throttled_run_counts_every_byte(tmp_path):
     ("bench_throttled.py", ["--gen-lens", "1"], "--gen-len"),
     ("bench_ablations.py", ["--trials", "0"], "--trials"),
     ("bench_ablations.py", ["--read-mbps", "-3"], "--read-mbps"),
+    ("bench_upstream_sparpr.py", ["--percent", "1,2,3"], "--percent"),
+    ("bench_upstream_sparpr.py", ["--contexts", "x"], "--contexts"),
 ])
 def test_bad_input_is_one_line(script, args, msg):
     r = run_script(script, *args)
