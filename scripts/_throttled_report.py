@@ -44,16 +44,19 @@ def _f(x, p=2, pct=False):
 
 def render_md(payload: dict) -> str:
     cfg, m, bal = payload["config"], payload["machine"], payload["balance"]
-    head = ["cap MB/s", "gen", "context", "dense e2e s", "SparPR e2e s", "cut", "target", "bytes SparPR/dense",
-            "≤ keep+5 %", "SparPR step/IO", "model err dense", "model err SparPR"]
+    head = ["cap MB/s", "gen", "context", "dense e2e s", "SparPR e2e s", "cut", "target", "dense / SparPR prefill s",
+            "decode cut", "bytes SparPR/dense", "≤ keep+5 %", "step/IO dense / SparPR", "model err dense", "model err SparPR"]
     rows = []
     for r, s in zip(payload["runs"], payload["summary"]):
         c = r["cells"]
         rows.append([f"{r['read_mbps']:g}" + ("" if r["throttled"] else " (NOT throttled)"), r["gen_len"], r["context"],
                      _f(c["dense"].get("e2e_s"), 1), _f(c["sparpr"].get("e2e_s"), 1), _f(s["latency_cut"], pct=True),
-                     _f(s["cut_target"], pct=True), _f(s["bytes_ratio"], 3),
+                     _f(s["cut_target"], pct=True),
+                     f"{_f(c['dense'].get('prefill_s'), 1)} / {_f(c['sparpr'].get('prefill_s'), 1)}",
+                     _f(s["decode_cut"], pct=True), _f(s["bytes_ratio"], 3),
                      "n/a" if s["bytes_ratio"] is None else ("yes" if s["bytes_ratio"] <= s["bytes_target"] else "no"),
-                     _f(s["sparpr_step_over_io"]), _f(c["dense"].get("model_error"), pct=True),
+                     f"{_f(s['dense_step_over_io'])} / {_f(s['sparpr_step_over_io'])}",
+                     _f(c["dense"].get("model_error"), pct=True),
                      _f(c["sparpr"].get("model_error"), pct=True)])
     chead = ["cap", "gen", "context", "run", "blocks total", "selected", "copied", "recomputed", "fallbacks", "spans",
              "disk bytes (engine)", "disk bytes (kernel)", "read requests", "ρ range"]
