@@ -153,13 +153,14 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     with peak if memory else _nothing(), Engine(src, pol, cfg) as eng:
         rec = TraceRecorder(eng) if trace else None
         st = eng.prefill(prompts, gen_len)
-        before = eng.devices.counters.snapshot()
+        before, before_req = eng.devices.counters.snapshot(), eng.devices.counters.requests()
         res = eng.decode(st)
         moved = {k: v - before.get(k, 0) for k, v in eng.devices.counters.snapshot().items()}
+        requests = {k: v - before_req.get(k, 0) for k, v in eng.devices.counters.requests().items()}
         spec = eng.devices.counters.tagged("speculative")
         out = {"prefill_s": res.step_times[0], "decode_s": sum(res.step_times[1:]), "step_s": res.step_times[1:],
                "speculative_bytes": spec.get("disk->cpu", 0) + spec.get("cpu->compute", 0),
-               "bytes_moved": moved, "disk_read_Bps": eng.devices.counters.bandwidth("disk", "cpu"),
+               "bytes_moved": moved, "requests": requests, "disk_read_Bps": eng.devices.counters.bandwidth("disk", "cpu"),
                "disk_mode": sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else [],
                "tokens": res.tokens, "device": str(eng.devices.compute), "dtype": str(eng.dtype).removeprefix("torch."),
                "kv_policy_stats": eng.kv_policy.stats() if hasattr(eng.kv_policy, "stats") else None}

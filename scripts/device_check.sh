@@ -13,6 +13,8 @@
 #   decode   scripts/bench_decode.py: this engine's decode vs HF generate, both on the device
 #   sparpr   scripts/bench_sparpr.py: dense vs SparPR vs upstream FlexGen (unpatched on CUDA),
 #            OPT-6.7B dummy weights, batch 4, 1k/2k/4k, the device capped at 8 GiB (--gpu-mem)
+#   upstream-sparpr  scripts/bench_upstream_sparpr.py: upstream FlexGen with and without apply_sparpr
+#            (its loads move only the selected blocks), same settings, 2k (the paper's comparison)
 # Everything lands in $OUT as three files: check.log (all output), summary.tsv (step, status,
 # seconds) and results.tgz (each step's results). Exit 0 only when every step passed.
 #
@@ -27,10 +29,11 @@ OUT=${OUT:-results/device}
 PY=${PY:-python3}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-530}  # seconds for all steps; the device tool allows 600 a call
-STEPS=${STEPS:-install info tests packaging model tokens decode sparpr}  # a rerun may name fewer
+STEPS=${STEPS:-install info tests packaging model tokens decode sparpr upstream-sparpr}  # a rerun may name fewer
 CUT_MODEL=$WHEELS/smollm2-135m-8l.gguf
 if [ "$DEVICE" = cpu ]; then  # the dry run: the same steps at sizes a 2-core CI box runs in ~2 min
     SPARPR="--model opt-125m --contexts 128 --gen-len 3"
+    UPSPARPR="--model opt-125m --contexts 128 --gen-len 3 --percent 100,0,0,0,100,0 --timeout 60"
     DECODE="--lengths 128 --batches 2 --gen-len 3"
     TOKENS="--lengths 64 --batch 2 --gen-len 3"
     # every cuda test collects (imports) and skips; a few run on the CPU to dry-run their code
@@ -38,6 +41,9 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: the same steps at sizes a 2-core CI
     GPU_MEM=()
 else
     SPARPR="--model opt-6.7b --contexts 1024,2048,4096 --gen-len 8"
+    # the sparpr step's placement in upstream's terms (weights 30/70, cache on the CPU); one context:
+    # each run draws OPT-6.7B's dummy weights anew
+    UPSPARPR="--model opt-6.7b --contexts 2048 --gen-len 8 --percent 30,70,0,100,100,0 --timeout 45"
     DECODE="--lengths 2048,4096 --batches 1,4 --gen-len 16"
     TOKENS="--lengths 512,2048 --batch 2 --gen-len 16"
     CUDA_TESTS=()
@@ -119,9 +125,11 @@ step packaging 60 env FLEXGEN_SPARPR_CACHE="$WORK/test-cache" "$PY" -m pytest -q
 step model 30 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" -m flexgen_sparpr prepare --gguf "$CUT_MODEL"
 step tokens 60 "$PY" scripts/device_tokens.py --model "$MODEL" --device "$DEVICE" $TOKENS --out "$WORK/results"
 step decode 60 "$PY" scripts/bench_decode.py --model "$MODEL" --device "$DEVICE" $DECODE --out "$WORK/results"
-step sparpr 200 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" scripts/bench_sparpr.py --device "$DEVICE" \
+step sparpr 170 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" scripts/bench_sparpr.py --device "$DEVICE" \
     $SPARPR $PLACEMENT "${GPU_MEM[@]}" --upstream --upstream-timeout 90 --offload-dir "$OFFLOAD" \
     --out "$WORK/results/sparpr"
+step upstream-sparpr 95 "$PY" scripts/bench_upstream_sparpr.py --device "$DEVICE" $UPSPARPR "${GPU_MEM[@]}" \
+    --offload-dir "$OFFLOAD/upstream-sparpr" --out "$WORK/results"
 
 cp "$SUMMARY" "$WORK/results/" && tar -czf "$OUT/results.tgz" -C "$WORK" results
 echo "--- $((SECONDS - START)) s; summary ($OUT/summary.tsv):"

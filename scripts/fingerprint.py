@@ -163,17 +163,19 @@ def needle_ids(path: Path) -> bool:
 
 
 def hook_cases() -> dict:
-    """The upstream hook's selection (sparpr_keep) on random inputs, with left padding."""
-    from flexgen_sparpr.upstream.sparpr_hook import SparPRConfig, sparpr_keep
+    """The upstream hook's block choice (pick_blocks over its summaries) on random inputs, with left padding."""
+    from flexgen_sparpr.upstream.sparpr_hook import SparPRConfig, _Summaries, pick_blocks
     out = {}
     g = torch.Generator().manual_seed(3)
     for case, (b, h, d, s, bs, keep, pads) in enumerate([(2, 4, 8, 97, 8, 0.3, [0, 13]), (3, 2, 16, 150, 16, 0.5,
                                                          [5, 0, 40]), (1, 4, 8, 65, 4, 0.1, [0])]):
-        q = torch.randn(b * h, 1, d, generator=g)
-        k = torch.randn(b * h, d, s, generator=g)
+        q = torch.randn(b, h, 1, d, generator=g)
+        k = torch.randn(s - 1, b * h, d, generator=g)  # k: [S-1, B*H, D] the cached keys
         mask = torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]
-        kept = sparpr_keep(q, k, mask, h, SparPRConfig(keep_ratio=keep, block_size=bs))
-        out[f"hook/{case}"] = kept.int().tolist()
+        cfg = SparPRConfig(keep_ratio=keep, block_size=bs)
+        summ = _Summaries(s, b * h, d, b, cfg.run, torch.float32, torch.device("cpu"))
+        summ.add(k, mask[:, :s - 1], 0)
+        out[f"hook/{case}"] = pick_blocks(q, summ, mask, cfg)
     return out
 
 

@@ -7,22 +7,30 @@ buffer on compute (or in place in its compute arena slot). Storing a sealed bloc
 reading blocks to the compute device happen here, each move counted per link
 (`devices.counters`); the block table (kv/block_table.py) decides which blocks and where.
 
-Raw blocks on disk are stored sequence-major ([B, planes, Hkv, bs, D] per slot), so a read that
-only some sequences need (a per-sequence selection) moves only their bytes; raw CPU blocks are
-sliced in place. Encoded blocks always move whole.
+Raw blocks on disk are stored sequence-major: the file holds one region per sequence, in which
+its share of each disk block ([planes, Hkv, bs, D]) follows the previous block's. So a read that
+only some sequences need (a per-sequence selection) moves only their bytes, and adjacent blocks
+one sequence selected are one read request (a span). Where a sequence's share cannot be read alone
+(one sequence, or O_DIRECT with shares that are not whole pages) the file holds whole blocks
+([B, planes, Hkv, bs, D] each), and adjacent blocks are still one request. Raw CPU blocks are
+sliced in place, a span of them one copy. Encoded blocks always move whole. The link counters
+count the bytes and the requests (`LinkCounters.requests`).
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
 from ..storage.codec import Codec, RawCodec
-from ..storage.disk import ALIGN
+from ..storage.disk import ALIGN, aligned_empty
 from ..storage.tiers import Devices, Tier
 
 
 class TierStore:
+    span_reads = True  # False: every block is a request of its own (what spans are compared with)
+
     def __init__(self, *, name: str, block_shape: tuple[int, ...], dtype: torch.dtype, homes: list[Tier],
                  slots: list[int], devices: Devices, disk=None, codec: Codec,
                  coded_tiers: tuple[Tier, ...] | None = None):
@@ -58,15 +66,17 @@ class TierStore:
                 shape = (planes, batch, h, n[tier] * bs, d)
                 self._arena[tier] = (torch.zeros(shape, dtype=dtype, device=dev) if tier == Tier.COMPUTE
                                      else devices.empty_host(shape, dtype))
+        self._tail = torch.zeros(block_shape, dtype=dtype, device=dev)
+        self.seq_nbytes = self.raw.nbytes // batch  # one sequence's share of a raw block
+        # raw disk blocks are stored (and read) a sequence at a time (O_DIRECT: offsets on 4096 bytes)
+        self._seq_disk = (n[Tier.DISK] > 0 and Tier.DISK not in self.coded and batch > 1 and disk is not None and
+                          (self.seq_nbytes % ALIGN == 0 or not disk.direct))
+        self._n_disk = n[Tier.DISK]
         if n[Tier.DISK]:
             if disk is None:
                 raise ValueError("KV blocks placed on disk but no --offload-dir store was given")
-            self._disk = disk.new_file(f"kv-{name}", n[Tier.DISK], self.codec_of(Tier.DISK).nbytes)
-        self._tail = torch.zeros(block_shape, dtype=dtype, device=dev)
-        self.seq_nbytes = self.raw.nbytes // batch  # one sequence's share of a raw block
-        # raw disk blocks can be read a sequence at a time (O_DIRECT: offsets on 4096 bytes)
-        self._seq_disk = (self._disk is not None and Tier.DISK not in self.coded and batch > 1 and
-                          (self.seq_nbytes % ALIGN == 0 or self._disk.direct_mode != "o_direct"))
+            groups, piece = (batch, self.seq_nbytes) if self._seq_disk else (1, self.codec_of(Tier.DISK).nbytes)
+            self._disk = disk.new_file(f"kv-{name}", n[Tier.DISK] * groups, piece, packed=True)
         self.resident = Tier.COMPUTE not in self.coded and all(t == Tier.COMPUTE for t in homes)
 
     # --- facts ---
@@ -142,11 +152,18 @@ class TierStore:
             if rows is not None:
                 self._exact_rows[b] = rows  # on compute, like the block's summaries
         if home == Tier.DISK:
-            host = (data if home in self.coded else data.transpose(0, 1).contiguous()).cpu()  # seq-major
+            if home in self.coded:
+                host, pieces = data.cpu(), 1
+                self._disk.write(slot, host)
+            else:  # [B, planes, Hkv, bs, D]: each sequence's share apart, page-aligned for O_DIRECT
+                host = aligned_empty((data.shape[1], data.shape[0], *data.shape[2:]), data.dtype)
+                host.copy_(data.transpose(0, 1))
+                pieces = host.shape[0] if self._seq_disk else 1
+                for r in range(pieces):
+                    self._disk.write(r * self._n_disk + slot, host[r] if self._seq_disk else host)
             if dev.is_cuda:
                 dev.counters.add("compute", "cpu", host.nbytes)
-            self._disk.write(slot, host)
-            dev.counters.add("cpu", "disk", host.nbytes)
+            dev.counters.add("cpu", "disk", host.nbytes, requests=pieces)
         elif home in self.coded:
             self._rows[home][slot].copy_(data)
             if home == Tier.CPU:
@@ -165,99 +182,122 @@ class TierStore:
                need: list[list[bool]] | None, zero_unread: bool) -> torch.Tensor:
         """Blocks (of lens tokens each; the first `sealed` blocks are sealed) into out (made when
         None or short): [planes, B, Hkv, T, D] on compute. need: [n][B], the sequences that need
-        each block (None: all); see BlockTable.gather."""
+        each block (None: all); see BlockTable.gather. Adjacent offloaded blocks go as spans."""
         total = sum(lens)
         if out is None or out.shape[3] < total:
             out = torch.empty((*self.block_shape[:3], total, self.block_shape[4]), dtype=self.dtype,
                               device=self.devices.compute)
+        starts = list(itertools.accumulate(lens, initial=0))
         disk_reads: list = []
-        t = 0
-        for i, (b, n) in enumerate(zip(blocks, lens)):
+        i = 0
+        while i < len(blocks):
+            b, n, t = blocks[i], lens[i], starts[i]
             dst = out[:, :, :, t:t + n]
+            exact = self._exact_copy(b, sealed)
             if n < self.bs:  # the partial open block is still on compute
                 dst.copy_(self.writable(b)[:, :, :, :n])
             elif self.is_raw_on_compute(b):
                 dst.copy_(self.in_place(b))
             elif need is not None and not any(need[i]) and b in self._exact_rows:
                 self._fill_exact_rows(b, dst, zero_unread)  # no sequence reads it whole: nothing moves
-            elif need is None or all(need[i]) or not self.reads_rows(b):
-                self._load(b, sealed, dst, disk_reads=disk_reads)
-            else:
-                for r0, r1 in _runs([not x for x in need[i]]) if zero_unread else ():
-                    dst[:, r0:r1].zero_()  # rows no sequence reads: zeros (masked out), never garbage
-                self._load(b, sealed, dst, _runs(need[i]), disk_reads=disk_reads)
-            t += n
+            elif exact is not None:  # a first or recent block kept exact: the copy, nothing crosses a link
+                dst.copy_(exact)
+            elif self.homes[b] == Tier.DISK or self.homes[b] not in self.coded:  # disk, or raw CPU
+                j = self._span_end(blocks, i, sealed, need)
+                self._read_span(blocks[i:j], out[:, :, :, t:starts[j]], None if need is None else need[i:j],
+                                zero_unread, disk_reads)
+                i = j
+                continue
+            else:  # an encoded row on compute or the CPU
+                row = self._rows[self.homes[b]][self.slots[b]]
+                if self.homes[b] == Tier.CPU:
+                    row = row.to(self.devices.compute, non_blocking=True)
+                    self.devices.counters.add("cpu", "compute", row.nbytes)
+                dst.copy_(self.codec.decode(row))
+            i += 1
         if disk_reads:
             self._read_disk(disk_reads)
         return out[:, :, :, :total]
 
-    def _load(self, b: int, sealed: int, out: torch.Tensor, rows: list[tuple[int, int]] | None = None,
-              disk_reads: list | None = None) -> None:
-        """Copy sealed block b into out: [planes, B, Hkv, bs, D] on compute (any strides). rows:
-        runs [r0, r1) of the sequences to read (None: all); only a block that `reads_rows` honours
-        them (the other rows of out are left as they were). A disk read is queued on disk_reads
-        when given (gather runs them together), else done now."""
-        home, slot, dev = self.homes[b], self.slots[b], self.devices
-        exact = self._exact.get(b) if b < self.codec.exact_first or b >= sealed - self.codec.exact_recent else None
-        if rows is None or not self.reads_rows(b):
-            rows = [(0, self.block_shape[1])]
-        if exact is not None:  # a first or recent block kept exact: the copy, nothing crosses a link
-            out.copy_(exact)
-        elif home == Tier.DISK:
-            if disk_reads is None:
-                self._read_disk([(b, out, rows)])
-            else:
-                disk_reads.append((b, out, rows))
-        elif home in self.coded:
-            row = self._rows[home][slot]
-            if home == Tier.CPU:
-                row = row.to(dev.compute, non_blocking=True)
-                dev.counters.add("cpu", "compute", row.nbytes)
-            out.copy_(self.codec.decode(row))
+    def _exact_copy(self, b: int, sealed: int) -> torch.Tensor | None:
+        """The exact copy kept of encoded block b (the codec's first and recent blocks), or None."""
+        if b < self.codec.exact_first or b >= sealed - self.codec.exact_recent:
+            return self._exact.get(b)
+        return None
+
+    def _span_end(self, blocks: list[int], i: int, sealed: int, need: list[list[bool]] | None) -> int:
+        """End (exclusive) of the span of gather entries from i: adjacent sealed blocks of one home,
+        stored one after the other (a CPU arena always; a disk file when packed), none of them read
+        from an exact copy instead."""
+        home, j = self.homes[blocks[i]], i + 1
+        if not self.span_reads or (home == Tier.DISK and not self._disk.is_packed):
+            return j
+        while (j < len(blocks) and blocks[j] == blocks[j - 1] + 1 and blocks[j] < sealed and
+               self.homes[blocks[j]] == home and self._exact_copy(blocks[j], sealed) is None and
+               not (need is not None and not any(need[j]) and blocks[j] in self._exact_rows)):
+            j += 1
+        return j
+
+    def _read_span(self, span: list[int], out: torch.Tensor, need: list[list[bool]] | None, zero_unread: bool,
+                   disk_reads: list) -> None:
+        """Adjacent sealed blocks of one home (disk, or raw CPU) into out: [planes, B, Hkv, k*bs, D].
+        One request per run of blocks a sequence needs (disk, sequence-major), or per span for all
+        sequences (CPU and whole-block disk files, when every sequence needs every block); a disk
+        request is queued on disk_reads."""
+        home, k, bs, b_all = self.homes[span[0]], len(span), self.bs, self.block_shape[1]
+        if home in self.coded:  # encoded disk blocks: one request, decoded block by block
+            nb = self.codec.nbytes
+            disk_reads.append((self.slots[span[0]], k, lambda data: [
+                out[:, :, :, x * bs:(x + 1) * bs].copy_(self.codec.decode(data[x * nb:(x + 1) * nb]))
+                for x in range(k)]))
+            return
+        whole = need is None or not self.reads_rows(span[0]) or all(all(x) for x in need)
+        if whole and (home == Tier.CPU or not self._seq_disk):
+            runs = [((0, b_all), 0, k)]
         else:
-            src = self.in_place(b)
-            for r0, r1 in rows:
-                out[:, r0:r1].copy_(src[:, r0:r1], non_blocking=True)
-                if home == Tier.CPU:
-                    dev.counters.add("cpu", "compute", src[:, r0:r1].nbytes)
+            if zero_unread and not whole:
+                for x in range(k):
+                    for r0, r1 in _runs([not v for v in need[x]]):
+                        out[:, r0:r1, :, x * bs:(x + 1) * bs].zero_()  # rows no sequence reads: zeros, never garbage
+            runs = [((r, r + 1), a, e) for r in range(b_all)
+                    for a, e in _runs([whole or need[x][r] for x in range(k)])]
+        for (r0, r1), a, e in runs:
+            dst = out[:, r0:r1, :, a * bs:e * bs]
+            if home == Tier.CPU:
+                s = self.slots[span[a]] * bs
+                src = self._arena[Tier.CPU][:, r0:r1, :, s:s + (e - a) * bs]
+                dst.copy_(src, non_blocking=True)
+                self.devices.counters.add("cpu", "compute", src.nbytes)
+            else:
+                slot = (r0 if self._seq_disk else 0) * self._n_disk + self.slots[span[a]]
+                disk_reads.append((slot, e - a, self._raw_sink(dst, e - a, r1 - r0)))
+
+    def _raw_sink(self, dst: torch.Tensor, count: int, rows: int):
+        """What a raw disk span's bytes go through: [count, rows, planes, Hkv, bs, D] on disk ->
+        dst: [planes, rows, Hkv, count*bs, D]."""
+        planes, _, h, bs, d = self.block_shape
+        return lambda data: dst.unflatten(3, (count, bs)).copy_(
+            data.view(self.dtype).view(count, rows, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5))
 
     def _read_disk(self, jobs: list) -> None:
-        """Disk blocks (b, out, rows), read concurrently (the store's read depth); the link's
-        bandwidth is timed over the whole batch, so overlapping reads are not counted twice."""
+        """Disk requests (first slot, slots, sink), read concurrently (the store's read depth), each
+        request's bytes handed to its sink on compute; the link's bandwidth is timed over the whole
+        batch, so overlapping reads are not counted twice."""
         mode = torch.is_inference_mode_enabled()  # per thread: the readers take the caller's
+        dev, piece = self.devices, self._disk.slot_bytes
 
         def read(job) -> int:
+            slot, count, sink = job
             with torch.inference_mode(mode):
-                return self._read_disk_block(*job)
+                host = dev.empty_host((count * piece,), torch.uint8)
+                self._disk.read_slots(slot, count, host)
+                sink(host.to(dev.compute, non_blocking=True) if dev.is_cuda else host)
+            return host.nbytes
         t0 = time.perf_counter()
         nbytes = sum(self._disk_store.map(read, jobs))
-        self.devices.counters.add("disk", "cpu", nbytes, time.perf_counter() - t0)
-        if self.devices.is_cuda:  # counted here, on the calling thread (LinkCounters.tag is per thread)
-            self.devices.counters.add("cpu", "compute", nbytes)
-
-    def _read_disk_block(self, b: int, out: torch.Tensor, rows: list[tuple[int, int]], decode: bool = True) -> int:
-        """One disk block into out; encoded blocks whole (decoded, or as their encoded row when
-        not `decode`), raw ones one read per run of sequences (sequence-major on disk). Returns
-        the bytes read."""
-        slot, dev, b_all = self.slots[b], self.devices, self.block_shape[1]
-        coded = Tier.DISK in self.coded
-        runs = [(0, b_all)] if coded else rows
-        nbytes = 0
-        for r0, r1 in runs:
-            n = self.codec.nbytes if coded else (r1 - r0) * self.seq_nbytes
-            host = dev.empty_host((n,), torch.uint8)
-            if coded or (r0, r1) == (0, b_all):
-                self._disk.read(slot, host)
-            else:
-                self._disk.read_at(slot, r0 * self.seq_nbytes, host)
-            nbytes += n
-            data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
-            if coded:
-                out.copy_(self.codec.decode(data) if decode else data, non_blocking=not decode)
-            else:
-                planes, _, h, bs, d = self.block_shape
-                out[:, r0:r1].copy_(data.view(self.dtype).view(r1 - r0, planes, h, bs, d).transpose(0, 1))
-        return nbytes
+        dev.counters.add("disk", "cpu", nbytes, time.perf_counter() - t0, requests=len(jobs))
+        if dev.is_cuda:  # counted here, on the calling thread (LinkCounters.tag is per thread)
+            dev.counters.add("cpu", "compute", nbytes, requests=len(jobs))
 
     def exact_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Encoded block b's exact rows held on compute (`hold_exact_rows`): (idx: [B, m] token
@@ -283,7 +323,7 @@ class TierStore:
             if home not in self.coded:
                 raise ValueError(f"block {b} is not a sealed encoded block")
             if home == Tier.DISK:
-                disk_reads.append((b, out[i], None, False))  # read together, not decoded
+                disk_reads.append((slot, 1, out[i].copy_))  # read together, not decoded
             else:
                 out[i].copy_(self._rows[home][slot], non_blocking=True)
                 if home == Tier.CPU:

@@ -84,20 +84,21 @@ def _pio(fn, fd: int, mv: memoryview, off: int) -> None:
 
 
 class DiskFile:
-    """A preallocated file of `num_slots` slots, each `slot_bytes` long (padded to 4096).
+    """A preallocated file of `num_slots` slots, each `slot_bytes` long (padded to 4096, unless
+    `packed` and not `direct`: then slot after slot, so that any run of slots is one range).
 
     `direct_mode` is "o_direct" (page cache bypassed), "fadvise" (O_DIRECT was
     refused; pages are dropped with POSIX_FADV_DONTNEED instead) or "buffered".
     Reads and writes of different slots may run concurrently from many threads.
     """
 
-    def __init__(self, path: Path, num_slots: int, slot_bytes: int, direct: bool = False):
+    def __init__(self, path: Path, num_slots: int, slot_bytes: int, direct: bool = False, packed: bool = False):
         if num_slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"need num_slots > 0 and slot_bytes > 0, got {num_slots}, {slot_bytes}")
         self.path = Path(path)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.slot_stride = _round_up(slot_bytes)
+        self.slot_stride = slot_bytes if packed and not direct else _round_up(slot_bytes)
         self.bytes_read = 0
         self.bytes_written = 0
         self._lens = [-1] * num_slots  # payload bytes last written per slot; -1 = never
@@ -186,6 +187,28 @@ class DiskFile:
         off = self._check(slot, n)
         if self._lens[slot] != n:
             raise ValueError(f"slot {slot} holds {self._lens[slot]} bytes, out has {n}")
+        return self._read_into(off, out)
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether consecutive slots are one byte range (no padding between them)."""
+        return self.slot_stride == self.slot_bytes
+
+    def read_slots(self, first: int, count: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill contiguous `out` with slots [first, first + count), each written whole, in one
+        request (a span): they must be packed (`is_packed`) unless count is 1."""
+        if not out.is_contiguous():
+            raise ValueError("DiskFile.read_slots needs a contiguous output tensor")
+        if count < 1 or (count > 1 and not self.is_packed):
+            raise ValueError(f"cannot read {count} slots as one range (slot {self.slot_bytes} B, stride "
+                             f"{self.slot_stride} B)")
+        off = self._check(first, 0)
+        self._check(first + count - 1, 0)
+        if out.nbytes != count * self.slot_bytes:
+            raise ValueError(f"{count} slots hold {count * self.slot_bytes} bytes, out has {out.nbytes}")
+        short = [s for s in range(first, first + count) if self._lens[s] != self.slot_bytes]
+        if short:
+            raise ValueError(f"slot {short[0]} holds {self._lens[short[0]]} bytes, not a whole {self.slot_bytes}")
         return self._read_into(off, out)
 
     def read_at(self, slot: int, start: int, out: torch.Tensor) -> torch.Tensor:
@@ -279,8 +302,8 @@ class DiskStore:
         self._closed = False
         atexit.register(self.close)
 
-    def new_file(self, name: str, num_slots: int, slot_bytes: int) -> DiskFile:
-        """Create the slot file `name` inside this run's directory."""
+    def new_file(self, name: str, num_slots: int, slot_bytes: int, packed: bool = False) -> DiskFile:
+        """Create the slot file `name` inside this run's directory (`packed`: see DiskFile)."""
         if not name or os.sep in name or name in (".", ".."):
             raise ValueError(f"file name must be a plain name, got {name!r}")
         with self._lock:
@@ -288,7 +311,7 @@ class DiskStore:
                 raise ValueError("DiskStore is closed")
             if name in self.files:
                 raise ValueError(f"file {name!r} already exists in {self.dir}")
-            f = DiskFile(self.dir / name, num_slots, slot_bytes, direct=self.direct)
+            f = DiskFile(self.dir / name, num_slots, slot_bytes, direct=self.direct, packed=packed)
             self.files[name] = f
             return f
 

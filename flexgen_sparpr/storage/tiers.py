@@ -17,12 +17,14 @@ class Tier(str, enum.Enum):
 
 
 class LinkCounters:
-    """Bytes moved per link ('disk->cpu', 'cpu->compute', ...); thread-safe. Transfers that
+    """Bytes moved per link ('disk->cpu', 'cpu->compute', ...) and the requests that moved them
+    (one per call unless told: a span of adjacent blocks is one); thread-safe. Transfers that
     were timed also add their seconds, so the engine's own I/O measures each link's bandwidth."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._bytes: dict[str, int] = defaultdict(int)
+        self._requests: dict[str, int] = defaultdict(int)
         self._timed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # link -> [bytes, s]
         self._tagged: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # tag -> link -> bytes
         self._local = threading.local()
@@ -41,11 +43,12 @@ class LinkCounters:
         with self._lock:
             return dict(self._tagged.get(name, {}))
 
-    def add(self, src: str, dst: str, nbytes: int, seconds: float | None = None) -> None:
+    def add(self, src: str, dst: str, nbytes: int, seconds: float | None = None, requests: int = 1) -> None:
         link = f"{src}->{dst}"
         tag = getattr(self._local, "tag", None)
         with self._lock:
             self._bytes[link] += int(nbytes)
+            self._requests[link] += int(requests)
             if tag is not None:
                 self._tagged[tag][link] += int(nbytes)
             if seconds is not None and seconds > 0:
@@ -62,10 +65,16 @@ class LinkCounters:
         with self._lock:
             return dict(self._bytes)
 
+    def requests(self) -> dict[str, int]:
+        """Requests per link so far (a read of a span of adjacent blocks is one)."""
+        with self._lock:
+            return dict(self._requests)
+
     def reset(self) -> None:
-        """Clear the byte counts (measured bandwidths are kept: they describe the machine)."""
+        """Clear the byte and request counts (measured bandwidths are kept: they describe the machine)."""
         with self._lock:
             self._bytes.clear()
+            self._requests.clear()
             self._tagged.clear()
 
     def total(self) -> int:

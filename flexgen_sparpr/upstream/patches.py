@@ -175,3 +175,98 @@ def apply_cpu_patches() -> list[str]:
 def applied() -> list[str]:
     """Names of the patches in force in this process (empty before apply_cpu_patches)."""
     return list(_applied)
+
+
+# --- opt-in: upstream's disk reads meet the disk ---
+
+class _Rendezvous:
+    """A copy item every disk copy thread takes exactly one of: its `copy_` waits for all of
+    them, so each thread has dropped the memory map of its previous item (a mapped page stays
+    cached whatever fadvise says)."""
+
+    def __init__(self, barrier):
+        self.device, self.data, self.barrier = types.SimpleNamespace(device_type=None), self, barrier
+
+    def copy_(self, other):
+        self.barrier.wait()
+
+
+def _advise_rows(arr, indices) -> None:
+    """No read-around on this memory map of a disk tensor [S, ...]; its rows `indices[0]` are read
+    ahead at once (a fault would otherwise read the disk's whole read-ahead window around it)."""
+    import mmap
+    mm, step = arr._mmap, mmap.PAGESIZE
+    mm.madvise(mmap.MADV_RANDOM)
+    rows = indices[0] if indices and isinstance(indices[0], slice) else slice(0, arr.shape[0])
+    r0, r1, _ = rows.indices(arr.shape[0])
+    if r1 > r0:
+        base, row = arr.offset % mmap.ALLOCATIONGRANULARITY, arr.strides[0]
+        a, b = base + r0 * row, base + r1 * row
+        a -= a % step
+        mm.madvise(mmap.MADV_WILLNEED, a, min(len(mm), -(-b // step) * step) - a)
+
+
+def uncached_disk_tier(on: bool = True) -> None:
+    """Opt-in, not a CPU guard: upstream's disk tier reads and writes through numpy memory maps,
+    so what it wrote is read back from the page cache, never from the disk (this engine's disk
+    tier uses O_DIRECT), and a page fault reads the disk's whole read-ahead window around it (8
+    MiB on this project's VM), whatever rows were asked for. With this on, a disk copy reads the
+    rows it asks for, read ahead at once (madvise RANDOM + WILLNEED on its map); and after each of
+    upstream's disk synchronisations the files its copies touched are flushed (fdatasync) and
+    dropped from the page cache (POSIX_FADV_DONTNEED), once every copy thread has let go of its
+    map. So each read of a block comes from the disk, as under a throttled disk it must."""
+    import os
+    import threading
+    backend = importlib.import_module("flexgen.pytorch_backend")
+    disk_cls = backend.TorchDisk
+    if not hasattr(disk_cls, "_fgsp_submit"):
+        disk_cls._fgsp_submit, disk_cls._fgsp_sync = disk_cls.submit_copy, disk_cls.synchronize
+        backend._fgsp_map = backend.map_to_torch_tensor
+    if not on:
+        disk_cls.submit_copy, disk_cls.synchronize = disk_cls._fgsp_submit, disk_cls._fgsp_sync
+        backend.map_to_torch_tensor = backend._fgsp_map
+        return
+    DISK = backend.DeviceType.DISK
+    np = importlib.import_module("numpy")
+
+    def map_to_torch_tensor(tensor, indices):
+        if tensor.device.device_type != DISK or torch.is_tensor(indices):
+            return backend._fgsp_map(tensor, indices)
+        arr = np.lib.format.open_memmap(tensor.data)
+        _advise_rows(arr, indices)
+        data = torch.from_numpy(arr)
+        return data[indices] if indices else data
+
+    def submit_copy(self, *args):
+        touched = self.__dict__.setdefault("_fgsp_touched", {})
+        dst, _, src, _ = args
+        for t, written in ((dst, True), (src, False)):
+            if getattr(t.device, "device_type", None) == DISK:
+                touched[t.data] = touched.get(t.data, False) or written
+        return disk_cls._fgsp_submit(self, *args)
+
+    def synchronize(self):
+        disk_cls._fgsp_sync(self)
+        touched = self.__dict__.pop("_fgsp_touched", {})
+        if not touched:
+            return
+        n = len(self.copy_threads)
+        barrier = threading.Barrier(n)
+        for _ in range(n):
+            item = _Rendezvous(barrier)
+            self.copy_queue.put_nowait((item, None, item, None))
+        disk_cls._fgsp_sync(self)
+        for path, written in touched.items():
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+            try:
+                if written:
+                    os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    disk_cls.submit_copy, disk_cls.synchronize = submit_copy, synchronize
+    backend.map_to_torch_tensor = map_to_torch_tensor

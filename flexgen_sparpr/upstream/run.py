@@ -73,11 +73,12 @@ def prepare_upstream(device: str = "auto", dtype: str = "auto", gpu_mem: float |
             "patches": patches + (["use_float32_compute"] if dtype == "float32" else [])}
 
 
-def _policy(flex_opt, batch: int, percent, sparsity: float = 1.0):
-    """Upstream's Policy with its CLI defaults (one GPU batch, overlap, sep-layer, pinned weights)."""
+def _policy(flex_opt, batch: int, percent, sparsity: float = 1.0, gpu_batches: int = 1):
+    """Upstream's Policy with its CLI defaults (one GPU batch unless told, overlap, sep-layer,
+    pinned weights); batch is the whole batch, cut into gpu_batches."""
     from flexgen.compression import CompressionConfig
     p = [float(x) for x in percent]
-    return flex_opt.Policy(batch, 1, p[0], p[1], p[2], p[3], p[4], p[5],
+    return flex_opt.Policy(batch // gpu_batches, gpu_batches, p[0], p[1], p[2], p[3], p[4], p[5],
                            True, True, True, False, sparsity,
                            False, CompressionConfig(num_bits=4, group_size=64, group_dim=0, symmetric=False),
                            False, CompressionConfig(num_bits=4, group_size=64, group_dim=2, symmetric=False))
@@ -87,13 +88,16 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
                       percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
                       sparpr: dict | None = None, weights: str = "ones", seed: int = 0,
                       warmup: bool = True, dtype: str = "auto", device: str = "auto",
-                      gpu_mem: float | None = None) -> dict:
+                      gpu_mem: float | None = None, drop_page_cache: bool = False, gpu_batches: int = 1) -> dict:
     """In this process: run one generation (on CUDA as shipped, else patched for the CPU:
     prepare_upstream), return timings and the generated ids ([batch][gen_len]). weights: "ones"
     (upstream's own _DUMMY_) or "engine" (this engine's seeded dummy values). sparpr: keyword
     arguments of `apply_sparpr`, or None. dtype: "float32" (weights and compute; the CPU's fast
     type, as this engine uses on the CPU) or "float16" (upstream's own); "auto" picks by device.
-    The KV cache is float16 either way, as upstream stores it."""
+    The KV cache is float16 either way, as upstream stores it. drop_page_cache: its disk tier's
+    reads meet the disk (patches.py `uncached_disk_tier`). Returns also the decode steps' seconds
+    and the KV bytes its decode loads moved from an offloaded home (the hook's count with
+    SparPR, else upstream's whole-cache loads counted from the placement)."""
     where = prepare_upstream(device, dtype, gpu_mem)
     dtype = where["dtype"]
     from flexgen import flex_opt
@@ -111,7 +115,11 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
         use_engine_dummy_weights(seed)
     elif weights != "ones":
         raise ValueError(f"weights must be 'ones' or 'engine' (got {weights!r})")
-    from .sparpr_hook import apply_sparpr, remove_sparpr
+    if gpu_batches < 1 or batch % gpu_batches:
+        raise ValueError(f"gpu_batches must be >= 1 and divide batch (got {gpu_batches} for {batch})")
+    from .patches import uncached_disk_tier
+    from .sparpr_hook import apply_sparpr, remove_sparpr, sparpr_stats
+    uncached_disk_tier(drop_page_cache)
     if sparpr:
         apply_sparpr(**sparpr)
     else:
@@ -129,10 +137,13 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
     gpu, cpu, disk = TorchDevice("cuda:0"), TorchDevice("cpu"), TorchDisk(offload)
     env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
     try:
-        lm = flex_opt.OptLM(config, env, flex_opt.DUMMY_WEIGHT, _policy(flex_opt, batch, percent))
+        lm = flex_opt.OptLM(config, env, flex_opt.DUMMY_WEIGHT, _policy(flex_opt, batch, percent,
+                                                                          gpu_batches=gpu_batches))
         try:
             if warmup:  # upstream's benchmark warms up with one 32-token step
                 lm.generate(_prompt_ids(batch, 32, config.vocab_size, seed + 1), max_new_tokens=1)
+            if sparpr:
+                apply_sparpr(**sparpr)  # statistics of the timed generation only
             timers("generate").reset()
             out = lm.generate(_prompt_ids(batch, prompt_len, config.vocab_size, seed),
                               max_new_tokens=gen_len, cut_gen_len=cut_gen_len)
@@ -146,8 +157,14 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
     prefill = costs[0]
     decode = project_decode_latency(costs, prompt_len, gen_len) if cut_gen_len else sum(costs[1:])
     steps = (cut_gen_len or gen_len)
+    hook = sparpr_stats().to_dict() if sparpr else None
+    offloaded = 1 - float(percent[2]) / 100  # the cache's share off upstream's compute device
+    row = batch * config.input_dim * 2 * 2  # K and V of one position, float16
+    dense_read = sum(prompt_len + i for i in range(1, steps)) * row * config.num_hidden_layers * offloaded
     return {
         "ok": True, "prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode,
+        "step_s": costs[1:], "sparpr_stats": hook,
+        "kv_read_bytes": sum(hook["bytes_moved"].values()) if hook else int(dense_read),
         "decode_tok_s": batch * (gen_len - 1) / max(decode, 1e-10),
         "tokens": np.asarray(out)[:, prompt_len:prompt_len + steps].tolist(),
         "projected": bool(cut_gen_len),
@@ -158,7 +175,8 @@ def generate_upstream(model: str = "opt-125m", batch: int = 4, prompt_len: int =
                    "percent": list(percent), "cut_gen_len": cut_gen_len, "sparpr": sparpr,
                    "weights": weights, "seed": seed, "upstream": "flexgen==0.1.8", "dtype": dtype,
                    "kv_dtype": "float16", "threads": torch.get_num_threads(), "device": where["device"],
-                   "patches": where["patches"], "gpu_mem_GiB": gpu_mem},
+                   "patches": where["patches"] + (["uncached_disk_tier"] if drop_page_cache else []),
+                   "gpu_mem_GiB": gpu_mem, "gpu_batches": gpu_batches},
     }
 
 
@@ -166,13 +184,17 @@ def upstream_command(model: str = "opt-125m", batch: int = 4, prompt_len: int = 
                      percent=DEFAULT_PERCENT, offload_dir: str | None = None, cut_gen_len: int | None = None,
                      sparpr: dict | None = None, weights: str = "ones", output: str | None = None,
                      dtype: str = "float32", threads: int | None = None, device: str = "cpu",
-                     gpu_mem: float | None = None) -> list[str]:
+                     gpu_mem: float | None = None, drop_page_cache: bool = False, gpu_batches: int = 1) -> list[str]:
     """argv of the child that runs `generate_upstream` and prints (or writes) its JSON."""
     cmd = [sys.executable, "-m", "flexgen_sparpr.upstream.run", "--json", "--model", model,
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--gen-len", str(gen_len),
            "--percent", *map(str, percent), "--weights", weights, "--dtype", dtype, "--device", device]
     if gpu_mem is not None:
         cmd += ["--gpu-mem", str(gpu_mem)]
+    if drop_page_cache:
+        cmd += ["--drop-page-cache"]
+    if gpu_batches != 1:
+        cmd += ["--gpu-batches", str(gpu_batches)]
     if offload_dir:
         cmd += ["--offload-dir", offload_dir]
     if cut_gen_len:
@@ -236,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: CUDA, unpatched, when there is one; cpu: the CPU patches (default auto)")
     ap.add_argument("--gpu-mem", type=float, help="cap the CUDA device at this many GiB (an 8 GB card: 8)")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--drop-page-cache", action="store_true",
+                    help="its disk tier's reads meet the disk: touched files are flushed and dropped from the "
+                         "page cache at each of its disk synchronisations")
+    ap.add_argument("--gpu-batches", type=int, default=1, help="FlexGen's --num-gpu-batches (default: 1)")
     ap.add_argument("--json", action="store_true", help="print one JSON line (the result dict)")
     ap.add_argument("--output", help="also write the result JSON here (atomically)")
     args = ap.parse_args(argv)
@@ -249,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--sparpr must be a JSON object")
         result = generate_upstream(args.model, args.batch, args.prompt_len, args.gen_len, tuple(args.percent),
                                    args.offload_dir, args.cut_gen_len, sparpr, weights=args.weights,
-                                   dtype=args.dtype, device=args.device, gpu_mem=args.gpu_mem)
+                                   dtype=args.dtype, device=args.device, gpu_mem=args.gpu_mem,
+                                   drop_page_cache=args.drop_page_cache, gpu_batches=args.gpu_batches)
     except Exception as e:  # one line for the caller; bad input (ValueError, ...) exits 2
         msg = str(e).strip().splitlines()[0] if str(e).strip() else "no message"
         result = {"ok": False, "error": f"{type(e).__name__}: {msg}"}

@@ -1,14 +1,20 @@
-"""apply_sparpr: SparPR's block selection in upstream FlexGen's decode attention. keep_ratio 1.0
-changes nothing (bit for bit); below 1 it changes which positions are attended."""
+"""apply_sparpr: SparPR inside upstream FlexGen. Its decode cache loading moves only the selected
+blocks (counted per home); keep_ratio 1.0 changes nothing, bit for bit."""
 from __future__ import annotations
+
+import math
+import os
+import subprocess
 
 import pytest
 import torch
 
-from flexgen_sparpr.kv.policies.base import token_budget
-from flexgen_sparpr.upstream.sparpr_hook import (SparPRConfig, apply_sparpr, remove_sparpr, sparpr_keep,
-                                                 sparpr_stats)
-from tests.upstream.recording import run_recording
+from flexgen_sparpr.upstream.sparpr_hook import (SparPRConfig, _Summaries, apply_sparpr, pick_blocks,
+                                                 remove_sparpr, sparpr_stats)
+from tests.upstream.recording import B, G, P, run_recording
+
+DISK = (100, 0, 0, 0, 100, 0)  # upstream's --percent with the KV cache on its disk tier
+ROW = B * 768 * 2 * 2  # K and V of one position of opt-125m's batch, float16
 
 
 @pytest.fixture(autouse=True)
@@ -17,81 +23,117 @@ def unhooked():
     remove_sparpr()
 
 
-def test_keep_ratio_one_is_bit_identical(dense_recorded):
-    dense, dense_outs = dense_recorded
-    hooked, hooked_outs = run_recording({"keep_ratio": 1.0, "block_size": 16})
+@pytest.fixture(scope="module")
+def dense_disk():
+    return run_recording(percent=DISK)
+
+
+def test_keep_ratio_one_is_bit_identical(dense_recorded, dense_disk):
+    for (dense, dense_outs), percent in ((dense_recorded, None), (dense_disk, DISK)):
+        hooked, hooked_outs = run_recording({"keep_ratio": 1.0, "block_size": 16},
+                                            **({"percent": percent} if percent else {}))
+        st = sparpr_stats()
+        assert st.calls == len(hooked_outs) == 12 * (G - 1)  # every layer of both decode steps went through it
+        assert st.tokens_read == st.tokens_valid > 0
+        assert hooked["tokens"] == dense["tokens"]
+        assert all(torch.equal(a, b) for a, b in zip(dense_outs, hooked_outs))
+        # cached positions [0, P + i - 1) of every layer and step came through, from disk when it is the home
+        want = sum(P + i - 1 for i in range(1, G)) * 12 * ROW
+        assert st.bytes_moved == ({"disk": want} if percent else {})
+
+
+def test_below_one_moves_only_the_selected_blocks(dense_disk, monkeypatch):
+    import flexgen.pytorch_backend as backend
+    copies, general_copy = [], backend.general_copy
+
+    def recording(dst, dst_idx, src, src_idx):
+        if getattr(src.device, "device_type", None) == backend.DeviceType.DISK:
+            copies.append((src_idx[0].start, src_idx[0].stop))
+        return general_copy(dst, dst_idx, src, src_idx)
+    monkeypatch.setattr(backend, "general_copy", recording)
+    hooked, outs = run_recording({"keep_ratio": 0.3, "block_size": 4}, percent=DISK)
     st = sparpr_stats()
-    assert st.calls == len(hooked_outs) == 12 * 2  # every layer of both decode steps went through it
-    assert st.tokens_read == st.tokens_valid > 0
-    assert hooked["tokens"] == dense["tokens"]
-    assert len(dense_outs) == len(hooked_outs)
-    assert all(torch.equal(a, b) for a, b in zip(dense_outs, hooked_outs))
+    rows = sum(b - a for a, b in copies) // 2  # K and V
+    assert st.bytes_moved == {"disk": rows * ROW} and st.requests == {"disk": len(copies)}
+    assert st.tokens_read == rows * B  # no padding: every row copied is read by both sequences
+    assert rows * ROW < 0.5 * dense_disk[0]["kv_read_bytes"]
+    for context, read, valid in st.per_call:
+        assert read <= B * (math.ceil(0.3 * context) + 4)  # the budget (+ a block: the sink's floor)
+    assert not all(torch.equal(a, b) for a, b in zip(dense_disk[1], outs))
+    assert st.spans * 2 == len(copies) and st.summary_bytes > 0
 
 
-def test_keep_ratio_below_one_reads_less_and_changes_outputs(dense_recorded):
-    dense_outs = dense_recorded[1]
-    _, sparse_outs = run_recording({"keep_ratio": 0.3, "block_size": 4})
-    st = sparpr_stats()
-    assert st.calls == len(sparse_outs) and st.effective_keep() < 0.5
-    for context, read, valid in st.per_call:  # per sequence: at most the budget (2 sequences)
-        assert read <= 2 * token_budget(0.3, context, 4 * 2 + context % 4)
-    assert not all(torch.equal(a, b) for a, b in zip(dense_outs, sparse_outs))
-
-
-def _tiny_case():
-    """B=2, H=2, D=4, 10 cached tokens (5 blocks of 2) + the new one; sequence 1 has 2 pads.
-    Block 2 of sequence 0 and block 3 of sequence 1 point along the query."""
-    b, h, d, s = 2, 2, 4, 11
+def test_summaries_are_the_masked_mean_of_each_run():
     torch.manual_seed(0)
+    b, h, d, run = 2, 3, 4, 4
+    k = torch.randn(13, b * h, d)
+    valid = torch.ones(b, 13, dtype=torch.bool)
+    valid[1, :5] = False  # left padding
+    s = _Summaries(16, b * h, d, b, run, torch.float32, torch.device("cpu"))
+    s.add(k[:10], valid[:, :10], 0)  # a prefill, then decode tokens one by one
+    for p in range(10, 13):
+        s.add(k[p:p + 1], valid[:, p:p + 1], p)
+    kk = k.view(13, b, h, d)
+    for r in range(4):
+        for q in range(b):
+            pos = [p for p in range(r * run, min(13, (r + 1) * run)) if valid[q, p]]
+            assert int(s.count[r, q]) == len(pos)
+            if pos:
+                torch.testing.assert_close(s.mean[r].view(b, h, d)[q], kk[pos, q].mean(dim=0))
+
+
+def test_pick_keeps_sink_recent_and_the_best_block_for_the_batch():
+    """4 blocks of 2 sealed + the open token; block 1 points along the query for both sequences."""
+    b, h, d = 2, 2, 4
+    k = 0.01 * torch.randn(9, b * h, d)
+    k[2:4, :, 0] = 5.0
     q = torch.zeros(b, h, 1, d)
     q[..., 0] = 1.0
-    k = 0.01 * torch.randn(b, h, s, d)
-    k[0, :, 4:6, 0] = 5.0  # sequence 0, block 2
-    k[1, :, 6:8, 0] = 5.0  # sequence 1, block 3
-    mask = torch.ones(b, s, dtype=torch.bool)
-    mask[1, :2] = False
-    # upstream's layout: q [B*H, 1, D], k [B*H, D, S]
-    return q.reshape(b * h, 1, d), k.permute(0, 1, 3, 2).reshape(b * h, d, s), mask, h
-
-
-def test_selection_keeps_sink_recent_open_and_best_blocks():
-    q, k, mask, h = _tiny_case()
-    keep = sparpr_keep(q, k, mask, h, SparPRConfig(keep_ratio=0.7, min_keep=0.1, block_size=2, recent_blocks=1))
-    # budgets: ceil(0.7 * 10) = 7 and ceil(0.7 * 8) = 6 tokens; sink + recent take 4, one block fits
-    want0 = [0, 1, 4, 5, 8, 9, 10]  # sink block 0, best block 2, recent block 4, the new token
-    want1 = [2, 3, 6, 7, 8, 9, 10]  # sink is block 1 (after the pads), best block 3
-    assert keep[0].nonzero().flatten().tolist() == want0
-    assert keep[1].nonzero().flatten().tolist() == want1
-    full = sparpr_keep(q, k, mask, h, SparPRConfig(keep_ratio=1.0, block_size=2))
-    assert torch.equal(full, mask)
-
-
-def test_hooked_attention_masks_unselected_positions():
-    import flexgen.pytorch_backend as backend
-    q, k, mask, h = _tiny_case()
-    v = torch.randn(q.shape[0], k.shape[2], q.shape[2])  # v: [B*H, S, D]
-    dev = backend.TorchDevice("cpu")
-    args = (q, k, v, mask, 2, 11, 1, h, 4)
-    dense = dev._attention_value(*args)
-    cfg = apply_sparpr(keep_ratio=0.6, block_size=2)
-    sparse = dev._attention_value(*args)
-    keep = sparpr_keep(q, k, mask, h, cfg)
-    remove_sparpr()
-    assert not torch.equal(dense, sparse)
-    assert torch.equal(sparse, dev._attention_value(q, k, v, keep, 2, 11, 1, h, 4))
-    apply_sparpr(keep_ratio=1.0, block_size=2)
-    assert torch.equal(dense, dev._attention_value(*args))
+    mask = torch.ones(b, 10, dtype=torch.bool)
+    s = _Summaries(10, b * h, d, b, 2, torch.float32, torch.device("cpu"))
+    s.add(k, mask[:, :9], 0)
+    cfg = SparPRConfig(keep_ratio=0.7, block_size=2, recent_blocks=1, summary_tokens=0)
+    assert pick_blocks(q, s, mask, cfg) == [0, 1, 3]  # sink, best, recent (budget 7 of 9 tokens)
+    assert pick_blocks(q, s, mask, SparPRConfig(keep_ratio=1.0, block_size=2)) == [0, 1, 2, 3]
 
 
 def test_apply_and_remove():
-    import flexgen.pytorch_backend as backend
-    original = backend.TorchDevice._attention_value
+    import flexgen.flex_opt as flex
+    originals = flex.SelfAttention.load_cache, flex.SelfAttention.forward
     apply_sparpr(keep_ratio=0.5)
     apply_sparpr(keep_ratio=0.25)  # re-applying changes the knobs, wraps once
-    assert backend.TorchDevice._attention_value is not original
+    assert flex.SelfAttention.forward is not originals[1]
     remove_sparpr()
-    assert backend.TorchDevice._attention_value is original
+    assert (flex.SelfAttention.load_cache, flex.SelfAttention.forward) == originals
     for bad in (dict(keep_ratio=0), dict(keep_ratio=1.5), dict(min_keep=0), dict(block_size=0),
-                dict(recent_blocks=-1)):
+                dict(recent_blocks=-1), dict(block_size=64, summary_tokens=5)):
         with pytest.raises(ValueError):
             apply_sparpr(**bad)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/sys/fs/cgroup/blkio/cgroup.procs"),
+                    reason="counts the device's reads in a blkio cgroup: needs root and cgroup v1 blkio")
+def test_uncached_disk_tier_reads_what_it_asks_for_from_the_disk(tmp_path):
+    """Upstream re-reads its memory-mapped KV from the page cache; with its disk tier uncached
+    (upstream/patches.py) the device serves about the bytes its loads ask for."""
+    from flexgen_sparpr.bench.throttle import ReadThrottle, ThrottleUnavailable
+    from flexgen_sparpr.upstream.run import parse_child, upstream_command
+    folder = "/var/tmp"
+    try:
+        th = ReadThrottle(10_000, folder).open()  # a cap far above the disk: used only to count
+    except ThrottleUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        got = {}
+        for uncached in (False, True):
+            before = th.read_bytes()
+            cmd = upstream_command(batch=2, prompt_len=256, gen_len=4, percent=DISK, offload_dir=folder,
+                                   drop_page_cache=uncached, threads=1)
+            proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=lambda: th.attach(os.getpid()))
+            r = parse_child(proc.returncode, proc.stdout, proc.stderr)
+            assert r["ok"], r
+            got[uncached] = (th.read_bytes() - before, r["kv_read_bytes"])
+    finally:
+        th.close()
+    assert got[False][0] < 0.2 * got[False][1]
+    assert 0.9 * got[True][1] <= got[True][0] <= 1.3 * got[True][1]

@@ -1,0 +1,140 @@
+"""The SparPR paper's own comparison: upstream FlexGen (flexgen==0.1.8) with and without
+`apply_sparpr` (flexgen_sparpr/upstream/sparpr_hook.py: its decode cache loading moves only the
+selected blocks), same executor, same placement, interleaved per context in fresh processes.
+
+On CUDA upstream runs as shipped (the device capped with --gpu-mem); on the CPU with the CPU
+patches, its disk tier's page cache dropped after each disk synchronisation (it has no
+O_DIRECT) and, with --read-mbps, its disk reads capped by the kernel (bench/throttle.py). keep
+ratio 1.0 would be upstream itself, bit for bit (tests/upstream/test_sparpr_hook.py).
+Writes <out>/<stem>.json and .md: prefill, decode and end-to-end seconds, the cut, the KV bytes
+its decode loads moved (the hook's count; upstream's whole-cache loads from the placement) and,
+when throttled, the kernel's count of bytes read from the disk.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, OneLineParser, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--model", default="opt-125m", help="an OPT size (default: opt-125m)")
+    ap.add_argument("--contexts", default="1024,2048,4096", help="prompt lengths (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences (default: 4)")
+    ap.add_argument("--gen-len", type=int, default=32, help="new tokens, >= 2 (default: 32)")
+    ap.add_argument("--keep-ratio", type=float, default=0.25, help="SparPR's keep ceiling (default: 0.25)")
+    ap.add_argument("--min-keep", type=float, default=0.1, help="SparPR's floor (default: 0.1)")
+    ap.add_argument("--block-size", type=int, default=64, help="tokens per block (default: 64)")
+    ap.add_argument("--percent", default="100,0,0,0,100,0",
+                    help="upstream's --percent: weights GPU,CPU, cache GPU,CPU, activations GPU,CPU (default: KV on disk)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: auto")
+    ap.add_argument("--gpu-mem", type=float, default=None, help="cap the CUDA device at this many GiB")
+    ap.add_argument("--read-mbps", type=float, default=None, help="cap disk reads at this many MB/s (root, cgroup v1)")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per upstream run (default: 1200)")
+    ap.add_argument("--offload-dir", default="/tmp/offload-upstream-sparpr", help="upstream's disk tier; removed")
+    ap.add_argument("--out", default=str(REPO / "results"), help="output folder (default: results)")
+    ap.add_argument("--stem", default="upstream_sparpr", help="output file stem (default: %(default)s)")
+    args = ap.parse_args(argv)
+    try:
+        args.contexts = int_list(args.contexts)
+        args.percent = tuple(int(float(x)) for x in args.percent.split(","))
+    except ValueError:
+        die("--contexts needs positive integers and --percent six numbers")
+    if len(args.percent) != 6 or args.gen_len < 2 or args.batch < 1 or not 0 < args.keep_ratio <= 1:
+        die("--percent needs six numbers, --gen-len >= 2, --batch >= 1, --keep-ratio in (0, 1]")
+    if args.read_mbps is not None and not args.read_mbps > 0:
+        die(f"--read-mbps must be > 0 (got {args.read_mbps})")
+    return args
+
+
+def one(args, ctx: int, sparpr: bool, device: str) -> dict:
+    from flexgen_sparpr.upstream.run import parse_child, upstream_command
+    hook = dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, block_size=args.block_size) if sparpr else None
+    cmd = upstream_command(model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx,
+                           gen_len=args.gen_len, percent=args.percent, offload_dir=args.offload_dir, sparpr=hook,
+                           dtype="auto", device=device, gpu_mem=args.gpu_mem if device == "cuda" else None,
+                           drop_page_cache=device == "cpu")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {args.timeout} s"}
+    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
+    r.pop("tokens", None)
+    return r
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from flexgen_sparpr.bench.throttle import open_throttle
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    offload = Path(args.offload_dir).expanduser()
+    offload.mkdir(parents=True, exist_ok=True)
+    th, note = open_throttle(args.read_mbps, offload)
+    rows = []
+    try:
+        if th is not None:
+            th.attach(os.getpid())  # the children follow
+        with timer() as wall:
+            for ctx in args.contexts:
+                row = {"context": ctx}
+                for kind, sp in (("upstream", False), ("upstream+sparpr", True)):
+                    before = th.read_bytes() if th else None
+                    r = one(args, ctx, sp, device)
+                    r["kernel_disk_read_bytes"] = th.read_bytes() - before if th else None
+                    row[kind] = r
+                    print(f"ctx {ctx} {kind}: " + (f"e2e {r['total_s']:.1f} s, decode {r['decode_s']:.1f} s"
+                                                   if r.get("ok") else f"error: {r.get('error')}"), flush=True)
+                u, s = row["upstream"], row["upstream+sparpr"]
+                if u.get("ok") and s.get("ok"):
+                    row["cut"] = 1 - s["total_s"] / u["total_s"]
+                    row["decode_cut"] = 1 - s["decode_s"] / u["decode_s"]
+                    row["bytes_ratio"] = s["kv_read_bytes"] / max(1, u["kv_read_bytes"])
+                rows.append(row)
+    finally:
+        if th is not None:
+            th.close()
+        shutil.rmtree(offload, ignore_errors=True)
+    dev = torch.cuda.get_device_name(0) if device == "cuda" else machine_info()["cpu_model"]
+    payload = {"config": vars(args), "machine": machine_info(), "device": device, "device_name": dev,
+               "throttle": th.describe() if th else None, "throttle_note": note, "rows": rows, "wall_s": wall()}
+    for p in write_results(Path(args.out), args.stem, payload, render_md(payload)):
+        print(f"wrote {p}")
+    return 0
+
+
+def render_md(p: dict) -> str:
+    cfg, f = p["config"], (lambda x, n=1: "n/a" if x is None else f"{x:.{n}f}")
+    paper = {1024: "31 %", 2048: "52 %", 4096: "63 %"}
+    rows = []
+    for r in p["rows"]:
+        u, s = r["upstream"], r["upstream+sparpr"]
+        rows.append([r["context"], f(u.get("prefill_s")), f(u.get("decode_s")), f(u.get("total_s")),
+                     f(s.get("prefill_s")), f(s.get("decode_s")), f(s.get("total_s")),
+                     "n/a" if "cut" not in r else f"{100 * r['cut']:.0f} %",
+                     "n/a" if "decode_cut" not in r else f"{100 * r['decode_cut']:.0f} %",
+                     f(r.get("bytes_ratio"), 3), paper.get(r["context"], "n/a"),
+                     u.get("error") or s.get("error") or ""])
+    head = ["context", "upstream prefill s", "decode s", "e2e s", "+SparPR prefill s", "decode s", "e2e s", "cut",
+            "decode cut", "KV bytes ratio", "paper cut", "error"]
+    cap = (f"disk reads capped at {cfg['read_mbps']:g} MB/s by the kernel" if p["throttle"] else
+           (p["throttle_note"] or "no read cap"))
+    notes = [f"- {cfg['model']} dummy weights, batch {cfg['batch']}, gen {cfg['gen_len']}, --percent {cfg['percent']}, "
+             f"on {p['device']} ({p['device_name']})" + (f", capped at {cfg['gpu_mem']:g} GiB" if cfg["gpu_mem"] else "")
+             + f"; {cap}. SparPR keep ceiling {cfg['keep_ratio']}, block {cfg['block_size']}.",
+             f"- Load average at start {p['machine']['load_average']}; {p['wall_s'] / 60:.1f} min wall; the two "
+             "runs of a context ran one after the other."]
+    return "# Upstream FlexGen with and without apply_sparpr\n\n" + md_table(head, rows) + "\n" + "\n".join(notes) + "\n"
+
+
+if __name__ == "__main__":
+    from flexgen_sparpr.cli.guard import guarded
+    sys.exit(guarded(main))
