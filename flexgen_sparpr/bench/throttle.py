@@ -19,6 +19,7 @@ import argparse
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -177,9 +178,24 @@ def main(argv=None) -> int:
     th, note = open_throttle(args.read_mbps, args.dir)
     print(f"note: {note}" if note else f"note: reads from {th.describe()['device']} capped at "
           f"{args.read_mbps:g} MB/s ({th.dir.name})", file=sys.stderr, flush=True)
+    stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+    def child_setup(mask):  # in the child: join the group, then take stop signals again
+        if th is not None:
+            th.attach(os.getpid())
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
     try:
-        proc = subprocess.Popen(cmd, preexec_fn=(lambda: th.attach(os.getpid())) if th else None)
+        # a stop signal held while the child starts: one landing inside Popen would leave the child
+        # running, unknown to us, inside the group we are about to remove
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
         try:
+            proc = subprocess.Popen(cmd, preexec_fn=lambda: child_setup(mask))
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            raise
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a held signal lands here, proc known
             return proc.wait()
         except BaseException:  # a stop signal: pass it on, then clean up
             proc.terminate()
