@@ -43,10 +43,11 @@ class Layer:
 
 
 class Engine:
-    def __init__(self, source, policy: Policy, cfg: EngineConfig, progress: bool = False):
+    def __init__(self, source, policy: Policy, cfg: EngineConfig, progress: bool = False, stream_api=None):
+        """stream_api: a stand-in for CUDA's streams on a CPU engine (tests/stream_double.py)."""
         self.spec, self.policy, self.cfg = source.spec, policy, cfg
         self.arch = build_arch(self.spec)
-        self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight)
+        self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight, stream_api=stream_api)
         self.gpu_limit = self._cap_device(cfg.gpu_mem)
         self.dtype = cfg.torch_dtype(self.devices.compute)
         self.kv_policy: KVPolicy = cfg.make_kv_policy()
@@ -323,6 +324,7 @@ class Engine:
             self.weights.close()
         if getattr(self, "io", None):
             self.io.close()
+        self.devices.host.close()
         if self.disk is not None:
             self.disk.close()
             self.disk = None

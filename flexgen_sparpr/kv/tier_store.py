@@ -53,11 +53,11 @@ class TierStore:
             if tier in self.coded:
                 shape = (n[tier], self.codec.nbytes)
                 self._rows[tier] = (torch.empty(shape, dtype=torch.uint8, device=dev) if tier == Tier.COMPUTE
-                                    else devices.empty_host(shape, torch.uint8))
+                                    else devices.host.arena(shape, torch.uint8))
             else:
                 shape = (planes, batch, h, n[tier] * bs, d)
                 self._arena[tier] = (torch.zeros(shape, dtype=dtype, device=dev) if tier == Tier.COMPUTE
-                                     else devices.empty_host(shape, dtype))
+                                     else devices.host.arena(shape, dtype))
         if n[Tier.DISK]:
             if disk is None:
                 raise ValueError("KV blocks placed on disk but no --offload-dir store was given")
@@ -139,8 +139,8 @@ class TierStore:
         else:
             data = self.codec.encode(blk, hint)
             rows = self.codec.exact_rows(data) if self.hold_exact_rows else None
-            if rows is not None:
-                self._exact_rows[b] = rows  # on compute, like the block's summaries
+            if rows is not None:  # on compute, like the block's summaries; made on the I/O stream
+                self._exact_rows[b] = dev.streams.hand_off(rows)
         if home == Tier.DISK:
             host = (data if home in self.coded else data.transpose(0, 1).contiguous()).cpu()  # seq-major
             if dev.is_cuda:
@@ -148,12 +148,14 @@ class TierStore:
             self._disk.write(slot, host)
             dev.counters.add("cpu", "disk", host.nbytes)
         elif home in self.coded:
-            self._rows[home][slot].copy_(data)
             if home == Tier.CPU:
+                dev.host.to_host(self._rows[home][slot], data)
                 dev.counters.add("compute", "cpu", data.nbytes)
-        else:
+            else:
+                self._rows[home][slot].copy_(data)
+        else:  # raw on the CPU tier
             s = slot * self.bs
-            self._arena[home][:, :, :, s:s + self.bs].copy_(data)
+            dev.host.to_host(self._arena[home][:, :, :, s:s + self.bs], data)
             dev.counters.add("compute", "cpu", data.nbytes)
 
     # --- reading ---
@@ -211,24 +213,20 @@ class TierStore:
         elif home in self.coded:
             row = self._rows[home][slot]
             if home == Tier.CPU:
-                row = row.to(dev.compute, non_blocking=True)
+                row = dev.host.to_compute_new(row)
                 dev.counters.add("cpu", "compute", row.nbytes)
             out.copy_(self.codec.decode(row))
-        else:
+        else:  # raw on the CPU tier
             src = self.in_place(b)
             for r0, r1 in rows:
-                out[:, r0:r1].copy_(src[:, r0:r1], non_blocking=True)
-                if home == Tier.CPU:
-                    dev.counters.add("cpu", "compute", src[:, r0:r1].nbytes)
+                dev.host.to_compute(out[:, r0:r1], src[:, r0:r1])
+                dev.counters.add("cpu", "compute", src[:, r0:r1].nbytes)
 
     def _read_disk(self, jobs: list) -> None:
         """Disk blocks (b, out, rows), read concurrently (the store's read depth); the link's
         bandwidth is timed over the whole batch, so overlapping reads are not counted twice."""
-        mode = torch.is_inference_mode_enabled()  # per thread: the readers take the caller's
-
-        def read(job) -> int:
-            with torch.inference_mode(mode):
-                return self._read_disk_block(*job)
+        # the readers copy on the caller's stream, in its inference mode (storage/streams.py, rule 4)
+        read = self.devices.streams.carry(lambda job: self._read_disk_block(*job))
         t0 = time.perf_counter()
         nbytes = sum(self._disk_store.map(read, jobs))
         self.devices.counters.add("disk", "cpu", nbytes, time.perf_counter() - t0)
@@ -284,10 +282,11 @@ class TierStore:
                 raise ValueError(f"block {b} is not a sealed encoded block")
             if home == Tier.DISK:
                 disk_reads.append((b, out[i], None, False))  # read together, not decoded
+            elif home == Tier.CPU:
+                dev.host.to_compute(out[i], self._rows[home][slot])
+                dev.counters.add("cpu", "compute", nb)
             else:
-                out[i].copy_(self._rows[home][slot], non_blocking=True)
-                if home == Tier.CPU:
-                    dev.counters.add("cpu", "compute", nb)
+                out[i].copy_(self._rows[home][slot])
         if disk_reads:
             self._read_disk(disk_reads)
         return out
