@@ -290,6 +290,8 @@ class Engine:
         gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
         hidden = [None] * ngb
         logits = [None] * ngb
+        # one positions tensor per batch for the whole step: the model keeps RoPE per tensor
+        pos = [pos_all[k * gbs:(k + 1) * gbs] for k in range(ngb)]
         w_next = self._load_weights(0)
         fetched = None
         for j, layer in enumerate(self.layers):
@@ -302,10 +304,10 @@ class Engine:
                 nj, nk = (j, k + 1) if k + 1 < ngb else (j + 1, 0)
                 cache_next, sl = None, slice(k * gbs, (k + 1) * gbs)
                 if not prefill and nj < len(self.layers):
-                    ahead = Ahead(w if nj == j else w_next, hidden[nk], pos_all[nk * gbs:(nk + 1) * gbs], nk != k)
+                    ahead = Ahead(w if nj == j else w_next, hidden[nk], pos[nk], nk != k)
                     cache_next = self._prefetch_cache(self.layers[nj], nk, ahead)
                 x = to_compute(self.devices, hidden[k])
-                y, jobs = self._compute(layer, w, x, ids[sl], k, pos_all[sl], pads[k],
+                y, jobs = self._compute(layer, w, x, ids[sl], k, pos[k], pads[k],
                                         self.io.adopt(fetched.result()) if fetched is not None else None, prefill)
                 stores += [self.io.submit(job) for job in jobs]
                 if layer.kind == "head":
