@@ -39,7 +39,7 @@ class HostMemory:
         self.staging_bytes = staging_bytes
         self._pinned: list[torch.Tensor] = []  # page-locked by pin(), unlocked by close()
         self.refused = 0  # page-locks the OS refused (those buffers stayed pageable)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered: the ring is made (pinned) under its condition
         self._ring: list[list] | None = None  # [buffer, event of its last copy or None]
         self._free = threading.Condition(self._lock)
         self._ring_size = staging_buffers
