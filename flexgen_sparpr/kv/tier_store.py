@@ -216,11 +216,14 @@ class TierStore:
                 row = dev.host.to_compute_new(row)
                 dev.counters.add("cpu", "compute", row.nbytes)
             out.copy_(self.codec.decode(row))
-        else:  # raw on the CPU tier
+        else:  # raw, on the CPU tier (or on compute, called directly)
             src = self.in_place(b)
             for r0, r1 in rows:
-                dev.host.to_compute(out[:, r0:r1], src[:, r0:r1])
-                dev.counters.add("cpu", "compute", src[:, r0:r1].nbytes)
+                if home == Tier.CPU:
+                    dev.host.to_compute(out[:, r0:r1], src[:, r0:r1])
+                    dev.counters.add("cpu", "compute", src[:, r0:r1].nbytes)
+                else:
+                    out[:, r0:r1].copy_(src[:, r0:r1])
 
     def _read_disk(self, jobs: list) -> None:
         """Disk blocks (b, out, rows), read concurrently (the store's read depth); the link's
@@ -249,7 +252,7 @@ class TierStore:
             else:
                 self._disk.read_at(slot, r0 * self.seq_nbytes, host)
             nbytes += n
-            data = host.to(dev.compute, non_blocking=True) if dev.is_cuda else host
+            data = dev.host.to_compute_new(host)  # host: pinned by torch, so straight to the current stream
             if coded:
                 out.copy_(self.codec.decode(data) if decode else data, non_blocking=not decode)
             else:
