@@ -6,10 +6,12 @@ from __future__ import annotations
 import resource
 import time
 
-import psutil
+import pytest
 import torch
 
-from flexgen_sparpr.engine.memory import PeakMemory
+psutil = pytest.importorskip("psutil", reason="psutil is this file's independent RSS measure (not installed)")
+
+from flexgen_sparpr.engine.memory import PeakMemory  # noqa: E402
 
 MB = 1 << 20
 
