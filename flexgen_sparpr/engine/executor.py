@@ -47,10 +47,11 @@ class Layer:
 class Engine:
     """micro_batches: the step's GPU batches run as this many groups one after another, each in
     FlexGen's order (1: FlexGen's schedule). link: this rank's stage of a pipeline (its layers and
-    its neighbours); None runs every layer."""
+    its neighbours); None runs every layer. stream_api: a stand-in for CUDA's streams on a CPU engine
+    (tests/stream_double.py)."""
 
     def __init__(self, source, policy: Policy, cfg: EngineConfig, progress: bool = False,
-                 micro_batches: int = 1, link: StageLink | None = None):
+                 micro_batches: int = 1, link: StageLink | None = None, stream_api=None):
         self.spec, self.policy, self.cfg = source.spec, policy, cfg
         self.link, self.micro_batches = link, micro_batches
         if policy.num_gpu_batches % micro_batches:
@@ -59,7 +60,7 @@ class Engine:
             raise ConfigError(f"stage {link.stage.index} runs layers up to {link.stage.layers.stop - 1}; "
                               f"{self.spec.name} has {self.spec.num_layers}")
         self.arch = build_arch(self.spec)
-        self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight)
+        self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight, stream_api=stream_api)
         self.gpu_limit = self._cap_device(cfg.gpu_mem)
         self.dtype = cfg.torch_dtype(self.devices.compute)
         self.kv_policy: KVPolicy = cfg.make_kv_policy()
@@ -335,6 +336,8 @@ class Engine:
         receives = link is not None and not link.stage.is_first
         hidden = [None] * ngb
         logits = [None] * ngb
+        # one positions tensor per batch for the whole step: the model keeps RoPE per tensor
+        pos = [pos_all[k * gbs:(k + 1) * gbs] for k in range(ngb)]
         if link is not None:
             link.begin_step(per * gbs, ids.shape[1], self.spec.hidden, self.dtype)
         w_next = self._load_weights(order[0][0])
@@ -358,10 +361,10 @@ class Engine:
             if not prefill and nj is not None:
                 ready = nk != k and not (receives and nj == 0)
                 ahead = Ahead(w if nj == j else w_next, hidden[nk] if ready or nk == k else None,
-                              pos_all[nk * gbs:(nk + 1) * gbs], ready)
+                              pos[nk], ready)
                 cache_next = self._prefetch_cache(self.layers[nj], nk, ahead)
             x = to_compute(self.devices, hidden[k])
-            y, jobs = self._compute(layer, w, x, ids[sl], k, pos_all[sl], pads[k],
+            y, jobs = self._compute(layer, w, x, ids[sl], k, pos[k], pads[k],
                                     self.io.adopt(fetched.result()) if fetched is not None else None, prefill)
             stores += [self.io.submit(job) for job in jobs]
             if layer.kind == "head":
@@ -388,6 +391,7 @@ class Engine:
             self.weights.close()
         if getattr(self, "io", None):
             self.io.close()
+        self.devices.host.close()
         if self.disk is not None:
             self.disk.close()
             self.disk = None

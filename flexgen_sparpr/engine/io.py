@@ -1,6 +1,7 @@
 """The I/O side of FlexGen's overlapped schedule: a thread pool that loads weights and KV blocks
-and stores sealed blocks while the compute thread works, with (on CUDA) a stream of its own, and
-the hand-off of what it made to the compute stream. `overlap=False` runs every task inline."""
+and stores sealed blocks while the compute thread works, on (CUDA) the I/O stream, and the
+hand-off of what it made to the compute stream (both kept by storage/streams.py).
+`overlap=False` runs every task inline."""
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,8 +23,8 @@ class IOPool:
     def __init__(self, devices: Devices, threads: int, overlap: bool):
         self.devices, self.overlap = devices, overlap
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="flexgen-io")
-        # on CUDA the I/O tasks copy on their own stream so they overlap the compute stream
-        self._stream = torch.cuda.Stream(devices.compute) if devices.is_cuda else None
+        # the I/O stream and every hand-off across it are the streams' (storage/streams.py)
+        self.streams = devices.streams
 
     def submit(self, fn, *args) -> Future:
         """Run fn(*args) on the pool (inline when not overlapping)."""
@@ -34,27 +35,13 @@ class IOPool:
     def _task(self, fn, *args):
         """Runs on a pool thread. Inference mode is per thread, so it is entered here too."""
         with torch.inference_mode():
-            if self._stream is None:
-                return fn(*args)
-            # wait for what the compute stream produced (sealed blocks), copy, then finish
-            # before handing back, so the compute stream never reads a half-done copy
-            self._stream.wait_stream(torch.cuda.current_stream(self.devices.compute))
-            with torch.cuda.stream(self._stream):
-                out = fn(*args)
-            self._stream.synchronize()
-            return out
+            return self.streams.io_task(fn, *args)
 
     def adopt(self, obj):
-        """Tensors made on the I/O stream are used on the compute stream: tell the caching
-        allocator, so their memory is not reused while the compute stream still reads it.
-        obj: a tensor dict, tuple, or anything else (returned as is)."""
-        if self._stream is not None and self.overlap:
-            stream = torch.cuda.current_stream(self.devices.compute)
-            items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, tuple) else ()
-            for t in items:
-                if torch.is_tensor(t) and t.is_cuda:
-                    t.record_stream(stream)
-        return obj
+        """What an I/O task made, taken by the compute thread: recorded on the compute stream
+        (storage/streams.py, rule 3). obj: tensors in dicts, sequences or dataclasses (a
+        prefetch's Fetched), or anything else (returned as is)."""
+        return self.streams.hand_off(obj) if self.overlap else obj
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -85,7 +85,7 @@ def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: 
 def _readers(sel: Selection, b: int, device) -> torch.Tensor:
     """[B, len(blocks)] bool: which sequences read each block of sel."""
     if sel.seqs is not None:
-        return sel.seqs.to(device)
+        return sel.seqs.to(device, non_blocking=True)
     return torch.ones(b, len(sel.blocks), dtype=torch.bool, device=device)
 
 

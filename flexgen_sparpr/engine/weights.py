@@ -57,7 +57,7 @@ class WeightStore:
                 return StoredWeight(home, tuple(t.shape), Transposed(t.T.contiguous().to(dev.compute)), nbytes)
             return StoredWeight(home, tuple(t.shape), t.to(dev.compute), nbytes, codec)
         if home == Tier.CPU:
-            host = t.pin_memory() if (pin and dev.is_cuda) else t.contiguous()
+            host = dev.host.pin(t) if pin else t.contiguous()  # page-locked once, at its exact size
             return StoredWeight(home, tuple(t.shape), host, nbytes, codec)
         if disk is None:
             raise ValueError("weights placed on disk but no --offload-dir store was given")
@@ -87,7 +87,7 @@ class WeightStore:
         if isinstance(t, Transposed):
             return t
         if t.device != dev.compute:
-            t = t.to(dev.compute, non_blocking=True)
+            t = dev.host.to_compute_new(t)
             dev.counters.add("cpu", "compute", t.nbytes)
         return w.codec.decode(t) if w.codec else t
 

@@ -57,9 +57,13 @@ class BlockTable:
         dev = self.devices.compute if device is None else device
         if not blocks:
             return torch.empty(0, dtype=torch.long, device=dev)
-        ids = torch.tensor(blocks, device=dev)
+        ids = torch.tensor(blocks).to(dev, non_blocking=True)  # no sync: the host copy is staged at once
         pos = (ids[:, None] * self.bs + torch.arange(self.bs, device=dev)).flatten()  # pos: [n * bs]
-        return pos[pos < self.length]  # only the open (last) block can be short
+        last = self.num_blocks - 1
+        if self.length % self.bs and last in blocks:  # only the open block is short: drop its tail (no mask,
+            i = blocks.index(last)  # which would sync)
+            pos = torch.cat([pos[:i * self.bs + self.block_len(last)], pos[(i + 1) * self.bs:]])
+        return pos
 
     # --- writing ---
     def append(self, *planes: torch.Tensor) -> list[Callable[[], None]]:
@@ -99,7 +103,7 @@ class BlockTable:
         dev = self.devices.compute
         if out is None and self.store.resident and blocks == list(range(nb)):
             return self.store.resident_view(self.length), torch.arange(self.length, device=dev)
-        need = seqs.T.tolist() if seqs is not None else None  # need: [n][B]
+        need = seqs.T.tolist() if seqs is not None else None  # need: [n][B] (no sync: seqs is a host tensor)
         kv = self.store.gather(blocks, [self.block_len(b) for b in blocks], self.sealed, out, need, zero_unread)
         return kv, self.positions(blocks, dev)
 

@@ -24,7 +24,8 @@ class Selection:
     blocks: list[int]  # ascending block ids
     mask: torch.Tensor | None = None  # [B, Hkv, T] bool over the gathered tokens; None = all
     recompute: tuple[int, ...] = ()  # blocks (of `blocks`) rebuilt from hidden-state checkpoints
-    seqs: torch.Tensor | None = None  # [B, len(blocks)] bool: sequences that read each block; None = all
+    # [B, len(blocks)] bool, a host tensor (the store branches on it): sequences that read each block; None = all
+    seqs: torch.Tensor | None = None
     guess: bool = False  # chosen one layer early from the previous layer's input (engine/prefetch.py)
 
     @staticmethod

@@ -61,11 +61,11 @@ class TierStore:
             if tier in self.coded:
                 shape = (n[tier], self.codec.nbytes)
                 self._rows[tier] = (torch.empty(shape, dtype=torch.uint8, device=dev) if tier == Tier.COMPUTE
-                                    else devices.empty_host(shape, torch.uint8))
+                                    else devices.host.arena(shape, torch.uint8))
             else:
                 shape = (planes, batch, h, n[tier] * bs, d)
                 self._arena[tier] = (torch.zeros(shape, dtype=dtype, device=dev) if tier == Tier.COMPUTE
-                                     else devices.empty_host(shape, dtype))
+                                     else devices.host.arena(shape, dtype))
         self._tail = torch.zeros(block_shape, dtype=dtype, device=dev)
         self.seq_nbytes = self.raw.nbytes // batch  # one sequence's share of a raw block
         # raw disk blocks are stored (and read) a sequence at a time (O_DIRECT: offsets on 4096 bytes)
@@ -149,8 +149,8 @@ class TierStore:
         else:
             data = self.codec.encode(blk, hint)
             rows = self.codec.exact_rows(data) if self.hold_exact_rows else None
-            if rows is not None:
-                self._exact_rows[b] = rows  # on compute, like the block's summaries
+            if rows is not None:  # on compute, like the block's summaries; made on the I/O stream
+                self._exact_rows[b] = dev.streams.hand_off(rows)
         if home == Tier.DISK:
             if home in self.coded:
                 host, pieces = data.cpu(), 1
@@ -165,12 +165,14 @@ class TierStore:
                 dev.counters.add("compute", "cpu", host.nbytes)
             dev.counters.add("cpu", "disk", host.nbytes, requests=pieces)
         elif home in self.coded:
-            self._rows[home][slot].copy_(data)
             if home == Tier.CPU:
+                dev.host.to_host(self._rows[home][slot], data)
                 dev.counters.add("compute", "cpu", data.nbytes)
-        else:
+            else:
+                self._rows[home][slot].copy_(data)
+        else:  # raw on the CPU tier
             s = slot * self.bs
-            self._arena[home][:, :, :, s:s + self.bs].copy_(data)
+            dev.host.to_host(self._arena[home][:, :, :, s:s + self.bs], data)
             dev.counters.add("compute", "cpu", data.nbytes)
 
     # --- reading ---
@@ -211,7 +213,7 @@ class TierStore:
             else:  # an encoded row on compute or the CPU
                 row = self._rows[self.homes[b]][self.slots[b]]
                 if self.homes[b] == Tier.CPU:
-                    row = row.to(self.devices.compute, non_blocking=True)
+                    row = self.devices.host.to_compute_new(row)
                     self.devices.counters.add("cpu", "compute", row.nbytes)
                 dst.copy_(self.codec.decode(row))
             i += 1
@@ -266,7 +268,7 @@ class TierStore:
             if home == Tier.CPU:
                 s = self.slots[span[a]] * bs
                 src = self._arena[Tier.CPU][:, r0:r1, :, s:s + (e - a) * bs]
-                dst.copy_(src, non_blocking=True)
+                self.devices.host.to_compute(dst, src)
                 self.devices.counters.add("cpu", "compute", src.nbytes)
             else:
                 slot = (r0 if self._seq_disk else 0) * self._n_disk + self.slots[span[a]]
@@ -283,18 +285,17 @@ class TierStore:
         """Disk requests (first slot, slots, sink), read concurrently (the store's read depth), each
         request's bytes handed to its sink on compute; the link's bandwidth is timed over the whole
         batch, so overlapping reads are not counted twice."""
-        mode = torch.is_inference_mode_enabled()  # per thread: the readers take the caller's
         dev, piece = self.devices, self._disk.slot_bytes
 
         def read(job) -> int:
             slot, count, sink = job
-            with torch.inference_mode(mode):
-                host = dev.empty_host((count * piece,), torch.uint8)
-                self._disk.read_slots(slot, count, host)
-                sink(host.to(dev.compute, non_blocking=True) if dev.is_cuda else host)
+            host = dev.empty_host((count * piece,), torch.uint8)
+            self._disk.read_slots(slot, count, host)
+            sink(dev.host.to_compute_new(host))  # host: pinned by torch, so straight to the current stream
             return host.nbytes
         t0 = time.perf_counter()
-        nbytes = sum(self._disk_store.map(read, jobs))
+        # the readers copy on the caller's stream, in its inference mode (storage/streams.py, rule 4)
+        nbytes = sum(self._disk_store.map(dev.streams.carry(read), jobs))
         dev.counters.add("disk", "cpu", nbytes, time.perf_counter() - t0, requests=len(jobs))
         if dev.is_cuda:  # counted here, on the calling thread (LinkCounters.tag is per thread)
             dev.counters.add("cpu", "compute", nbytes, requests=len(jobs))
@@ -324,10 +325,11 @@ class TierStore:
                 raise ValueError(f"block {b} is not a sealed encoded block")
             if home == Tier.DISK:
                 disk_reads.append((slot, 1, out[i].copy_))  # read together, not decoded
+            elif home == Tier.CPU:
+                dev.host.to_compute(out[i], self._rows[home][slot])
+                dev.counters.add("cpu", "compute", nb)
             else:
-                out[i].copy_(self._rows[home][slot], non_blocking=True)
-                if home == Tier.CPU:
-                    dev.counters.add("cpu", "compute", nb)
+                out[i].copy_(self._rows[home][slot])
         if disk_reads:
             self._read_disk(disk_reads)
         return out

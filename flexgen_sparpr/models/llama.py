@@ -9,12 +9,15 @@ from .layers import apply_rope, linear, merge_heads, rms_norm, rope_cos_sin, spl
 from .spec import ModelSpec
 
 _P = "model."
+_ROPE_MEMO = 8  # position tensors remembered: a step's GPU batches, the rebuilds between them
 
 
 class Llama:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
-        self._rope_memo = None  # (positions, dtype, cos, sin): every layer of a step shares them
+        # every layer of a step shares its positions tensor: its cos and sin, kept by the tensor's
+        # identity (comparing values would make the host wait for the device at every layer)
+        self._rope_memo: dict[tuple[int, torch.dtype], tuple] = {}
 
     def embed_names(self) -> dict[str, str]:
         return {"tok": _P + "embed_tokens.weight"}
@@ -48,12 +51,16 @@ class Llama:
         return rms_norm(x, w["ln.w"], self.spec.norm_eps)
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
-        m = self._rope_memo
-        if m is not None and m[1] == dtype and m[0].shape == pos.shape and m[0].device == pos.device \
-                and torch.equal(m[0], pos):
-            return m[2], m[3]
+        """cos, sin for positions pos: [B, S]. Position tensors are never changed in place, so one
+        seen before (held here, so its id is not reused) has the same cos and sin."""
+        key = (id(pos), dtype)
+        m = self._rope_memo.get(key)
+        if m is not None:
+            return m[1], m[2]
         cos, sin = rope_cos_sin(pos, self.spec.head_dim, self.spec.rope_theta, dtype)
-        self._rope_memo = (pos.clone(), dtype, cos, sin)
+        if len(self._rope_memo) >= _ROPE_MEMO:
+            del self._rope_memo[next(iter(self._rope_memo))]  # the oldest
+        self._rope_memo[key] = (pos, cos, sin)
         return cos, sin
 
     def kv(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None):

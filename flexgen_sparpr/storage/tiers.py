@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host_memory import HostMemory
+from .streams import CudaAPI, Streams
+
 
 class Tier(str, enum.Enum):
     COMPUTE = "compute"
@@ -117,18 +120,28 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass
 class Devices:
-    """The physical devices behind the tiers of one run.
+    """The physical devices behind the tiers of one run, the compute device's streams (every
+    cross-stream hand-off: storage/streams.py) and the host memory behind the CPU tier with its
+    copies to and from the compute device (storage/host_memory.py).
 
     On a CPU-only machine the compute tier *is* host memory, so the CPU tier folds into it:
-    blocks placed on 'cpu' live beside the compute tier and no link is crossed.
+    blocks placed on 'cpu' live beside the compute tier and no link is crossed. `stream_api`
+    stands in for CUDA's streams on a CPU engine (tests/stream_double.py); None: CUDA's on a CUDA
+    device, none on the CPU.
     """
 
     compute: torch.device
     pin_memory: bool = True
     counters: LinkCounters = field(default_factory=LinkCounters)
+    stream_api: object = None
+    streams: Streams = field(init=False, repr=False)
+    host: HostMemory = field(init=False, repr=False)
 
     def __post_init__(self):
         self.compute = normalize_device(self.compute)
+        api = self.stream_api if self.stream_api is not None else CudaAPI if self.is_cuda else None
+        self.streams = Streams(self.compute, api)
+        self.host = HostMemory(self.streams, pin=self.pin_memory)
 
     @property
     def is_cuda(self) -> bool:
@@ -141,8 +154,8 @@ class Devices:
         return self.compute if self.effective(tier) == Tier.COMPUTE else torch.device("cpu")
 
     def empty_host(self, shape, dtype) -> torch.Tensor:
-        """A host buffer, pinned when a CUDA link will read it."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda and self.pin_memory)
+        """A short-lived host buffer for one read, pinned when a CUDA link will read it."""
+        return self.host.empty(shape, dtype)
 
 
 def split_by_percent(sizes: list[int], percents: tuple[float, float, float]) -> list[Tier]:

@@ -37,7 +37,8 @@ def with_exact_rows(table: BlockTable, sel: Selection, valid: torch.Tensor) -> S
         full[:, :, :sealed * table.bs].scatter_(2, (blk * table.bs + idx.to(dev))[:, None].expand(-1, hkv, -1), True)
     full[..., :valid.shape[1]] &= valid[:, None]
     blocks = sorted(chosen | set(extra))
-    seqs = torch.zeros(b_, len(blocks), dtype=torch.bool, device=dev)  # seqs: [B, n'] extra blocks: no reader
+    # seqs: [B, n'] on the host (the store branches on it); extra blocks: no reader
+    seqs = table.devices.streams.on_host(torch.zeros(b_, len(blocks), dtype=torch.bool))
     at = {blk: j for j, blk in enumerate(blocks)}
     cols = [at[blk] for blk in sel.blocks]
     seqs[:, cols] = True if sel.seqs is None else sel.seqs

@@ -38,6 +38,7 @@ class BudgetPolicy(KVPolicy):
         in_unit(self, "keep_ratio")
         # keyed by the table object itself, weakly: a dropped table takes its state with it
         self._pads: weakref.WeakKeyDictionary[BlockTable, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._host_pads: weakref.WeakKeyDictionary[BlockTable, list[int]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def matrix_knobs(cls, keep: float) -> dict:
@@ -64,6 +65,7 @@ class BudgetPolicy(KVPolicy):
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
         # left padding: the invalid prefix of each row
         self._pads[table] = (~valid).sum(dim=1).to(table.devices.compute)  # pads: [B]
+        self._host_pads[table] = self._pads[table].tolist()  # once here: decode steps branch on them
 
     def pads(self, table: BlockTable) -> torch.Tensor:
         """[B] left-pad counts (zeros for a table this policy did not see prefilled)."""
@@ -71,10 +73,15 @@ class BudgetPolicy(KVPolicy):
         return p if p is not None else torch.zeros(table.block_shape[1], dtype=torch.long,
                                                    device=table.devices.compute)
 
+    def host_pads(self, table: BlockTable) -> list[int]:
+        """pads(table) on the host (no sync)."""
+        p = self._host_pads.get(table)
+        return p if p is not None else [0] * table.block_shape[1]
+
     def budgets(self, table: BlockTable) -> list[int]:
         """Per sequence: cached tokens this step may read per KV head."""
         floor = self.floor(table)
-        return [token_budget(self.keep_ratio, table.length - int(p), floor) for p in self.pads(table).tolist()]
+        return [token_budget(self.keep_ratio, table.length - p, floor) for p in self.host_pads(table)]
 
     def valid_tokens(self, table: BlockTable) -> torch.Tensor:
         """[B, L] bool over the cached positions [0, L): not left padding."""
@@ -96,10 +103,11 @@ def selection_from_tokens(table: BlockTable, keep: torch.Tensor) -> Selection:
     nb = table.num_blocks
     padded = torch.zeros(b, h, nb * table.bs, dtype=torch.bool, device=keep.device)
     padded[..., :length] = keep
-    need = padded.view(b, h, nb, table.bs).any(dim=3).any(dim=1)  # need: [B, nb]
-    blocks = need.any(dim=0).nonzero().flatten().tolist()
+    need = padded.view(b, h, nb, table.bs).any(dim=3).any(dim=1).tolist()  # need: [B][nb], the one sync
+    blocks = [i for i in range(nb) if any(row[i] for row in need)]
+    seqs = table.devices.streams.on_host(torch.tensor([[row[i] for i in blocks] for row in need], dtype=torch.bool))
     return Selection(blocks, keep[..., gathered_positions(table, blocks)],  # mask: [B, Hkv, T]
-                     seqs=need[:, blocks])  # seqs: [B, n]
+                     seqs=seqs.view(b, len(blocks)))  # seqs: [B, n] on the host
 
 
 def masked_mean_keys(keys: torch.Tensor, valid: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,7 +155,7 @@ class SparPR(BlockScoringPolicy):
 
     def mandatory(self, table: BlockTable, budget: int) -> tuple[int, int]:
         bs, length = table.bs, table.length
-        pads = self.pads(table).tolist()
+        pads = self.host_pads(table)
         first = min(min(bs - p % bs, length - p) for p in pads)  # the sink block's valid tokens
         last = min(self.recent_blocks * bs + length % bs, min(length - p for p in pads))
         return first, last
@@ -256,7 +256,8 @@ class SparPR(BlockScoringPolicy):
         own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb] always read
         used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)  # used: [B] tokens
         if self.per_sequence:  # each its own best blocks while they fit (Quest's rule, one set per sequence)
-            pick = budgeted_pick(score, counts, torch.tensor(budgets, device=q.device) - used, own)
+            room = torch.tensor(budgets).to(q.device, non_blocking=True) - used  # no sync: staged at once
+            pick = budgeted_pick(score, counts, room, own)
             return picked_tokens(pick, table) & valid
         cand = ~own.all(dim=0) & (counts > 0).any(dim=0)  # cand: [nb] (another's sink may be one)
         ranked = score.masked_fill(~cand[None, :], -math.inf).argsort(dim=-1, descending=True)
@@ -276,7 +277,7 @@ class SparPR(BlockScoringPolicy):
         hidden = table.checkpoints.block_shape[4] if table.checkpoints is not None else q.shape[1] * q.shape[3]
         costs = None if self.quest_only else self.block_costs(table, hidden)
         target, rho = self.target_keep(table, costs if self.dynamic_budget else None)
-        n_valid = self.valid_tokens(table).sum(dim=1).tolist()
+        n_valid = [table.length - p for p in self.host_pads(table)]  # valid tokens, on the host
         budgets = [token_budget(target, n, self.floor(table)) for n in n_valid]
         keep = self.top_k(table, layer, q, budgets)  # keep: [B, L]
         sel = selection_from_tokens(table, keep[:, None, :].expand(-1, hkv, -1))  # mask: [B, Hkv, T]

@@ -32,7 +32,8 @@ class StepStats:
         s, sealed = self.steps[-1], table.length // table.bs
         s["rho"] = _finite(rho)  # copy / recompute cost of this step's offloaded blocks (last layer)
         moved = [i for i in sel.blocks if i < sealed and table.homes[i] != Tier.COMPUTE]
-        read = sum(n_valid) if sel.mask is None else int(sel.mask[:, 0].sum())  # per sequence
+        # per sequence; summed on the device, read at report time (no sync per step)
+        read = sum(n_valid) if sel.mask is None else sel.mask[:, 0].sum()
         for k, v in (("calls", 1), ("blocks_total", table.num_blocks), ("blocks_selected", len(sel.blocks)),
                      ("blocks_copied", len(moved) - len(rebuild)), ("blocks_recomputed", len(rebuild)),
                      ("spans", spans), ("fallbacks", int(fell_back)), ("tokens_read", read),
@@ -49,6 +50,8 @@ class StepStats:
                 s["est_bytes"][link] = s["est_bytes"].get(link, 0) + n
 
     def report(self) -> dict:
+        for s in self.steps:
+            s["tokens_read"] = int(s["tokens_read"])
         steps = [{**s, "effective_keep": s["tokens_read"] / max(1, s["tokens_valid"]),
                   "keep_target": s["keep_target_sum"] / max(1, s["calls"])} for s in self.steps]
         totals = {k: sum(s[k] for s in steps) for k in self.KEYS if k != "keep_target_sum"}
