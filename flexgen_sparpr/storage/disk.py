@@ -279,10 +279,12 @@ class DiskStore:
         self.direct = direct
         self.read_depth = max(1, read_depth)
         self._readers: ThreadPoolExecutor | None = None
-        self.created_root = not root.exists()
+        self.created_root = not root.exists()  # then removed at close when empty
         if self.created_root:
             try:
                 root.mkdir(parents=True)
+            except FileExistsError:  # another run (a pipeline's other rank) made it meanwhile
+                pass
             except OSError as e:
                 raise ValueError(f"cannot create offload directory {root}: {e.strerror}.") from None
         if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
