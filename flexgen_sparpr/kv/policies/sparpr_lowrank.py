@@ -6,8 +6,8 @@ eigenvectors of sum k k^T over the valid keys the basis is fitted on: a prefill'
 ones summarised) and, per direction, one fixed step: the 99.9th percentile of |k . u| over those
 keys / 7. A key is stored as its r coordinates, rounded to that step and clamped to [-7, 7] (later
 keys outside the range saturate), two to a byte: r / 2 bytes a token and KV head, against
-2 D dtype_bytes of K+V: 1/64 of a float16 cache at r = D / 8. The basis and steps are a fixed
-Hkv (D + 1) r float32 per table, whatever the context.
+2 D dtype_bytes of K+V: 3/128 of a float16 cache at r = 3 D / 16. The basis (float16) and steps
+(float32) are a fixed Hkv r (2 D + 4) bytes per table, whatever the context.
 
 A query scores the cached tokens on these keys exactly as attention would (q . k~ / sqrt(D), per
 query head, over its KV head's keys); a block's score sums what it holds: its share of each
@@ -41,7 +41,7 @@ def summary_share(share: float, dtype_bytes: int) -> float:
 
 @dataclass(eq=False)
 class KeyBasis:
-    u: torch.Tensor  # [Hkv, D, r] float32: orthonormal directions per KV head
+    u: torch.Tensor  # [Hkv, D, r] float16 (stored; used in float32): orthonormal directions per KV head
     step: torch.Tensor  # [Hkv, r] float32: the quantisation step of each direction
 
     @property
@@ -56,18 +56,18 @@ def fit_basis(keys: torch.Tensor, valid: torch.Tensor, rank: int) -> KeyBasis:
     x = keys * w[:, None, :, None].to(keys.dtype)  # x: [B, Hkv, T, D], pads zeroed
     m = torch.einsum("bktd,bkte->kde", x, x)  # m: [Hkv, D, D] second moment (uncentred: scores are q . k)
     _, vecs = torch.linalg.eigh(m)  # ascending
-    u = vecs[:, :, -rank:].flip(-1).contiguous()  # u: [Hkv, D, r], strongest first
+    u = vecs[:, :, -rank:].flip(-1).half().float()  # u: [Hkv, D, r], strongest first, as stored
     sel = w.reshape(-1).nonzero().squeeze(1)
     coords = torch.einsum("bktd,kdr->kbtr", keys, u).reshape(hkv, b * t, rank)[:, sel]  # [Hkv, n, r]
     if coords.shape[1] > _MAX_FIT:
         coords = coords[:, :: math.ceil(coords.shape[1] / _MAX_FIT)]
     q = coords.abs().transpose(1, 2).quantile(FIT_QUANTILE, dim=-1)  # q: [Hkv, r]
-    return KeyBasis(u, (q / LEVELS).clamp(min=1e-6))
+    return KeyBasis(u.half(), (q / LEVELS).clamp(min=1e-6))
 
 
 def encode(keys: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
     """keys: [B, Hkv, T, D] float32 -> codes [B, Hkv, T, r / 2] uint8 (two 4-bit codes a byte)."""
-    c = torch.einsum("bktd,kdr->bktr", keys, basis.u) / basis.step[:, None, :]
+    c = torch.einsum("bktd,kdr->bktr", keys, basis.u.float()) / basis.step[:, None, :]
     c = (c.round().clamp(-LEVELS, LEVELS) + LEVELS + 1).to(torch.uint8)  # c: [B, Hkv, T, r] in 1..15
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
@@ -85,7 +85,7 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     [B, nb] (-inf: a block with no valid token)."""
     b, h, _, d = q.shape
     hkv = codes.shape[1]
-    qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(b, hkv, h // hkv, d), basis.u)  # qr: [B, Hkv, G, r]
+    qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(b, hkv, h // hkv, d), basis.u.float())  # qr: [B, Hkv, G, r]
     logit = torch.einsum("bkgr,bktr->bkgt", qr, decode(codes, basis)) / math.sqrt(d)  # logit: [B, Hkv, G, T]
     logit = logit.masked_fill(~valid[:, None, None], -math.inf)
     t = logit.shape[-1]
