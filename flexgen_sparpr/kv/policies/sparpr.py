@@ -62,11 +62,12 @@ class SparPR(BlockScoringPolicy):
     Hardware" (arXiv 2610.18140, 2026). docs/sparpr.md has the design and its reasoning.
 
     Selection. Every sealed block keeps a summary of its keys on the compute device (via
-    `table.on_seal`), so scoring reads no offloaded block: by default ("lowrank") each key's
-    coordinates on its KV head's main directions in 4 bits (sparpr_lowrank.py: 1/64 of a float16
-    K+V cache), scored as attention would score the keys; or ("mean") the mean key per KV head of
-    each run of `summary_tokens` tokens (0: one mean per block) over its valid tokens, in the
-    cache's dtype (1/8 of K+V at 4 tokens). A mean run's score for a sequence is the sum
+    `table.on_seal`), so scoring reads no offloaded block: by default ("mean") the mean key per KV
+    head of each run of `summary_tokens` tokens (0: one mean per block) over its valid tokens, in
+    the cache's dtype (1/8 of K+V at 4 tokens); or ("lowrank") each key's coordinates on its KV
+    head's main directions in 4 bits (sparpr_lowrank.py: 3/128 of a float16 K+V cache), scored as
+    attention would score the keys (docs/sparpr.md, "Summary memory": it fits an 8 GB device but
+    lost held-out needles). A mean run's score for a sequence is the sum
     over query heads h of f_h(q_h . summary[g(h)]), g(h) = h // (H / Hkv) (under GQA each query
     head meets its own KV head's summary); f_h is head h's softmax over the runs (`head_score`
     "softmax", default) or the identity ("sum"); a block scores its best run. Each sequence always
@@ -108,7 +109,7 @@ class SparPR(BlockScoringPolicy):
                             "recompute or fallback)")
     head_score: str = knob("softmax", "how the query heads' q . summary add up to a block's score (block_scores)",
                            choices=HEAD_SCORES)
-    summary: str = knob("lowrank", "what scores blocks: every key in 4 bits on its KV head's main directions "
+    summary: str = knob("mean", "what scores blocks: every key in 4 bits on its KV head's main directions "
                         "(lowrank) or a mean key per --summary-tokens tokens (mean)", choices=SUMMARIES)
     summary_rank: float = knob(0.1875, "lowrank summaries: directions kept, as a share of the head dim "
                                "(the summaries are this / 4 / dtype bytes of the K+V cache)")
