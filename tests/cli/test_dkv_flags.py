@@ -25,7 +25,7 @@ def test_cold_codec_args_and_explicit_block_size():
     cold = eng.make_cold_codec()
     assert eng.block_size == 128 and cold.name == "dkv"
     assert (cold.rank, cold.residuals, cold.residual_pick, cold.recent_blocks) == (32, 16, "mixed", 2)
-    assert eng.kv_policy.name == "sparpr" and eng.kv_policy.keep_ratio == 1.0
+    assert eng.kv_policy.name == "sparpr" and eng.kv_policy.keep_ratio == 0.5  # sparpr's default ceiling
 
 
 def test_without_dkv_nothing_changes():

@@ -254,7 +254,7 @@ def test_gqa_scores_each_query_head_against_its_kv_heads_summary():
                    homes=[Tier.COMPUTE] * 8, devices=CPU)
     fill(t, 26, seed=7)  # 6 sealed blocks, 2 open tokens
     q = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(8))  # 2 query heads per KV head
-    pol = SparPR(keep_ratio=0.8, costs=fixed(), head_score="sum")
+    pol = SparPR(keep_ratio=0.8, costs=fixed(), head_score="sum", summary="mean")
     sel = pol.select(t, 0, q)
     keys = t.gather()[0][0, 0]  # keys: [Hkv, L, D]
     score = {b: sum(float(q[0, h, 0] @ keys[h // 2, b * 4:(b + 1) * 4].mean(0)) for h in range(4)) for b in range(6)}
@@ -289,7 +289,8 @@ def test_cli_passes_sparpr_flags_only_to_sparpr():
                        "--offload-dir", "/somewhere")
     # --quest-only turns the three runtime decisions off
     assert args == dict(keep_ratio=0.5, min_keep=0.2, gamma=0.8, recent_blocks=1, dynamic_budget=False,
-                        recompute=False, fallback=False, quest_only=True, head_score="softmax", summary_tokens=4,
+                        recompute=False, fallback=False, quest_only=True, head_score="softmax", summary="mean",
+                        summary_rank=0.1875, summary_tokens=4,
                         per_sequence=True, checkpoints="auto", costs=None, probe_dir="/somewhere")
     assert engine_args("--kv-policy", "sparpr", "--checkpoints", "always")["checkpoints"] == "always"
     assert engine_args("--kv-policy", "sparpr", "--no-recompute")["probe_dir"] is None
@@ -309,7 +310,8 @@ def test_batch_reads_one_shared_block_set_with_each_sequences_best_first():
                    homes=[Tier.COMPUTE] * 16, devices=CPU)
     fill(t, 48, seed=10)  # 12 sealed blocks: sink 0, window 11, candidates 1..10
     q = torch.randn(2, 2, 1, 4, generator=torch.Generator().manual_seed(11))
-    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=False, head_score="sum", summary_tokens=0)
+    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=False, head_score="sum", summary="mean",
+                 summary_tokens=0)
     sel = pol.select(t, 0, q)
     keys = t.gather()[0][0]  # keys: [B, Hkv, L, D]
     for s in range(2):
@@ -361,7 +363,7 @@ def test_block_scores_equal_a_hand_computation(head_score, summary_tokens):
     t = resident(bs=8)
     fill(t, 8 * 6, seed=12)  # 6 sealed blocks, no open tokens
     q = torch.randn(2, 4, 1, 4, generator=torch.Generator().manual_seed(13))  # 2 query heads per KV head
-    pol = SparPR(keep_ratio=0.5, costs=fixed(), head_score=head_score, summary_tokens=summary_tokens)
+    pol = SparPR(keep_ratio=0.5, costs=fixed(), head_score=head_score, summary="mean", summary_tokens=summary_tokens)
     got = block_scores(q, *pol.summaries(t, 0), head_score)  # got: [B, nb]
     run = summary_tokens or 8
     parts = hand_scores(q, t.gather()[0][0], run, head_score)
@@ -390,15 +392,15 @@ def test_a_sub_block_summary_finds_a_short_needle_that_the_block_mean_dilutes():
         job()
     q = torch.tensor([1.0, 0, 0, 0]).view(1, 1, 1, 4)
     budget = dict(keep_ratio=0.375, costs=fixed(), fallback=False)  # 24 tokens: sink, window, one more block
-    assert 5 not in SparPR(**budget, summary_tokens=0).select(t, 0, q).blocks
-    assert 5 in SparPR(**budget, summary_tokens=2).select(t, 0, q).blocks
+    assert 5 not in SparPR(**budget, summary="mean", summary_tokens=0).select(t, 0, q).blocks
+    assert 5 in SparPR(**budget, summary="mean", summary_tokens=2).select(t, 0, q).blocks
 
 
 def test_per_sequence_top_k_moves_the_union_and_masks_each_sequence_to_its_own():
     t = resident(batch=3, hkv=2, d=4, bs=4, blocks=16)
     fill(t, 48, seed=14)  # 12 sealed blocks: sink 0, window 11, candidates 1..10
     q = torch.randn(3, 4, 1, 4, generator=torch.Generator().manual_seed(15))
-    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=True, head_score="softmax")
+    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=True, head_score="softmax", summary="mean")
     sel = pol.select(t, 0, q)
     budget = token_budget(0.5, 48, pol.floor(t))  # 24: sink + window + 4 more blocks
     scores = hand_scores(q, t.gather()[0][0], 4, "softmax")
@@ -412,7 +414,8 @@ def test_per_sequence_top_k_moves_the_union_and_masks_each_sequence_to_its_own()
     assert sel.blocks == sorted(set().union(*mine))  # the union moves; nobody's block is left behind
 
 
-@pytest.mark.parametrize("bad", [dict(head_score="max"), dict(summary_tokens=-1)])
+@pytest.mark.parametrize("bad", [dict(head_score="max"), dict(summary_tokens=-1), dict(summary="max"),
+                                 dict(summary_rank=0), dict(summary_rank=1.5)])
 def test_bad_selection_knobs_are_refused(bad):
     with pytest.raises(ValueError):
         SparPR(**bad)
@@ -420,7 +423,7 @@ def test_bad_selection_knobs_are_refused(bad):
 
 def test_summary_tokens_must_divide_the_block_size():
     with pytest.raises(ValueError, match="does not divide"):
-        SparPR(summary_tokens=3, quest_only=True).attach(resident(bs=8), 0)
+        SparPR(summary="mean", summary_tokens=3, quest_only=True).attach(resident(bs=8), 0)
 
 
 def test_dkv_cold_blocks_get_the_prefills_importance(tiny_llama_dir, tmp_path, monkeypatch):
@@ -441,4 +444,3 @@ def test_dkv_cold_blocks_get_the_prefills_importance(tiny_llama_dir, tmp_path, m
         eng.prefill(PROMPTS, 2)
         sealed = sum(t.length // t.bs for t in eng.tables.values())
     assert len(calls) == sealed > 0 and all(calls)
-

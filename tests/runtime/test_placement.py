@@ -120,6 +120,10 @@ def test_resident_share_of_each_kv_policy():
     assert share("--kv-policy", "sparpr", "--summary-tokens", "8") == 1 / 16
     assert share("--kv-policy", "sparpr", "--summary-tokens", "0") == 1 / 128  # one per 64-token block
     assert share("--kv-policy", "sparpr", "--cold-codec", "dkv") == 1 / 8 + 16 / 256
+    lowrank = ("--kv-policy", "sparpr", "--summary", "lowrank")
+    assert share(*lowrank) == 3 / 128  # 3 D / 16 directions of every key in 4 bits (fp16 cache)
+    assert share(*lowrank, dtype_bytes=4) == 3 / 256
+    assert share(*lowrank, "--summary-rank", "0.25") == 1 / 32
     assert share("--kv-policy", "quest") == 4 / (64 * 2)  # float32 min and max keys of a 64-token block
 
 

@@ -117,12 +117,23 @@ def _as_flags(cls: type[KVPolicy]):
 
 
 def check_given(given: dict) -> None:
-    """Refuse a bad value of any knob given (dest -> value), whichever policy runs: each is
-    checked by every policy that has it."""
-    for dest, flag in flags().items():
-        if dest in given:
-            for name in flag.policies:
-                build(name, {dest: given[dest]})
+    """Refuse a bad value of any knob given (dest -> value), whichever policy runs: each policy
+    that has one is built with all of its own that were given, so a rule across knobs sees them
+    together (sparpr: --min-keep at most --keep-ratio). An error about a knob that was not given
+    comes from that policy's defaults, not from the user (--kv-policy quest --keep-ratio 0.05
+    under sparpr's default --min-keep 0.1): the policy that runs is built in full anyway."""
+    for name, cls in sorted(POLICIES.items()):
+        own = {k.name: k for k in knobs(cls)}
+        values = {k.name: k.value(given[k.dest]) for k in own.values() if k.dest in given}
+        if not values:
+            continue
+        try:
+            cls(**values)
+        except KnobError as e:
+            if e.knob in values:
+                raise ConfigError(f"{own[e.knob].flag} {e.rule}" if e.knob in own else str(e)) from None
+        except TypeError as e:
+            raise ConfigError(f"{name}: {e}") from None
 
 
 def block_size_knob(name: str) -> Knob | None:

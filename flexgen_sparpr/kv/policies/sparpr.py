@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from ..knobs import KnobError, at_least, in_unit, knob, one_of
 from ..policy import Selection
 from .base import masked_mean_keys, selection_from_tokens, token_budget
 from .scoring import BlockScoringPolicy, budgeted_pick, picked_tokens
+from .sparpr_lowrank import KeyBasis, encode, fit_basis, lowrank_block_scores, rank_for, summary_share
 from .sparpr_stats import StepStats, readers
 
 
@@ -28,6 +30,7 @@ CKPT_MARGIN = 2.0  # keep checkpoints while a rebuild costs < this x a copy (at 
 
 
 HEAD_SCORES = ("sum", "softmax")
+SUMMARIES = ("lowrank", "mean")
 
 
 def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_score: str = "sum") -> torch.Tensor:
@@ -58,9 +61,13 @@ class SparPR(BlockScoringPolicy):
     """SparPR, "Runtime KV-Cache Recovery for Resource-Constrained LLM Inference on Consumer
     Hardware" (arXiv 2610.18140, 2026). docs/sparpr.md has the design and its reasoning.
 
-    Selection. Every sealed block keeps the mean key per KV head of each run of `summary_tokens`
-    tokens (default 4; 0: one mean per block) over its valid tokens, on the compute device (via
-    `table.on_seal`), so scoring reads no offloaded block. A run's score for a sequence is the sum
+    Selection. Every sealed block keeps a summary of its keys on the compute device (via
+    `table.on_seal`), so scoring reads no offloaded block: by default ("mean") the mean key per KV
+    head of each run of `summary_tokens` tokens (0: one mean per block) over its valid tokens, in
+    the cache's dtype (1/8 of K+V at 4 tokens); or ("lowrank") each key's coordinates on its KV
+    head's main directions in 4 bits (sparpr_lowrank.py: 3/128 of a float16 K+V cache), scored as
+    attention would score the keys (docs/sparpr.md, "Summary memory": it fits an 8 GB device but
+    lost held-out needles). A mean run's score for a sequence is the sum
     over query heads h of f_h(q_h . summary[g(h)]), g(h) = h // (H / Hkv) (under GQA each query
     head meets its own KV head's summary); f_h is head h's softmax over the runs (`head_score`
     "softmax", default) or the identity ("sum"); a block scores its best run. Each sequence always
@@ -88,6 +95,8 @@ class SparPR(BlockScoringPolicy):
     """
 
     name = "sparpr"
+    # the paper's two settings are 0.5 and 0.1; 0.5 is the default ceiling (docs/sparpr.md, "Default keep")
+    keep_ratio: float = knob(0.5, "KV budget: fraction of the context's tokens a decode step reads")
     min_keep: float = knob(0.1, "Minimum Keep Floor: the least fraction of the context the dynamic budget "
                            "keeps (--keep-ratio is the ceiling)")
     gamma: float = knob(0.9, "Dense Fallback Threshold: read everything when the sparse path costs more "
@@ -100,8 +109,12 @@ class SparPR(BlockScoringPolicy):
                             "recompute or fallback)")
     head_score: str = knob("softmax", "how the query heads' q . summary add up to a block's score (block_scores)",
                            choices=HEAD_SCORES)
-    summary_tokens: int = knob(4, "tokens per key summary (a mean key per KV head) used to score blocks; "
-                               "divides --block-size; 0: one per block")
+    summary: str = knob("mean", "what scores blocks: every key in 4 bits on its KV head's main directions "
+                        "(lowrank) or a mean key per --summary-tokens tokens (mean)", choices=SUMMARIES)
+    summary_rank: float = knob(0.1875, "lowrank summaries: directions kept, as a share of the head dim "
+                               "(the summaries are this / 4 / dtype bytes of the K+V cache)")
+    summary_tokens: int = knob(4, "mean summaries: tokens per mean key (per KV head); divides --block-size; "
+                               "0: one per block")
     per_sequence: bool = knob(True, "one block set for the whole batch instead of each sequence its own top-k")
     checkpoints: str = knob("auto", "keep hidden-state checkpoints always, or (auto) only where the measured "
                             "costs say a rebuild can pay", choices=("auto", "always"))
@@ -116,6 +129,8 @@ class SparPR(BlockScoringPolicy):
                             "floor above its ceiling)")
         in_unit(self, "gamma")
         one_of(self, "head_score", HEAD_SCORES)
+        one_of(self, "summary", SUMMARIES)
+        in_unit(self, "summary_rank")
         at_least(self, "summary_tokens", 0)
         one_of(self, "checkpoints", ("auto", "always"))
         at_least(self, "recent_blocks", 0)
@@ -125,6 +140,15 @@ class SparPR(BlockScoringPolicy):
         self._probed = False
         self.step_stats = StepStats()
         self.ckpt_tables = [0, 0]  # auto: tables that kept checkpoints, tables asked
+        self._basis: weakref.WeakKeyDictionary[BlockTable, KeyBasis] = weakref.WeakKeyDictionary()
+
+    @property
+    def lowrank(self) -> bool:
+        return self.summary == "lowrank"
+
+    @property
+    def summary_axes(self) -> tuple[int, ...]:  # where each summary tensor keeps its block axis (empty_summaries)
+        return (2,) if self.lowrank else (2, 1)
 
     # --- facts ---
     def check_block_size(self, block_size: int) -> None:
@@ -133,11 +157,13 @@ class SparPR(BlockScoringPolicy):
                             f"(got {self.summary_tokens})")
 
     def resident_share(self, block_size: int, dtype_bytes: int, cold=None) -> float:
-        """A mean key per `summary_tokens` tokens in the cache's dtype: 1 / (2 summary_tokens) of
-        the raw K+V; with a cold codec, the exact rows of each cold block kept on compute (so a
-        block left out is still attended on them)."""
+        """lowrank: summary_rank / (4 dtype_bytes) of the raw K+V (an upper bound: the rank rounds
+        down; the fixed basis is left out); mean: a mean key per `summary_tokens` tokens in the
+        cache's dtype, 1 / (2 summary_tokens). With a cold codec, plus the exact rows of each cold
+        block kept on compute (so a block left out is still attended on them)."""
         st = self.summary_tokens
-        share = (1 if not st or st >= block_size else block_size // st) / (2 * block_size)
+        share = summary_share(self.summary_rank, dtype_bytes) if self.lowrank else \
+            (1 if not st or st >= block_size else block_size // st) / (2 * block_size)
         return share + (cold.exact_rows_share(block_size) if cold is not None else 0.0)
 
     def for_machine(self, hardware=None, disk_dir: str | None = None) -> "SparPR":
@@ -194,9 +220,10 @@ class SparPR(BlockScoringPolicy):
         self.ckpt_tables[0] += keep
         return keep
 
-    # --- summaries: the mean key of each run of summary_tokens valid tokens, and which runs hold one ---
-    # sequence-major, so that scoring a prefix of blocks reads a view, not a copy
-    summary_axes = (2, 1)  # mean: [B, Hkv, num_blocks, P, D] cache dtype; live: [B, num_blocks, P] bool
+    # --- summaries, sequence-major, so that scoring a prefix of blocks reads a view, not a copy ---
+    # lowrank: codes [B, Hkv, num_blocks, bs, r / 2] uint8 (+ the table's KeyBasis);
+    # mean: the mean key of each run of summary_tokens valid tokens [B, Hkv, num_blocks, P, D] in the
+    # cache dtype, and which runs hold one, live [B, num_blocks, P] bool
 
     def attach(self, table: BlockTable, layer: int) -> None:
         if table not in self._sums:
@@ -208,19 +235,30 @@ class SparPR(BlockScoringPolicy):
     def empty_summaries(self, table: BlockTable) -> tuple[torch.Tensor, ...]:
         _, b, hkv, bs, d = table.block_shape
         parts, nb, dev = self.parts(table), table.capacity // bs, table.devices.compute
+        if self.lowrank:
+            return (torch.zeros(b, hkv, nb, bs, rank_for(d, self.summary_rank) // 2, dtype=torch.uint8, device=dev),)
         mean = torch.zeros(b, hkv, nb, parts, d, dtype=table.dtype, device=dev)  # the cache's dtype: half the bytes
         return mean, torch.zeros(b, nb, parts, dtype=torch.bool, device=dev)
 
     def summarise(self, table: BlockTable, keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.lowrank:  # keys: [B, Hkv, n, bs, D]; the basis from the first keys summarised unless fitted
+            basis = self._basis.get(table)
+            if basis is None:
+                basis = self._basis[table] = fit_basis(keys.flatten(2, 3), valid.flatten(1, 2),
+                                                       rank_for(keys.shape[-1], self.summary_rank))
+            codes = encode(keys.flatten(2, 3), basis).unflatten(2, keys.shape[2:4])  # [B, Hkv, n, bs, r / 2]
+            return (codes.movedim(2, 0),)  # codes: [n, B, Hkv, bs, r / 2]
         return masked_mean_keys(keys, valid, self.parts(table))  # mean: [n, B, Hkv, P, D]; live: [n, B, P]
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
-        super().on_prefill(table, layer, q, k, valid)
+        if self.lowrank and table.length == k.shape[2]:  # a prefill into an empty table: fit on all of it
+            self._basis[table] = fit_basis(k.float(), valid, rank_for(k.shape[-1], self.summary_rank))
+        super().on_prefill(table, layer, q, k, valid)  # (re)summarises the prefill's blocks
         hint_sealed_blocks(table, q, k, valid)  # DKV cold blocks with a query-aware residual pick
 
     def parts(self, table: BlockTable) -> int:
-        """Summaries per block: bs / summary_tokens (1 when summary_tokens is 0)."""
-        if not self.summary_tokens or self.summary_tokens >= table.bs:
+        """Mean summaries per block: bs / summary_tokens (1 when summary_tokens is 0)."""
+        if self.lowrank or not self.summary_tokens or self.summary_tokens >= table.bs:
             return 1
         if table.bs % self.summary_tokens:
             raise ValueError(f"summary_tokens {self.summary_tokens} does not divide the block size {table.bs}")
@@ -250,7 +288,7 @@ class SparPR(BlockScoringPolicy):
         b = q.shape[0]
         bs, sealed = table.bs, table.length // table.bs
         valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
-        score = block_scores(q, *self.summaries(table, layer), self.head_score)  # score: [B, nb]
+        score = self.scores(table, layer, q, valid)  # score: [B, nb]
         ids = torch.arange(sealed, device=q.device)
         sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
         own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb] always read
@@ -271,6 +309,23 @@ class SparPR(BlockScoringPolicy):
         pick = own.clone()
         pick[:, list(picked)] = True
         return picked_tokens(pick, table) & valid
+
+    def scores(self, table: BlockTable, layer: int, q: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """[B, nb]: each sealed block's score for each sequence (valid: [B, L] not padding)."""
+        summ = self.summaries(table, layer)
+        if not self.lowrank:
+            return block_scores(q, *summ, self.head_score)
+        b, hkv, sealed, bs, half = summ[0].shape
+        codes = summ[0].reshape(b, hkv, sealed * bs, half)  # codes: [B, Hkv, T, r / 2]
+        return lowrank_block_scores(q, codes, self._basis[table], valid[:, :sealed * bs], bs, self.head_score)
+
+    def summary_bytes(self, table: BlockTable) -> int:
+        """Bytes this policy holds on the compute device for the table's summaries (every block's,
+        and the low-rank basis)."""
+        if table not in self._sums:
+            return 0
+        basis = self._basis.get(table)
+        return sum(t.numel() * t.element_size() for t in self._sums[table].parts) + (basis.nbytes if basis else 0)
 
     def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         sealed, hkv = table.length // table.bs, table.block_shape[2]
@@ -313,7 +368,8 @@ class SparPR(BlockScoringPolicy):
         """JSON-able: the knobs, the cost model, totals and one record per decode step."""
         config = {k: getattr(self, k) for k in ("keep_ratio", "min_keep", "gamma", "recent_blocks", "dynamic_budget",
                                                 "recompute", "fallback", "quest_only", "head_score",
-                                                "per_sequence", "summary_tokens", "checkpoints")}
+                                                "per_sequence", "summary", "summary_rank", "summary_tokens",
+                                                "checkpoints")}
         return {"policy": self.name, "config": config,
                 "costs": self.costs.to_dict() if self.costs is not None else None,
                 "checkpoint_tables": {"kept": self.ckpt_tables[0], "asked": self.ckpt_tables[1]},

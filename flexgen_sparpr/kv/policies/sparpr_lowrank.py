@@ -1,0 +1,96 @@
+"""SparPR's low-rank key summaries (the default): every cached key, projected on its KV head's
+main directions, in 4 bits.
+
+Per table and KV head, the r = `rank` directions that carry most of the keys' energy (top
+eigenvectors of sum k k^T over the valid keys the basis is fitted on: a prefill's, or the first
+ones summarised) and, per direction, one fixed step: the 99.9th percentile of |k . u| over those
+keys / 7. A key is stored as its r coordinates, rounded to that step and clamped to [-7, 7] (later
+keys outside the range saturate), two to a byte: r / 2 bytes a token and KV head, against
+2 D dtype_bytes of K+V: 3/128 of a float16 cache at r = 3 D / 16. The basis (float16) and steps
+(float32) are a fixed Hkv r (2 D + 4) bytes per table, whatever the context.
+
+A query scores the cached tokens on these keys exactly as attention would (q . k~ / sqrt(D), per
+query head, over its KV head's keys); a block's score sums what it holds: its share of each
+query head's softmax over every valid sealed token, summed over heads ("softmax": an estimate of
+the attention mass the block would get), or its best token's raw logit summed over heads ("sum").
+Left padding never scores (the policy's pads say where it is, so no mask is stored).
+Why this form, against the 4-token mean keys it replaced: docs/sparpr.md, "Summary memory".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LEVELS = 7  # codes -7..7 (4 bits, symmetric); stored + 8 as a nibble
+FIT_QUANTILE = 0.999  # the step: this quantile of |coordinate| over the fitted keys, not the max (sink keys are outliers)
+_MAX_FIT = 1 << 20  # coordinates the quantile looks at, per KV head (torch.quantile's input is bounded)
+
+
+def rank_for(head_dim: int, share: float) -> int:
+    """Directions kept for keys of head_dim values: share x head_dim, rounded down to an even count >= 2."""
+    return max(2, int(share * head_dim) // 2 * 2)
+
+
+def summary_share(share: float, dtype_bytes: int) -> float:
+    """Bytes of the summaries per byte of raw K+V (r / 2 bytes against 2 D dtype_bytes a token and
+    KV head), the fixed basis left out."""
+    return share / (4 * dtype_bytes)
+
+
+@dataclass(eq=False)
+class KeyBasis:
+    u: torch.Tensor  # [Hkv, D, r] float16 (stored; used in float32): orthonormal directions per KV head
+    step: torch.Tensor  # [Hkv, r] float32: the quantisation step of each direction
+
+    @property
+    def nbytes(self) -> int:
+        return self.u.numel() * self.u.element_size() + self.step.numel() * self.step.element_size()
+
+
+def fit_basis(keys: torch.Tensor, valid: torch.Tensor, rank: int) -> KeyBasis:
+    """keys: [B, Hkv, T, D] float32; valid: [B, T] bool (no valid key: every key counts)."""
+    b, hkv, t, d = keys.shape
+    w = valid if bool(valid.any()) else torch.ones_like(valid)
+    x = keys * w[:, None, :, None].to(keys.dtype)  # x: [B, Hkv, T, D], pads zeroed
+    m = torch.einsum("bktd,bkte->kde", x, x)  # m: [Hkv, D, D] second moment (uncentred: scores are q . k)
+    _, vecs = torch.linalg.eigh(m)  # ascending
+    u = vecs[:, :, -rank:].flip(-1).half().float()  # u: [Hkv, D, r], strongest first, as stored
+    sel = w.reshape(-1).nonzero().squeeze(1)
+    coords = torch.einsum("bktd,kdr->kbtr", keys, u).reshape(hkv, b * t, rank)[:, sel]  # [Hkv, n, r]
+    if coords.shape[1] > _MAX_FIT:
+        coords = coords[:, :: math.ceil(coords.shape[1] / _MAX_FIT)]
+    q = coords.abs().transpose(1, 2).quantile(FIT_QUANTILE, dim=-1)  # q: [Hkv, r]
+    return KeyBasis(u.half(), (q / LEVELS).clamp(min=1e-6))
+
+
+def encode(keys: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
+    """keys: [B, Hkv, T, D] float32 -> codes [B, Hkv, T, r / 2] uint8 (two 4-bit codes a byte)."""
+    c = torch.einsum("bktd,kdr->bktr", keys, basis.u.float()) / basis.step[:, None, :]
+    c = (c.round().clamp(-LEVELS, LEVELS) + LEVELS + 1).to(torch.uint8)  # c: [B, Hkv, T, r] in 1..15
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def decode(codes: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
+    """codes: [B, Hkv, T, r / 2] uint8 -> coordinates [B, Hkv, T, r] float32 (in the basis)."""
+    lo, hi = (codes & 15).float(), (codes >> 4).float()
+    c = torch.stack((lo, hi), dim=-1).flatten(-2) - (LEVELS + 1)  # c: [B, Hkv, T, r]
+    return c * basis.step[None, :, None, :]
+
+
+def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, valid: torch.Tensor,
+                         bs: int, head_score: str) -> torch.Tensor:
+    """q: [B, H, 1, D]; codes: [B, Hkv, T, r / 2] of T = nb * bs sealed tokens; valid: [B, T] ->
+    [B, nb] (-inf: a block with no valid token)."""
+    b, h, _, d = q.shape
+    hkv = codes.shape[1]
+    qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(b, hkv, h // hkv, d), basis.u.float())  # qr: [B, Hkv, G, r]
+    logit = torch.einsum("bkgr,bktr->bkgt", qr, decode(codes, basis)) / math.sqrt(d)  # logit: [B, Hkv, G, T]
+    logit = logit.masked_fill(~valid[:, None, None], -math.inf)
+    t = logit.shape[-1]
+    if head_score == "softmax":  # each query head's estimated attention mass per block, summed
+        score = logit.softmax(dim=-1).sum(dim=(1, 2)).view(b, t // bs, bs).sum(dim=-1)  # [B, nb]
+    else:  # the block's best token, its logits summed over the query heads
+        score = logit.sum(dim=(1, 2)).view(b, t // bs, bs).amax(dim=-1)  # [B, nb]
+    return score.masked_fill(~valid.view(b, t // bs, bs).any(dim=-1), -math.inf)
