@@ -89,7 +89,7 @@ def render_md(payload: dict) -> str:
         f"{bal['there_flop_per_byte']:.0f} FLOP per byte ({bal['there_TFLOPS']:g} TFLOPS over its "
         f"{bal['there_link_GBps']:.2f} GB/s effective KV link: cache split {cfg['there_cache_percent']}), from "
         f"{bal['here_hardware']} and {bal['there_hardware']} (bench/balance.py).",
-        f"- Host {m['cpu_model']}, {m['cpu_count']} cores, load average at start {m['load_average']}: a busy "
+        f"- Engine {cfg.get('engine_commit', 'not recorded')}; host {m['cpu_model']}, {m['cpu_count']} cores, load average at start {m['load_average']}: a busy "
         "machine's times compare only within this run (runs interleaved per context).",
         "- Model error = time model's predicted end-to-end / measured - 1, calibrated on a separate pair "
         f"at context {cfg['calib_context']}; upstream is not modelled (no trace).",

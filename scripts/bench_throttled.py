@@ -39,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, machine_info,  # noqa: E402
                      run_offload, timer, write_results)
+from _fidelity import engine_commit  # noqa: E402
 from _throttled_report import render_md, summarize  # noqa: E402
 
 THERE_HW = REPO / "configs/hardware/rtx3070ti-laptop-8gb.yaml"
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     offload.mkdir(parents=True, exist_ok=True)
     args.offload_dir = str(offload)
     os.environ["FLEXGEN_SPARPR_CACHE"] = str(offload / "probe-cache")  # SparPR probes the disk under the cap
-    payload = {"config": {k: v for k, v in vars(args).items()}, "machine": machine_info(),
+    payload = {"config": {**vars(args), "engine_commit": engine_commit()}, "machine": machine_info(),
                "balance": {**balance.to_dict(), "here_hardware": args.here_hardware,
                            "there_hardware": args.there_hardware}, "runs": []}
     try:
