@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -58,6 +59,17 @@ def load_average() -> list[float] | None:
         return [round(v, 2) for v in os.getloadavg()]
     except OSError:
         return None
+
+
+def engine_commit() -> str:
+    """The engine's git commit (+ "-dirty" with local changes), for the config."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "flexgen_sparpr"], cwd=REPO, capture_output=True,
+                               text=True).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
 
 
 def machine_info() -> dict:

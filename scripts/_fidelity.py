@@ -2,26 +2,14 @@
 commit for the config, and cutting a plan into batches with stable ids (for resuming)."""
 from __future__ import annotations
 
-import subprocess
 
-from _common import REPO, die
+from _common import die, engine_commit  # noqa: F401  (engine_commit: re-exported for the fidelity scripts)
 
 from flexgen_sparpr.bench.texts import SPLITS, texts_of
 
 # policy compositions the fidelity scripts sweep by default: SparPR reading DKV-coded blocks
 # (what `--kv-policy sparpr --cold-codec dkv` stores)
 COMPOSED = ("sparpr+dkv",)
-
-
-def engine_commit() -> str:
-    """The engine's git commit (+ "-dirty" with local changes), for the config."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "flexgen_sparpr"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
-        return rev.stdout.strip() + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def float_list(text: str) -> list[float]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, OneLineParser, die, machine_info, md_table, write_results  # noqa: E402
-from bench_refusal import engine_commit  # noqa: E402
+from _common import engine_commit  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -16,18 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, machine_info, md_table, write_results  # noqa: E402
-
-
-def engine_commit() -> str:
-    """The engine's git commit (+ "-dirty" with local changes), for the config."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "flexgen_sparpr"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
-        return rev.stdout.strip() + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+from _common import OneLineParser, REPO, die, engine_commit, machine_info, md_table, write_results  # noqa: E402
 
 
 def timed(cmd: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
