@@ -1,6 +1,6 @@
 """Which answer tokens would each residual-row rule keep exact? One dense prefill per batch, the
 observation window's importance captured per layer, every rule applied offline (no encode, no
-decode). Usage (repo root): .venv/bin/python results/dkv/pick-oos/diag_rules.py SPLIT LENGTH TASK [TRIALS]
+decode). Usage (repo root): .venv/bin/python experiments/dkv_pick/diag_rules.py SPLIT LENGTH TASK [TRIALS]
 Prints, per trial, the share of the answer's tokens (the key's digits and the token that closes
 it) kept among their block's 16 rows, over layers 15-29 (where keeping them exact recovers the
 key: ../pick-explore/), for each rule."""

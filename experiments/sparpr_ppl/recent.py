@@ -1,6 +1,6 @@
 """Why SparPR's perplexity at keep 0.1 is far from dense's: its recent window (recent_blocks) on the
 TUNING split (alice29). One dense prefill, SparPR variants decode teacher-forced from it.
-Usage (repo root): .venv/bin/python results/ppl/explore/recent.py [P] [WINDOWS] [KEEP]"""
+Usage (repo root): .venv/bin/python experiments/sparpr_ppl/recent.py [P] [WINDOWS] [KEEP]"""
 import math, os, sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1"); os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from transformers import AutoTokenizer
