@@ -7,7 +7,11 @@ or score blocks exactly (the block oracle). The rest is SparPR's: sink, recent b
 per-sequence top-k under the budget, no dynamic budget (keep is the ceiling).
 
 Usage (repo root): .venv/bin/python experiments/sparpr_summaries/ppl_variants.py P WINDOWS STEPS KEEP VARIANT[,VARIANT...]
-VARIANT: dense-ref names below, or a probe.py rule name with spaces as '_'.
+VARIANT: sparpr, oracle (exact block mass, one set per sequence), oracle-heads (per KV head),
+mean-heads (SparPR's summaries, per KV head), tail-R-V (SparPR + left-out blocks as virtual
+tokens), flexgen-topk, or a probe.py rule name with spaces as '_'.
+Env: PPL_TEXT (comma list; default the tuning text alice29), PPL_SEED (default 0), PPL_BS (block
+tokens, default 16). Outputs kept: results/ppl/explore/ceiling-held-out.txt, variants-tuning.txt.
 """
 import math
 import os
@@ -34,7 +38,8 @@ from flexgen_sparpr.kv.policies.sparpr import SparPR
 
 P, W, T, KEEP = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 NAMES = sys.argv[5].split(",")
-BS = 16
+BS = int(os.environ.get("PPL_BS", 16))
+TEXT, SEED = os.environ.get("PPL_TEXT", "alice29"), int(os.environ.get("PPL_SEED", 0))
 
 
 class Simulated(SparPR):
@@ -77,6 +82,95 @@ def oracle(self, table, layer, q):
     return p[..., :sealed * table.bs].reshape(b, hkv, h // hkv, sealed, table.bs).sum(dim=(-1, 1, 2))
 
 
+def oracle_heads(self, table, layer, q):
+    """[B, Hkv, nb]: each KV head's exact attention mass per sealed block (its query heads summed)."""
+    kv, _ = table.gather()
+    keys = kv[0].float()
+    b, h, _, d = q.shape
+    hkv, L = keys.shape[1], keys.shape[2]
+    p = torch.einsum("bkgd,bktd->bkgt", q.float().view(b, hkv, h // hkv, d), keys).div(math.sqrt(d)).softmax(-1)
+    sealed = L // table.bs
+    return p[..., :sealed * table.bs].reshape(b, hkv, h // hkv, sealed, table.bs).sum(dim=(-1, 2))
+
+
+def mean_heads(self, table, layer, q):
+    """[B, Hkv, nb]: SparPR's mean summaries, each KV head's softmax over parts (its query heads summed)."""
+    mean, live = self.summaries(table, layer)  # [B, Hkv, nb, P, D], [B, nb, P]
+    b, h, _, d = q.shape
+    hkv, nb, parts = mean.shape[1], mean.shape[2], mean.shape[3]
+    lv = live.reshape(b, 1, 1, nb * parts)
+    per = torch.einsum("bkgd,bknd->bkgn", q.float().view(b, hkv, h // hkv, d), mean.float().reshape(b, hkv, nb * parts, d))
+    per = (per / math.sqrt(d)).masked_fill(~lv, -math.inf).softmax(-1).sum(dim=2)  # [B, Hkv, nb*P]
+    return per.view(b, hkv, nb, parts).amax(dim=-1)
+
+
+class PerHead(Simulated):
+    """Each KV head picks its own blocks (sink, recent, open always) within the sequence's budget."""
+
+    def select(self, table, layer, q):
+        from flexgen_sparpr.kv.policies.base import selection_from_tokens, token_budget
+        n_valid = [table.length - p for p in self.host_pads(table)]
+        budgets = [token_budget(self.keep_ratio, n, self.floor(table)) for n in n_valid]
+        bs, sealed = table.bs, table.length // table.bs
+        valid, counts = self.block_counts(table)
+        score = self.score_fn(self, table, layer, q)  # [B, Hkv, nb]
+        hkv = score.shape[1]
+        ids = torch.arange(sealed, device=q.device)
+        sink = ids[None, :] == (self.pads(table) // bs)[:, None]
+        own = sink | (ids >= sealed - self.recent_blocks)[None, :]
+        used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
+        room = (torch.tensor(budgets) - used)[:, None].expand(-1, hkv)
+        pick = budgeted_pick(score, counts[:, None], room, own[:, None].expand(-1, hkv, -1))
+        keep = picked_tokens(pick, table) & valid[:, None]
+        return selection_from_tokens(table, keep)
+
+
+class Tail(SparPR):
+    """SparPR's pick attended exactly; every sealed block it left out joins the softmax through
+    virtual tokens made from its summaries (simulated here from the cached keys and values):
+    `run` tokens per virtual key (its mean key, logit + log(count)) and `vrun` per mean value."""
+    attends = True
+
+    def __init__(self, run, vrun, **kw):
+        super().__init__(**kw)
+        self.run, self.vrun = run, vrun
+
+    def attend(self, table, layer, q, k, v, pads):
+        from flexgen_sparpr.kv.policies.base import token_budget
+        from flexgen_sparpr.models.layers import attention_with_lse, merge_attention
+        n_valid = [table.length - p for p in self.host_pads(table)]
+        budgets = [token_budget(self.keep_ratio, n, self.floor(table)) for n in n_valid]
+        keep = self.top_k(table, layer, q, budgets)  # [B, L]
+        valid = self.valid_tokens(table)  # [B, L]
+        sealed = table.length // table.bs
+        jobs = table.append(k, v)
+        kv, pos = table.gather()
+        L = keep.shape[1]
+        keep = torch.cat([keep, keep.new_ones(keep.shape[0], kv.shape[3] - L)], 1)
+        ok = torch.cat([valid, valid.new_ones(valid.shape[0], kv.shape[3] - L)], 1)
+        parts = [attention_with_lse(q, kv[0], kv[1], keep & ok)]
+        n = sealed * table.bs
+        out = (~keep[:, :n] & ok[:, :n]).float()  # [B, n] tokens left out
+        if out.sum() > 0:
+            b, hkv, d = kv.shape[1], kv.shape[2], kv.shape[4]
+            w = out[:, None, :, None]
+            kk = (kv[0, :, :, :n].float() * w).view(b, hkv, n // self.run, self.run, d).sum(3)
+            cnt = out.view(b, n // self.run, self.run).sum(2)  # [B, nk]
+            kk = kk / cnt.clamp(min=1)[:, None, :, None]
+            vv = (kv[1, :, :, :n].float() * w).view(b, hkv, n // self.vrun, self.vrun, d).sum(3)
+            vc = out.view(b, n // self.vrun, self.vrun).sum(2)
+            vv = (vv / vc.clamp(min=1)[:, None, :, None]).repeat_interleave(self.vrun // self.run, dim=2)
+            h = q.shape[1]
+            qg = q.float().view(b, hkv, h // hkv, 1, d)
+            sc = torch.einsum("bkgqd,bktd->bkgqt", qg, kk) / math.sqrt(d) + cnt.clamp(min=1e-9).log()[:, None, None, None, :]
+            sc = sc.masked_fill((cnt == 0)[:, None, None, None, :], -math.inf)
+            lse = torch.logsumexp(sc, -1)
+            safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+            o = torch.einsum("bkgqt,bktd->bkgqd", torch.exp(sc - safe[..., None]), vv)
+            parts.append((o.reshape(b, h, 1, d), lse.reshape(b, h, 1)))
+        return merge_attention(parts).to(q.dtype), jobs
+
+
 def rule_fn(rule: Rule):
     def fn(self, table, layer, q):
         kv, _ = table.gather()
@@ -88,6 +182,13 @@ def rule_fn(rule: Rule):
 def make(name):
     if name == "sparpr":
         return make_policy("sparpr", keep_ratio=KEEP, dynamic_budget=False)
+    if name.startswith("tail"):  # tail-<run>-<vrun>
+        _, run, vrun = name.split("-")
+        return Tail(int(run), int(vrun), keep_ratio=KEEP, dynamic_budget=False)
+    if name == "oracle-heads":
+        return PerHead(oracle_heads, keep_ratio=KEEP, dynamic_budget=False)
+    if name == "mean-heads":
+        return PerHead(mean_heads, keep_ratio=KEEP, dynamic_budget=False)
     if name == "oracle":
         return Simulated(oracle, keep_ratio=KEEP, dynamic_budget=False)
     if name.startswith("flexgen-topk"):
@@ -101,11 +202,13 @@ def main():
     from flexgen_sparpr.weights.resolve import resolve_source
     src = resolve_source("smollm2-135m", "")
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
-    ids = tok(normalise_filler(TEXTS["alice29"].path.read_text(encoding="utf-8", errors="replace")),
-              add_special_tokens=False)["input_ids"]
-    ws = windows("alice29", ids, P, T, W, seed=0)
+    ws = []
+    for text in TEXT.split(","):  # PPL_TEXT / PPL_SEED: tuning alice29 / 0 unless told
+        ids = tok(normalise_filler(TEXTS[text].path.read_text(encoding="utf-8", errors="replace")),
+                  add_special_tokens=False)["input_ids"]
+        ws += windows(text, ids, P, T, W, seed=SEED)
     variants = {n: make(n) for n in NAMES}
-    with Engine(src, Policy(gpu_batch_size=W), EngineConfig(device="cpu", block_size=BS)) as eng:
+    with Engine(src, Policy(gpu_batch_size=len(ws)), EngineConfig(device="cpu", block_size=BS)) as eng:
         dense = make_policy("dense")
         eng.set_kv_policy(dense, attach=False)
         st = eng.prefill([w.prompt for w in ws], T + 1, ForcedTokens([w.forced for w in ws]),
