@@ -27,6 +27,17 @@ def die(msg: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
+def check_context(spec, cells: list[tuple[int, int]], flag: str = "--lengths") -> None:
+    """cells: (prompt tokens, tokens decoded after it). Refuses up front, in one line, a cell the
+    model cannot hold (instead of failing once the cells before it have run)."""
+    limit, what = spec.context_limit()
+    bad = sorted({(n, new) for n, new in cells if n + new > limit})
+    if bad:
+        n, new = bad[0]
+        die(f"{flag} {n} plus the {new} tokens decoded after it exceed {spec.name}'s {what}: "
+            f"the longest prompt that fits is {limit - new}")
+
+
 def int_list(text: str) -> list[int]:
     """'2048,4096' -> [2048, 4096] (for argparse `type=`; raises ValueError on bad input)."""
     vals = [int(v) for v in text.split(",") if v.strip()]

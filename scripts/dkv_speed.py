@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
 from _fidelity import engine_commit, resolve_split, split_args  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +33,7 @@ TARGET = 0.8  # dkv decode tok/s >= 0.8 x dense at 4k and 8k (issue #16)
 def parse_args(argv=None):
     ap = OneLineParser(description=__doc__.splitlines()[0])
     split_args(ap, depths=True)
-    ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192])
+    ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 7936])
     ap.add_argument("--batch", type=int, default=4, help="prompts per batch")
     ap.add_argument("--gen-len", type=int, default=16, help="tokens per timed decode")
     ap.add_argument("--rounds", type=int, default=3, help="dense/dkv decode pairs per length")
@@ -68,6 +68,7 @@ def main(argv=None) -> None:
     hf_logging.set_verbosity_error()
     from flexgen_sparpr.weights.resolve import resolve_source
     src = resolve_source("smollm2-135m", "")
+    check_context(src.spec, [(n, args.gen_len) for n in args.lengths])
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
     builders = [NeedlePrompts(tok, t.path, "The secret passkey is") for t in args.text_objs]
     rng = random.Random(args.seed)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
 from _fidelity import COMPOSED, engine_commit, float_list, plan_batches, resolve_split, split_args  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     ap = OneLineParser(description=__doc__.splitlines()[0])
     split_args(ap, depths=True)
     ap.add_argument("--task", default="passkey", help=f"comma list of {', '.join(TASKS)}, or all")
-    ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192], help="prompt tokens")
+    ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 7936], help="prompt tokens")
     ap.add_argument("--keep", type=float_list, default=[0.5, 0.1, 0.05], help="keep ratios (every policy)")
     ap.add_argument("--frontier-keep", type=float_list, default=[],
                     help=f"further keep ratios for {', '.join(FRONTIER_POLICIES)} only (the frontier's sweep)")
@@ -170,6 +170,7 @@ def main(argv=None) -> None:
                                     for i in range(args.trials)]
             except ValueError as e:
                 die(str(e))
+    check_context(src.spec, [(n, ts[0].gen_len) for (_, n), ts in plans.items() if ts])
     plan = {"split": args.split, "texts": [t.name for t in args.text_objs], "depths": args.depths, "seed": args.seed,
             "tasks": args.tasks, "lengths": args.lengths, "trials": args.trials, "batch": args.batch,
             "configs": [c.label for c in args.configs], "block_size": args.block_size, "dkv_block": args.dkv_block,

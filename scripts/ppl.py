@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
 from _fidelity import COMPOSED, engine_commit, float_list, plan_batches, resolve_split, split_args  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,7 +35,7 @@ TARGET = ("sparpr", 0.1, 1.02)  # SparPR at keep 0.1 within +2 % of dense perple
 def parse_args(argv=None):
     ap = OneLineParser(description=__doc__.splitlines()[0])
     split_args(ap)
-    ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 8192], help="prefilled tokens P")
+    ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 7936], help="prefilled tokens P")
     ap.add_argument("--score-tokens", type=int, default=64, help="teacher-forced, scored tokens T per window")
     ap.add_argument("--windows", type=int, default=2, help="windows per text and length")
     ap.add_argument("--keep", type=float_list, default=[0.5, 0.25, 0.1, 0.05], help="keep ratios")
@@ -137,6 +137,7 @@ def main(argv=None) -> None:
     from flexgen_sparpr.weights.resolve import resolve_source
     src = resolve_source("smollm2-135m", "")
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
+    check_context(src.spec, [(n, args.score_tokens + 1) for n in args.lengths])
     wins = {}
     for t in args.text_objs:
         ids = tok(normalise_filler(t.path.read_text(encoding="utf-8", errors="replace")),

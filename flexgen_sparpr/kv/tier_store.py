@@ -315,8 +315,13 @@ class TierStore:
 
     def rows(self, blocks: list[int]) -> torch.Tensor:
         """Encoded rows of sealed blocks on coded tiers, not decoded: [n, codec.nbytes] uint8 on
-        compute (for policies that attend the encoded form, e.g. DKV)."""
+        compute (for policies that attend the encoded form, e.g. DKV). Read-only: blocks that
+        live encoded on compute in consecutive slots come back as a view of their arena (no copy)."""
         dev, nb = self.devices, self.codec.nbytes
+        if blocks and all(self.homes[b] == Tier.COMPUTE for b in blocks) and Tier.COMPUTE in self.coded:
+            s0 = self.slots[blocks[0]]
+            if all(self.slots[b] == s0 + i for i, b in enumerate(blocks)):
+                return self._rows[Tier.COMPUTE][s0:s0 + len(blocks)]
         out = torch.empty((len(blocks), nb), dtype=torch.uint8, device=dev.compute)
         disk_reads = []
         for i, b in enumerate(blocks):

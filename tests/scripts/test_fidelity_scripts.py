@@ -21,6 +21,10 @@ from tests.scripts.runner import run_script
     ("ppl.py", ["--texts", "nope"], "nope"),
     ("dkv_speed.py", ["--gen-len", "1"], "--gen-len"),
     ("frontier.py", ["/nonexistent/needle.json"], "cannot read"),
+    # a prompt that leaves the model no position for the answer: refused before any cell runs
+    ("needle.py", ["--task", "passkey", "--lengths", "2048,8192"], "longest prompt that fits is 8180"),
+    ("ppl.py", ["--lengths", "2048,8192"], "longest prompt that fits is 8127"),
+    ("dkv_speed.py", ["--lengths", "8192"], "longest prompt that fits is 8176"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, script, args, msg):
     r = run_script(script, *args, "--out", str(tmp_path / "res"))
