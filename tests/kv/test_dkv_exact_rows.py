@@ -94,3 +94,14 @@ def test_sparpr_over_exact_cold_rows_equals_dense_at_any_keep(tiny_llama_dir, tm
         steps = eng.kv_policy.step_stats.report()["totals"]
         # whole encoded blocks, fewer than every cold block (all but the exact recent one) per step
         assert moved % t.store.codec.nbytes == 0 and 0 < moved < steps["calls"] * (t.length // t.bs - 1) * t.store.codec.nbytes
+
+
+def test_coded_rows_on_compute_come_back_as_a_view_when_their_slots_are_consecutive():
+    torch.manual_seed(13)
+    t, _, _ = coded_table()
+    arena = t.store._rows[Tier.COMPUTE]
+    rows = t.rows([0, 1, 2])  # slots 0..2: one view, no copy
+    assert rows.shape == (3, t.store.codec.nbytes) and rows.data_ptr() == arena.data_ptr()
+    picked = t.rows([0, 2])  # not consecutive: a copy with the same bytes
+    assert picked.data_ptr() != arena.data_ptr()
+    assert torch.equal(picked[0], rows[0]) and torch.equal(picked[1], rows[2])
