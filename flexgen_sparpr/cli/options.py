@@ -177,6 +177,7 @@ def workload_for(spec, prompt_len: int, gen_len: int, policy: Policy, engine: En
     return Workload(spec, prompt_len, gen_len, policy.batch_size, dtype, policy.overlap, policy.compress_weight,
                     policy.compress_cache,
                     resident_share=kvp.resident_share(engine.block_size, DTYPE_BYTES[dtype], cold),
+                    host_share=kvp.host_share(engine.block_size, DTYPE_BYTES[dtype]),
                     kv_read_share=kvp.read_share())
 
 

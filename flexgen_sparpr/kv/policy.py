@@ -66,6 +66,11 @@ class KVPolicy:
         codec stores the CPU and disk blocks (--cold-codec), if any."""
         return 0.0
 
+    def host_share(self, block_size: int, dtype_bytes: int) -> float:
+        """What the policy keeps in host memory per cached token besides the cache, as a share of
+        the raw K+V (e.g. SparPR's summaries with --summaries-on cpu)."""
+        return 0.0
+
     def exact_rows_share(self, block_size: int) -> float:
         """A codec policy: share of each encoded block's rows its codec keeps exact (those a
         selecting policy can attend on the compute device without moving the block)."""

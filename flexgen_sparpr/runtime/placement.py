@@ -46,6 +46,8 @@ class Workload:
     # as a share of the raw K+V (SparPR's key summaries, Quest's key bounds, DKV's exact rows):
     # the KV policy's resident_share (kv/policy.py)
     resident_share: float = 0.0
+    # the same in host memory (the KV policy's host_share: SparPR's summaries with --summaries-on cpu)
+    host_share: float = 0.0
     # the share of the cache one decode step reads and attends (a sparse KV policy's keep ratio)
     kv_read_share: float = 1.0
     # tokens per KV block (0: not counted): the cache is allocated in whole blocks, and each
@@ -58,8 +60,9 @@ class Workload:
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)} (got {self.dtype})")
-        if self.resident_share < 0:
-            raise ValueError(f"resident_share must be >= 0 (got {self.resident_share})")
+        for name in ("resident_share", "host_share"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         if not 0 < self.kv_read_share <= 1:
             raise ValueError(f"kv_read_share must be in (0, 1] (got {self.kv_read_share})")
         if min(self.prompt_len, self.gen_len, self.batch_size) < 1:
@@ -137,7 +140,7 @@ def tier_use(wl: Workload, cuda: bool, wg, wc, cg, cc, gbs: int, act_on_cpu: boo
             + L * B * wl.block_size * 2 * s.kv_dim * b)
     act = B * p * s.hidden * b                         # hidden states of every batch
     staging = 2 * wd * Wl + 2 * cd * gbs * n_kv * kv_tok  # disk reads land on the host first
-    host_work = HOST_RESERVE + staging + (act if act_on_cpu else 0)
+    host_work = HOST_RESERVE + staging + (act if act_on_cpu else 0) + wl.host_share * B * n_kv * 2 * s.kv_dim * b * L
     dev_work = work + resident + (0 if act_on_cpu else act)
     disk = {"weights": wd * W, "kv": cd * KV, "working": 0 * wd}
     if cuda:

@@ -108,6 +108,20 @@ def test_what_the_kv_policy_keeps_on_the_device_is_counted():
         dataclasses.replace(wl, resident_share=-1)
 
 
+def test_what_the_kv_policy_keeps_in_host_memory_is_counted_there():
+    """SparPR's summaries with --summaries-on cpu: host memory grows by their share, the device's not."""
+    from flexgen_sparpr.runtime.placement import tier_use
+    wl = OPT67
+    s = wl.spec
+    raw = wl.batch_size * wl.kv_tokens * 2 * s.kv_dim * 2 * s.num_layers  # fp16 K+V
+    args = (True, 0.5, 0.3, 0.0, 0.9, wl.batch_size, False)
+    plain, host = tier_use(wl, *args), tier_use(dataclasses.replace(wl, host_share=0.125), *args)
+    assert host["cpu"]["working"] - plain["cpu"]["working"] == pytest.approx(0.125 * raw)
+    assert host["compute"] == plain["compute"]
+    with pytest.raises(ValueError, match="host_share"):
+        dataclasses.replace(wl, host_share=-1)
+
+
 def test_resident_share_of_each_kv_policy():
     from flexgen_sparpr.cli.flags import build_parser
     from flexgen_sparpr.cli.options import resolve

@@ -104,7 +104,7 @@ class BlockScoringPolicy(BudgetPolicy):
     def _put(self, s: _Summaries, ids, values: tuple[torch.Tensor, ...]) -> None:
         """Blocks `ids` (a slice or list) from summarise's values (leading [n])."""
         for t, axis, v in zip(s.parts, self.summary_axes, values):
-            t[(slice(None),) * axis + (ids,)] = v.movedim(0, axis).to(t.dtype)
+            t[(slice(None),) * axis + (ids,)] = v.movedim(0, axis).to(device=t.device, dtype=t.dtype)
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
         super().on_prefill(table, layer, q, k, valid)

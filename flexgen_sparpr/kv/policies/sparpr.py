@@ -31,6 +31,7 @@ CKPT_MARGIN = 2.0  # keep checkpoints while a rebuild costs < this x a copy (at 
 
 HEAD_SCORES = ("sum", "softmax")
 SUMMARIES = ("lowrank", "mean")
+SUMMARY_HOMES = ("compute", "cpu")
 
 
 def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_score: str = "sum") -> torch.Tensor:
@@ -61,16 +62,15 @@ class SparPR(BlockScoringPolicy):
     """SparPR, "Runtime KV-Cache Recovery for Resource-Constrained LLM Inference on Consumer
     Hardware" (arXiv 2610.18140, 2026). docs/sparpr.md has the design and its reasoning.
 
-    Selection. Every sealed block keeps a summary of its keys on the compute device (via
-    `table.on_seal`), so scoring reads no offloaded block: by default ("mean") the mean key per KV
-    head of each run of `summary_tokens` tokens (0: one mean per block) over its valid tokens, in
-    the cache's dtype (1/8 of K+V at 4 tokens); or ("lowrank") each key's coordinates on its KV
-    head's main directions in 4 bits (sparpr_lowrank.py: 3/128 of a float16 K+V cache), scored as
-    attention would score the keys (docs/sparpr.md, "Summary memory": it fits an 8 GB device but
-    lost held-out needles). A mean run's score for a sequence is the sum
-    over query heads h of f_h(q_h . summary[g(h)]), g(h) = h // (H / Hkv) (under GQA each query
-    head meets its own KV head's summary); f_h is head h's softmax over the runs (`head_score`
-    "softmax", default) or the identity ("sum"); a block scores its best run. Each sequence always
+    Selection. Every sealed block keeps a summary of its keys (via `table.on_seal`), so scoring
+    reads no offloaded block: by default ("mean") the mean key per KV head of each run of
+    `summary_tokens` tokens (0: one per block) over its valid tokens, in the cache's dtype (1/8 of
+    K+V at 4 tokens), on the compute device or (`summaries_on` "cpu") in host memory, scored
+    there; or ("lowrank") each key's coordinates on its KV head's main directions in 4 bits
+    (sparpr_lowrank.py: 3/128 of a float16 K+V cache; it lost held-out needles: docs/sparpr.md,
+    "Summary memory"). A mean run's score for a sequence is the sum over query heads h of
+    f_h(q_h . summary[g(h)]), g(h) = h // (H / Hkv); f_h is head h's softmax over the runs
+    (`head_score` "softmax") or the identity ("sum"); a block scores its best run. Each sequence always
     reads its sink block (the first holding a valid token), the last `recent_blocks` sealed blocks
     and the open block, and takes its own top-k blocks while its valid tokens fit its budget
     (whole blocks; all KV heads read the same blocks, as in the paper). The engine moves each
@@ -115,6 +115,9 @@ class SparPR(BlockScoringPolicy):
                                "(the summaries are this / 4 / dtype bytes of the K+V cache)")
     summary_tokens: int = knob(4, "mean summaries: tokens per mean key (per KV head); divides --block-size; "
                                "0: one per block")
+    summaries_on: str = knob("compute", "where the mean summaries live and are scored: on the compute device, "
+                             "or in host memory (cpu: none of the device's memory; each layer's query goes "
+                             "to the host and its block scores come back)", choices=SUMMARY_HOMES)
     per_sequence: bool = knob(True, "one block set for the whole batch instead of each sequence its own top-k")
     checkpoints: str = knob("auto", "keep hidden-state checkpoints always, or (auto) only where the measured "
                             "costs say a rebuild can pay", choices=("auto", "always"))
@@ -132,6 +135,10 @@ class SparPR(BlockScoringPolicy):
         one_of(self, "summary", SUMMARIES)
         in_unit(self, "summary_rank")
         at_least(self, "summary_tokens", 0)
+        one_of(self, "summaries_on", SUMMARY_HOMES)
+        if self.lowrank and self.summaries_on != "compute":
+            raise KnobError("summaries_on", "host summaries are the mean ones (--summary mean); the low-rank "
+                            "codes stay on the compute device")
         one_of(self, "checkpoints", ("auto", "always"))
         at_least(self, "recent_blocks", 0)
         if self.quest_only:  # the selection stage alone: the three runtime decisions are off
@@ -156,15 +163,21 @@ class SparPR(BlockScoringPolicy):
             raise KnobError("summary_tokens", f"must be 0 or divide --block-size {block_size} "
                             f"(got {self.summary_tokens})")
 
-    def resident_share(self, block_size: int, dtype_bytes: int, cold=None) -> float:
-        """lowrank: summary_rank / (4 dtype_bytes) of the raw K+V (an upper bound: the rank rounds
-        down; the fixed basis is left out); mean: a mean key per `summary_tokens` tokens in the
-        cache's dtype, 1 / (2 summary_tokens). With a cold codec, plus the exact rows of each cold
-        block kept on compute (so a block left out is still attended on them)."""
+    def _summary_share(self, block_size: int, dtype_bytes: int) -> float:
+        """The summaries' bytes per raw K+V byte. lowrank: summary_rank / (4 dtype_bytes) (an upper
+        bound: the rank rounds down; the basis is left out); mean: 1 / (2 summary_tokens)."""
         st = self.summary_tokens
-        share = summary_share(self.summary_rank, dtype_bytes) if self.lowrank else \
+        return summary_share(self.summary_rank, dtype_bytes) if self.lowrank else \
             (1 if not st or st >= block_size else block_size // st) / (2 * block_size)
+
+    def resident_share(self, block_size: int, dtype_bytes: int, cold=None) -> float:
+        """The summaries on the compute device (none with summaries_on "cpu"); with a cold codec,
+        plus each cold block's exact rows kept there (a block left out is still attended on them)."""
+        share = 0.0 if self.summaries_on == "cpu" else self._summary_share(block_size, dtype_bytes)
         return share + (cold.exact_rows_share(block_size) if cold is not None else 0.0)
+
+    def host_share(self, block_size: int, dtype_bytes: int) -> float:
+        return self._summary_share(block_size, dtype_bytes) if self.summaries_on == "cpu" else 0.0
 
     def for_machine(self, hardware=None, disk_dir: str | None = None) -> "SparPR":
         """Costs from the hardware file when given (replacing a probe folder), else the disk tier's
@@ -207,10 +220,9 @@ class SparPR(BlockScoringPolicy):
                     cm.recompute_s(ckpt_bytes, flops, t, table.devices, table.dtype)) for t in set(table.homes)}
 
     def wants_checkpoints(self, table: BlockTable, hidden: int) -> bool:
-        """Keep this table's checkpoints only if a rebuild can pay: for some offloaded home tier,
-        rebuilding a block costs less than CKPT_MARGIN x copying it at the start-up costs (the
-        margin leaves room for the live bandwidth to fall below the probe's). Otherwise every
-        prefill would write them (+50 % prefill writes for OPT) for nothing."""
+        """Keep this table's checkpoints only if, for some offloaded home tier, a rebuild costs less
+        than CKPT_MARGIN x a copy at the start-up costs (room for the live bandwidth to fall below
+        the probe's); else every prefill would write them (+50 % writes for OPT) for nothing."""
         if not self.needs_checkpoints:
             return False
         self.ckpt_tables[1] += 1
@@ -220,10 +232,9 @@ class SparPR(BlockScoringPolicy):
         self.ckpt_tables[0] += keep
         return keep
 
-    # --- summaries, sequence-major, so that scoring a prefix of blocks reads a view, not a copy ---
-    # lowrank: codes [B, Hkv, num_blocks, bs, r / 2] uint8 (+ the table's KeyBasis);
-    # mean: the mean key of each run of summary_tokens valid tokens [B, Hkv, num_blocks, P, D] in the
-    # cache dtype, and which runs hold one, live [B, num_blocks, P] bool
+    # --- summaries, sequence-major (scoring a prefix of blocks reads a view). lowrank: codes [B, Hkv,
+    # num_blocks, bs, r / 2] uint8 (+ the table's KeyBasis); mean: the mean key of each run of summary_tokens
+    # valid tokens [B, Hkv, num_blocks, P, D] in the cache dtype, and which runs hold one, live [B, num_blocks, P]
 
     def attach(self, table: BlockTable, layer: int) -> None:
         if table not in self._sums:
@@ -234,7 +245,7 @@ class SparPR(BlockScoringPolicy):
 
     def empty_summaries(self, table: BlockTable) -> tuple[torch.Tensor, ...]:
         _, b, hkv, bs, d = table.block_shape
-        parts, nb, dev = self.parts(table), table.capacity // bs, table.devices.compute
+        parts, nb, dev = self.parts(table), table.capacity // bs, self.summary_device(table)
         if self.lowrank:
             return (torch.zeros(b, hkv, nb, bs, rank_for(d, self.summary_rank) // 2, dtype=torch.uint8, device=dev),)
         mean = torch.zeros(b, hkv, nb, parts, d, dtype=table.dtype, device=dev)  # the cache's dtype: half the bytes
@@ -255,6 +266,10 @@ class SparPR(BlockScoringPolicy):
             self._basis[table] = fit_basis(k.float(), valid, rank_for(k.shape[-1], self.summary_rank))
         super().on_prefill(table, layer, q, k, valid)  # (re)summarises the prefill's blocks
         hint_sealed_blocks(table, q, k, valid)  # DKV cold blocks with a query-aware residual pick
+
+    def summary_device(self, table: BlockTable) -> torch.device:
+        """Where this table's summaries live and are scored (--summaries-on)."""
+        return table.devices.compute if self.summaries_on == "compute" else torch.device("cpu")
 
     def parts(self, table: BlockTable) -> int:
         """Mean summaries per block: bs / summary_tokens (1 when summary_tokens is 0)."""
@@ -277,14 +292,10 @@ class SparPR(BlockScoringPolicy):
         return keep_target(rho, self.keep_ratio, self.min_keep), rho
 
     def top_k(self, table: BlockTable, layer: int, q: torch.Tensor, budgets: list[int]) -> torch.Tensor:
-        """[B, L] bool: the cached tokens each sequence reads (the same for all its KV heads).
-
-        Each sequence reads its sink, the recent window, the open block and (per_sequence) its own
-        best blocks while its valid tokens fit its budget; the engine moves each block for the
-        sequences that chose it. With
-        per_sequence=False one set serves the batch: the sequences take turns (by rank) adding
-        their next-best block while every sequence's valid tokens still fit its budget, and every
-        sequence reads every chosen block. With one sequence the two are the same plain top-k."""
+        """[B, L] bool: the cached tokens each sequence reads (the same for all its KV heads): its
+        sink, the recent window, the open block and (per_sequence) its own best blocks while they
+        fit its budget. per_sequence=False: one set for the batch, the sequences taking turns (by
+        rank) while every one's budget holds. With one sequence the two are plain top-k."""
         b = q.shape[0]
         bs, sealed = table.bs, table.length // table.bs
         valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
@@ -314,18 +325,30 @@ class SparPR(BlockScoringPolicy):
         """[B, nb]: each sealed block's score for each sequence (valid: [B, L] not padding)."""
         summ = self.summaries(table, layer)
         if not self.lowrank:
-            return block_scores(q, *summ, self.head_score)
+            if summ[0].device == q.device:
+                return block_scores(q, *summ, self.head_score)
+            qh = q.to(summ[0].device)  # host summaries: the query goes there, the scores come back
+            score = block_scores(qh, *summ, self.head_score).to(q.device)  # score: [B, nb]
+            table.devices.counters.add("compute", "cpu", qh.nbytes)
+            table.devices.counters.add("cpu", "compute", score.nbytes)
+            return score
         b, hkv, sealed, bs, half = summ[0].shape
         codes = summ[0].reshape(b, hkv, sealed * bs, half)  # codes: [B, Hkv, T, r / 2]
         return lowrank_block_scores(q, codes, self._basis[table], valid[:, :sealed * bs], bs, self.head_score)
 
     def summary_bytes(self, table: BlockTable) -> int:
         """Bytes this policy holds on the compute device for the table's summaries (every block's,
-        and the low-rank basis)."""
-        if table not in self._sums:
+        and the low-rank basis); 0 with host summaries (host_summary_bytes)."""
+        if table not in self._sums or self.summaries_on != "compute":
             return 0
         basis = self._basis.get(table)
         return sum(t.numel() * t.element_size() for t in self._sums[table].parts) + (basis.nbytes if basis else 0)
+
+    def host_summary_bytes(self, table: BlockTable) -> int:
+        """Bytes of the table's summaries in host memory (--summaries-on cpu), else 0."""
+        if table not in self._sums or self.summaries_on == "compute":
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._sums[table].parts)
 
     def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         sealed, hkv = table.length // table.bs, table.block_shape[2]
@@ -369,7 +392,7 @@ class SparPR(BlockScoringPolicy):
         config = {k: getattr(self, k) for k in ("keep_ratio", "min_keep", "gamma", "recent_blocks", "dynamic_budget",
                                                 "recompute", "fallback", "quest_only", "head_score",
                                                 "per_sequence", "summary", "summary_rank", "summary_tokens",
-                                                "checkpoints")}
+                                                "summaries_on", "checkpoints")}
         return {"policy": self.name, "config": config,
                 "costs": self.costs.to_dict() if self.costs is not None else None,
                 "checkpoint_tables": {"kept": self.ckpt_tables[0], "asked": self.ckpt_tables[1]},
