@@ -52,9 +52,12 @@ def test_quick_run_writes_measured_and_modeled_results(tmp_path):
         m = json.loads((out / f"{stem}.json").read_text())
         assert [r["context"] for r in m["rows"]] == [1024, 2048, 4096, 8192]
         for row in m["rows"]:
-            if row.get("placement"):  # SparPR runs on its own placement (summaries on the device)
+            if row.get("placement"):  # SparPR runs on its own placement (summaries in host memory)
                 assert set(row["sparpr_placement"]) == {"0.5", "0.1"}
                 assert 0 < row["sparpr_keep0.1"]["total_s"] and 0 < row["dense"]["total_s"]
+                # the host's scoring of the summaries is in SparPR's time, dense has none
+                assert row["sparpr_keep0.1"]["host_scoring_s_per_step"] > 0 == row["dense"]["host_scoring_s_per_step"]
+        assert m["host_scan_GBps"] > 0
         last = m["rows"][-1]  # at 8k the KV cache dominates a step: reading a tenth of it must pay
         assert last["sparpr_keep0.1"]["total_s"] < last["dense"]["total_s"]
         assert "*modeled*" in (out / f"{stem}.md").read_text()
