@@ -18,7 +18,7 @@ from ..dkv.codec import DKVCodec
 from ..dkv.exact_rows import with_exact_rows
 from ..dkv.importance import hint_sealed_blocks
 from ..block_table import BlockTable
-from ..knobs import KnobError, at_least, in_unit, knob, one_of
+from ..knobs import KnobError, at_least, in_unit, knob, knobs, one_of
 from ..policy import Selection
 from .base import masked_mean_keys, selection_from_tokens, token_budget
 from .scoring import BlockScoringPolicy, budgeted_pick, picked_tokens
@@ -118,6 +118,7 @@ class SparPR(BlockScoringPolicy):
     summaries_on: str = knob("compute", "where the mean summaries live and are scored: on the compute device, "
                              "or in host memory (cpu: none of the device's memory; each layer's query goes "
                              "to the host and its block scores come back)", choices=SUMMARY_HOMES)
+    follow: int = knob(0, "a block scores at least as high as the N blocks before it (a needle runs on)")
     per_sequence: bool = knob(True, "one block set for the whole batch instead of each sequence its own top-k")
     checkpoints: str = knob("auto", "keep hidden-state checkpoints always, or (auto) only where the measured "
                             "costs say a rebuild can pay", choices=("auto", "always"))
@@ -141,6 +142,7 @@ class SparPR(BlockScoringPolicy):
                             "codes stay on the compute device")
         one_of(self, "checkpoints", ("auto", "always"))
         at_least(self, "recent_blocks", 0)
+        at_least(self, "follow", 0)
         if self.quest_only:  # the selection stage alone: the three runtime decisions are off
             self.dynamic_budget = self.recompute = self.fallback = False
         self.needs_checkpoints = self.recompute
@@ -300,6 +302,8 @@ class SparPR(BlockScoringPolicy):
         bs, sealed = table.bs, table.length // table.bs
         valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
         score = self.scores(table, layer, q, valid)  # score: [B, nb]
+        for f in range(1, min(self.follow, sealed - 1) + 1):  # block i also scores as block i - f does
+            score = torch.cat([score[:, :f], torch.maximum(score[:, f:], score[:, :-f])], dim=1)
         ids = torch.arange(sealed, device=q.device)
         sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
         own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb] always read
@@ -389,10 +393,7 @@ class SparPR(BlockScoringPolicy):
 
     def stats(self) -> dict:
         """JSON-able: the knobs, the cost model, totals and one record per decode step."""
-        config = {k: getattr(self, k) for k in ("keep_ratio", "min_keep", "gamma", "recent_blocks", "dynamic_budget",
-                                                "recompute", "fallback", "quest_only", "head_score",
-                                                "per_sequence", "summary", "summary_rank", "summary_tokens",
-                                                "summaries_on", "checkpoints")}
+        config = {k.name: getattr(self, k.name) for k in knobs(type(self))}
         return {"policy": self.name, "config": config,
                 "costs": self.costs.to_dict() if self.costs is not None else None,
                 "checkpoint_tables": {"kept": self.ckpt_tables[0], "asked": self.ckpt_tables[1]},
