@@ -5,8 +5,8 @@ the same dense prefill as dense, so the scores differ only by selection. Tune on
 Usage (repo root):
   .venv/bin/python experiments/sparpr_selection/task_variants.py [--split tuning] \
       [--tasks phrase,multi-value,multi-key,passkey] [--length 2048] [--trials 10] [--keep 0.1] \
-      --variants "default;follow=1;follow=2"
-A variant is a comma list of SparPR knobs (int fields: follow, recent_blocks, summary_tokens);
+      --variants "default;summary_tokens=2"
+A variant is a comma list of SparPR knobs (int fields: recent_blocks, summary_tokens);
 "default" is the policy's defaults. Prints per task: dense hits, each variant's hits and the
 trials whose canonical answer equals dense's.
 """
@@ -32,7 +32,7 @@ from flexgen_sparpr.kv.policies import make_policy  # noqa: E402
 from flexgen_sparpr.kv.policies.sparpr import SparPR  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
-INTS = ("follow", "recent_blocks", "summary_tokens")
+INTS = ("recent_blocks", "summary_tokens")
 
 
 def parse_variant(text: str) -> dict:
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--batch", type=int, default=5)
     ap.add_argument("--keep", type=float, default=0.1)
-    ap.add_argument("--variants", default="default;follow=1")
+    ap.add_argument("--variants", default="default;summary_tokens=2")
     args = ap.parse_args()
     variants = {v: parse_variant(v) for v in args.variants.split(";") if v}
     from transformers import AutoTokenizer

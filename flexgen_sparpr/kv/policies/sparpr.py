@@ -118,7 +118,6 @@ class SparPR(BlockScoringPolicy):
     summaries_on: str = knob("compute", "where the mean summaries live and are scored: on the compute device, "
                              "or in host memory (cpu: none of the device's memory; each layer's query goes "
                              "to the host and its block scores come back)", choices=SUMMARY_HOMES)
-    follow: int = knob(0, "a block scores at least as high as the N blocks before it (a needle runs on)")
     per_sequence: bool = knob(True, "one block set for the whole batch instead of each sequence its own top-k")
     checkpoints: str = knob("auto", "keep hidden-state checkpoints always, or (auto) only where the measured "
                             "costs say a rebuild can pay", choices=("auto", "always"))
@@ -142,7 +141,6 @@ class SparPR(BlockScoringPolicy):
                             "codes stay on the compute device")
         one_of(self, "checkpoints", ("auto", "always"))
         at_least(self, "recent_blocks", 0)
-        at_least(self, "follow", 0)
         if self.quest_only:  # the selection stage alone: the three runtime decisions are off
             self.dynamic_budget = self.recompute = self.fallback = False
         self.needs_checkpoints = self.recompute
@@ -302,8 +300,6 @@ class SparPR(BlockScoringPolicy):
         bs, sealed = table.bs, table.length // table.bs
         valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
         score = self.scores(table, layer, q, valid)  # score: [B, nb]
-        for f in range(1, min(self.follow, sealed - 1) + 1):  # block i also scores as block i - f does
-            score = torch.cat([score[:, :f], torch.maximum(score[:, f:], score[:, :-f])], dim=1)
         ids = torch.arange(sealed, device=q.device)
         sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
         own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb] always read
