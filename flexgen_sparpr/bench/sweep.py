@@ -94,6 +94,9 @@ def new_policy(cfg: Config, codec_args: dict | None = None) -> KVPolicy:
     args = dict(codec_args or {}) if name in policies.codec_names() else {}
     if cfg.budgeted:
         args["keep_ratio"] = cfg.keep
+        floor = next((k.default for k in knobs(POLICIES[name]) if k.name == "min_keep"), None)
+        if floor is not None and cfg.keep < floor:  # a keep below the policy's default floor lowers the floor too
+            args["min_keep"] = cfg.keep
     return make_policy(name, **args)
 
 

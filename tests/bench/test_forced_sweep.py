@@ -71,3 +71,14 @@ def test_configs_reject_unknown_policies():
     with pytest.raises(ValueError, match="nope"):
         configs(["nope"], [0.5])
     assert [c.label for c in configs(["dkv", "quest"], [0.5, 0.1])] == ["dense", "dkv", "quest@0.5", "quest@0.1"]
+
+
+def test_every_budgeted_policy_takes_a_keep_below_its_default_floor():
+    """needle.py / ppl.py's keep 0.05: SparPR's floor (min_keep 0.1) follows the keep down instead
+    of refusing the cell; a keep above it leaves the floor alone."""
+    from flexgen_sparpr.bench.sweep import new_policy
+    low = new_policy(Config("sparpr", 0.05))
+    assert (low.keep_ratio, low.min_keep) == (0.05, 0.05)
+    assert new_policy(Config("sparpr", 0.5)).min_keep == 0.1
+    for name in ("quest", "h2o", "streaming-llm", "flexgen-topk"):
+        assert new_policy(Config(name, 0.02)).keep_ratio == 0.02
