@@ -24,7 +24,7 @@ from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, rando
 from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
 from flexgen_sparpr.engine.executor import Engine  # noqa: E402
 from flexgen_sparpr.kv.policies.sparpr import SparPR  # noqa: E402
-from flexgen_sparpr.kv.policy import make_policy  # noqa: E402
+from flexgen_sparpr.kv.policies import make_policy  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
 INTS = ("recent_blocks", "summary_tokens")

@@ -6,8 +6,8 @@ Usage (repo root):
   .venv/bin/python experiments/sparpr_selection/task_variants.py [--split tuning] \
       [--tasks phrase,multi-value,multi-key,passkey] [--length 2048] [--trials 10] [--keep 0.1] \
       --variants "default;summary_tokens=2"
-A variant is a comma list of SparPR knobs (int fields: recent_blocks, summary_tokens);
-"default" is the policy's defaults. Prints per task: dense hits, each variant's hits and the
+A variant is a comma list of SparPR knobs, as sparpr_variants.py reads them (recent_blocks,
+summary_tokens, per_sequence, head_score); "default" is the policy's defaults. Prints per task: dense hits, each variant's hits and the
 trials whose canonical answer equals dense's.
 """
 from __future__ import annotations
@@ -32,20 +32,8 @@ from flexgen_sparpr.kv.policies import make_policy  # noqa: E402
 from flexgen_sparpr.kv.policies.sparpr import SparPR  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
-INTS = ("recent_blocks", "summary_tokens")
-
-
-def parse_variant(text: str) -> dict:
-    if text == "default":
-        return {}
-    kw = {}
-    for item in text.split(","):
-        key, _, val = item.partition("=")
-        if key not in INTS:
-            raise SystemExit(f"error: unknown variant field {key!r}")
-        kw[key] = int(val)
-    return kw
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparpr_variants import parse_variant  # noqa: E402  (the same knob syntax)
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -16,7 +16,6 @@ tokens, default 16). Outputs kept: results/ppl/explore/ceiling-held-out.txt, var
 import math
 import os
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -24,14 +23,10 @@ import torch
 from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sparpr_ppl"))
+from forced import ppl_from_one_prefill, text_windows  # noqa: E402
 from probe import RULES, Rule  # noqa: E402
 
-from flexgen_sparpr.bench.forced import ForcedTokens
-from flexgen_sparpr.bench.needle_prompt import normalise_filler
-from flexgen_sparpr.bench.perplexity import windows
-from flexgen_sparpr.bench.texts import TEXTS
-from flexgen_sparpr.engine.config import EngineConfig, Policy
-from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.policies import make_policy
 from flexgen_sparpr.kv.policies.scoring import budgeted_pick, picked_tokens
 from flexgen_sparpr.kv.policies.sparpr import SparPR
@@ -72,25 +67,25 @@ class Simulated(SparPR):
         return picked_tokens(pick, table) & valid
 
 
-def oracle(self, table, layer, q):
+def block_mass(table, q):
+    """[B, Hkv, G, nb]: each query head's exact attention mass per sealed block."""
     kv, _ = table.gather()
     keys = kv[0].float()
     b, h, _, d = q.shape
     hkv, L = keys.shape[1], keys.shape[2]
     p = torch.einsum("bkgd,bktd->bkgt", q.float().view(b, hkv, h // hkv, d), keys).div(math.sqrt(d)).softmax(-1)
     sealed = L // table.bs
-    return p[..., :sealed * table.bs].reshape(b, hkv, h // hkv, sealed, table.bs).sum(dim=(-1, 1, 2))
+    return p[..., :sealed * table.bs].reshape(b, hkv, h // hkv, sealed, table.bs).sum(dim=-1)
+
+
+def oracle(self, table, layer, q):
+    """[B, nb]: every head's exact attention mass per sealed block, summed."""
+    return block_mass(table, q).sum(dim=(1, 2))
 
 
 def oracle_heads(self, table, layer, q):
     """[B, Hkv, nb]: each KV head's exact attention mass per sealed block (its query heads summed)."""
-    kv, _ = table.gather()
-    keys = kv[0].float()
-    b, h, _, d = q.shape
-    hkv, L = keys.shape[1], keys.shape[2]
-    p = torch.einsum("bkgd,bktd->bkgt", q.float().view(b, hkv, h // hkv, d), keys).div(math.sqrt(d)).softmax(-1)
-    sealed = L // table.bs
-    return p[..., :sealed * table.bs].reshape(b, hkv, h // hkv, sealed, table.bs).sum(dim=(-1, 2))
+    return block_mass(table, q).sum(dim=2)
 
 
 def mean_heads(self, table, layer, q):
@@ -198,34 +193,11 @@ def make(name):
 
 
 def main():
-    src = resolve = None
     from flexgen_sparpr.weights.resolve import resolve_source
     src = resolve_source("smollm2-135m", "")
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
-    ws = []
-    for text in TEXT.split(","):  # PPL_TEXT / PPL_SEED: tuning alice29 / 0 unless told
-        ids = tok(normalise_filler(TEXTS[text].path.read_text(encoding="utf-8", errors="replace")),
-                  add_special_tokens=False)["input_ids"]
-        ws += windows(text, ids, P, T, W, seed=SEED)
-    variants = {n: make(n) for n in NAMES}
-    with Engine(src, Policy(gpu_batch_size=len(ws)), EngineConfig(device="cpu", block_size=BS)) as eng:
-        dense = make_policy("dense")
-        eng.set_kv_policy(dense, attach=False)
-        st = eng.prefill([w.prompt for w in ws], T + 1, ForcedTokens([w.forced for w in ws]),
-                         observers=tuple(variants.values()))
-        snap = eng.snapshot(st)
-        base = None
-        for name, pol in [("dense", dense), *variants.items()]:
-            t0 = time.time()
-            eng.set_kv_policy(pol, attach=False)
-            s = eng.restore(snap)
-            s.sampler = ForcedTokens([w.forced[1:] for w in ws])
-            eng.decode(s)
-            nll = s.sampler.nll.mean(dim=1)  # per window
-            base = nll if base is None else base
-            d = nll - base
-            print(f"{name:28s} ppl {math.exp(float(s.sampler.nll.mean())):8.2f}  ratio {math.exp(float(d.mean())):.4f}"
-                  f"  per window {[round(math.exp(float(x)), 3) for x in d]}  ({time.time() - t0:.0f}s)", flush=True)
+    ws = text_windows(tok, TEXT.split(","), P, T, W, SEED)  # PPL_TEXT / PPL_SEED: tuning alice29 / 0 unless told
+    ppl_from_one_prefill(src, ws, {n: make(n) for n in NAMES}, T, BS)
 
 
 if __name__ == "__main__":
