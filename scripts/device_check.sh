@@ -7,14 +7,19 @@
 #   install  the wheelhouse into a temporary site folder (no registry)
 #   info     torch, CUDA device, NVML, the offload folder's file system
 #   tests    the `cuda`-marked tests (HF equivalence, byte accounting, policy matrix, ...)
-#   packaging  a handful of tests that need no GPU: optional imports, the CLI
 #   model    SmolLM2-135M cut to 8 layers (the wheelhouse's GGUF) prepared as a HF model dir
 #   tokens   that model's greedy tokens on the device vs the CPU's (float32 equal; float16 reported)
 #   decode   scripts/bench_decode.py: this engine's decode vs HF generate, both on the device
 #   sparpr   scripts/bench_sparpr.py: dense vs SparPR vs upstream FlexGen (unpatched on CUDA),
 #            OPT-6.7B dummy weights, batch 4, 1k/2k/4k, the device capped at 8 GiB (--gpu-mem)
+#   laptop-dense, laptop-sparpr  the laptop policy file as a user runs it (`flexgen-sparpr run
+#            --config configs/policies/opt-6.7b-rtx3070ti-laptop-8gb.yaml`: weights 50/40/10 %
+#            GPU/CPU/disk, cache 80/20 % CPU/disk, DKV cold blocks, host summaries), OPT-6.7B dummy
+#            weights, batch 4, its 1920-token prompt, dense then SparPR, the device capped at 8 GiB
 #   upstream-sparpr  scripts/bench_upstream_sparpr.py: upstream FlexGen with and without apply_sparpr
-#            (its loads move only the selected blocks), same settings, 2k (the paper's comparison)
+#            (its loads move only the selected blocks) at the laptop file's placement and prompt
+#            length (the paper's comparison)
+#   packaging  last (CI runs it too): a handful of tests that need no GPU: optional imports, the CLI
 # Everything lands in $OUT as three files: check.log (all output), summary.tsv (step, status,
 # seconds) and results.tgz (each step's results). Exit 0 only when every step passed.
 #
@@ -29,11 +34,12 @@ OUT=${OUT:-results/device}
 PY=${PY:-python3}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-530}  # seconds for all steps; the device tool allows 600 a call
-STEPS=${STEPS:-install info tests packaging model tokens decode sparpr upstream-sparpr}  # a rerun may name fewer
+STEPS=${STEPS:-install info tests model tokens decode sparpr laptop-dense laptop-sparpr upstream-sparpr packaging}  # a rerun may name fewer
 CUT_MODEL=$WHEELS/smollm2-135m-8l.gguf
 if [ "$DEVICE" = cpu ]; then  # the dry run: the same steps at sizes a 2-core CI box runs in ~2 min
     SPARPR="--model opt-125m --contexts 128 --gen-len 3"
     UPSPARPR="--model opt-125m --contexts 128 --gen-len 3 --percent 100,0,0,0,100,0 --timeout 60"
+    LAPTOP="--model facebook/opt-125m --prompt-len 128 --gen-len 3 --device cpu"
     DECODE="--lengths 128 --batches 2 --gen-len 3"
     TOKENS="--lengths 64 --batch 2 --gen-len 3"
     # every cuda test collects (imports) and skips; a few run on the CPU to dry-run their code
@@ -43,7 +49,9 @@ else
     SPARPR="--model opt-6.7b --contexts 1024,2048,4096 --gen-len 8"
     # the sparpr step's placement in upstream's terms (weights 30/70, cache on the CPU); one context:
     # each run draws OPT-6.7B's dummy weights anew
-    UPSPARPR="--model opt-6.7b --contexts 2048 --gen-len 8 --percent 30,70,0,100,100,0 --timeout 45"
+    # the laptop policy file's placement and prompt length (configs/policies/opt-6.7b-rtx3070ti-laptop-8gb.yaml)
+    UPSPARPR="--model opt-6.7b --contexts 1920 --gen-len 8 --percent 50,40,0,80,100,0 --timeout 45"
+    LAPTOP="--gen-len 8 --device cuda --gpu-mem 8"
     DECODE="--lengths 2048,4096 --batches 1,4 --gen-len 16"
     TOKENS="--lengths 512,2048 --batch 2 --gen-len 16"
     CUDA_TESTS=()
@@ -120,16 +128,22 @@ step info 20 "$PY" -c "$INFO" "$OFFLOAD"
 # the CPU suite hides CUDA from itself; an empty model cache makes the SmolLM2 tests skip
 step tests 110 env FLEXGEN_SPARPR_CACHE="$WORK/test-cache" "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda \
     --junitxml="$WORK/results/cuda-tests.xml" "${CUDA_TESTS[@]}" tests
-step packaging 60 env FLEXGEN_SPARPR_CACHE="$WORK/test-cache" "$PY" -m pytest -q -p no:cacheprovider \
-    --junitxml="$WORK/results/packaging-tests.xml" tests/utils tests/cli/test_cli.py
 step model 30 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" -m flexgen_sparpr prepare --gguf "$CUT_MODEL"
 step tokens 60 "$PY" scripts/device_tokens.py --model "$MODEL" --device "$DEVICE" $TOKENS --out "$WORK/results"
 step decode 60 "$PY" scripts/bench_decode.py --model "$MODEL" --device "$DEVICE" $DECODE --out "$WORK/results"
 step sparpr 170 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" scripts/bench_sparpr.py --device "$DEVICE" \
     $SPARPR $PLACEMENT "${GPU_MEM[@]}" --upstream --upstream-timeout 90 --offload-dir "$OFFLOAD" \
     --out "$WORK/results/sparpr"
+LAPTOP_FILE=configs/policies/opt-6.7b-rtx3070ti-laptop-8gb.yaml
+mkdir -p "$WORK/results/laptop"
+for kv in dense sparpr; do
+    step laptop-$kv 60 "$PY" -m flexgen_sparpr run --config "$LAPTOP_FILE" --path _DUMMY_ $LAPTOP --kv-policy $kv \
+        --offload-dir "$OFFLOAD/laptop" --output-json "$WORK/results/laptop/$kv.json" --no-log --quiet
+done
 step upstream-sparpr 95 "$PY" scripts/bench_upstream_sparpr.py --device "$DEVICE" $UPSPARPR "${GPU_MEM[@]}" \
     --offload-dir "$OFFLOAD/upstream-sparpr" --out "$WORK/results"
+step packaging 60 env FLEXGEN_SPARPR_CACHE="$WORK/test-cache" "$PY" -m pytest -q -p no:cacheprovider \
+    --junitxml="$WORK/results/packaging-tests.xml" tests/utils tests/cli/test_cli.py
 
 cp "$SUMMARY" "$WORK/results/" && tar -czf "$OUT/results.tgz" -C "$WORK" results
 echo "--- $((SECONDS - START)) s; summary ($OUT/summary.tsv):"
