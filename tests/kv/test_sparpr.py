@@ -16,21 +16,16 @@ from flexgen_sparpr.engine.config import ConfigError, EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies.base import token_budget
-from flexgen_sparpr.kv.policies.sparpr import CKPT_MARGIN, SparPR, block_scores, masked_mean_keys
+from flexgen_sparpr.kv.policies.sparpr import CKPT_MARGIN, SparPR
 from flexgen_sparpr.runtime.costs import CostModel, kv_rebuild_flops
 from flexgen_sparpr.storage.disk import DiskStore
-from flexgen_sparpr.storage.tiers import Devices, Tier
+from flexgen_sparpr.storage.tiers import Tier
 from flexgen_sparpr.weights.resolve import resolve_source
+
+from tests.kv.sparpr_tables import CPU, fill, fixed
 
 PROMPTS = [list(range(3, 43)), list(range(50, 79))]  # 40 and 29 tokens: the second is left-padded
 GEN = 8
-CPU = Devices(torch.device("cpu"))
-
-
-def fixed(disk_Bps=1e9, flops=1e9, latency=0.0) -> CostModel:
-    """A cost model with given speeds, not refreshed from the engine's counters."""
-    return CostModel(disk_read_Bps=disk_Bps, matmul_flops={"float32": flops},
-                     matmul_latency_s={"float32": latency}, live=False)
 
 
 class CopyIsDear(CostModel):
@@ -141,14 +136,6 @@ def test_quest_only_copies_at_the_ceiling_without_probing(tiny_llama_dir, tmp_pa
 def disk_table(store: DiskStore, name: str, batch=2, hkv=2, d=4, bs=4, blocks=12) -> BlockTable:
     return BlockTable(name=name, batch=batch, num_kv_heads=hkv, head_dim=d, block_size=bs, max_len=bs * blocks,
                       dtype=torch.float32, homes=[Tier.DISK] * blocks, devices=CPU, disk=store)
-
-
-def fill(t: BlockTable, n: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    _, b, hkv, _, d = t.block_shape
-    k = torch.randn(b, hkv, n, d, generator=gen)
-    for job in t.append(k, torch.randn(b, hkv, n, d, generator=gen)):
-        job()
 
 
 @pytest.fixture(scope="module")
@@ -335,96 +322,6 @@ def test_run_writes_the_policys_step_stats_to_output_json(tmp_path, monkeypatch)
     assert stats["config"]["keep_ratio"] == 0.5 and len(stats["steps"]) == 3  # decode steps
     assert stats["totals"]["calls"] == 3 * 12 and stats["totals"]["est_bytes"]["disk->cpu"] > 0
     assert stats["costs"]["disk_read_Bps"] > 0 and list((tmp_path / "cache").glob("probe-*.json"))
-
-
-# --- selection refinements: per-head softmax, sub-block summaries, per-sequence top-k ---
-def resident(batch=2, hkv=2, d=4, bs=8, blocks=12) -> BlockTable:
-    return BlockTable(name="sel", batch=batch, num_kv_heads=hkv, head_dim=d, block_size=bs, max_len=bs * blocks,
-                      dtype=torch.float32, homes=[Tier.COMPUTE] * blocks, devices=CPU)
-
-
-def hand_scores(q, keys, t: int, head_score: str) -> list[list[float]]:
-    """Per sequence and sealed block: the best run of t tokens' score, in plain Python loops.
-    q: [B, H, 1, D]; keys: [B, Hkv, L, D] (no padding)."""
-    b, h, _, d = q.shape
-    hkv, n = keys.shape[1], keys.shape[2] // t
-    out = []
-    for s in range(b):
-        dots = [[float(q[s, j, 0] @ keys[s, j // (h // hkv), p * t:(p + 1) * t].mean(0)) for p in range(n)]
-                for j in range(h)]  # dots[head][part]
-        if head_score == "softmax":
-            dots = [torch.tensor(row).div(d ** 0.5).softmax(0).tolist() for row in dots]
-        out.append([sum(dots[j][p] for j in range(h)) for p in range(n)])
-    return out
-
-
-@pytest.mark.parametrize("head_score", ["sum", "softmax"])
-@pytest.mark.parametrize("summary_tokens", [0, 2, 4])
-def test_block_scores_equal_a_hand_computation(head_score, summary_tokens):
-    t = resident(bs=8)
-    fill(t, 8 * 6, seed=12)  # 6 sealed blocks, no open tokens
-    q = torch.randn(2, 4, 1, 4, generator=torch.Generator().manual_seed(13))  # 2 query heads per KV head
-    pol = SparPR(keep_ratio=0.5, costs=fixed(), head_score=head_score, summary="mean", summary_tokens=summary_tokens)
-    got = block_scores(q, *pol.summaries(t, 0), head_score)  # got: [B, nb]
-    run = summary_tokens or 8
-    parts = hand_scores(q, t.gather()[0][0], run, head_score)
-    want = [[max(row[blk * 8 // run:(blk + 1) * 8 // run]) for blk in range(6)] for row in parts]
-    torch.testing.assert_close(got, torch.tensor(want), atol=1e-5, rtol=1e-5)
-
-
-def test_sub_block_means_skip_left_padding():
-    keys = torch.arange(2 * 1 * 1 * 8 * 1, dtype=torch.float32).view(2, 1, 1, 8, 1)  # [B, Hkv, n, bs, D]
-    valid = torch.ones(2, 1, 8, dtype=torch.bool)
-    valid[1, 0, :5] = False  # row 1: 5 pads, so its first run of 4 is all padding
-    mean, live = masked_mean_keys(keys, valid, parts=2)  # mean: [n, B, Hkv, P, D]
-    assert mean[0, :, 0, :, 0].tolist() == [[1.5, 5.5], [0.0, 14.0]]  # row 1, run 2: (13+14+15)/3
-    assert live[0].tolist() == [[True, True], [False, True]]
-
-
-def test_a_sub_block_summary_finds_a_short_needle_that_the_block_mean_dilutes():
-    """One 2-token run of block 5 matches the query; the other 6 tokens point away from it. The
-    block's mean ranks it last; its 2-token summary ranks it first, and the step reads it."""
-    t = resident(batch=1, hkv=1, d=4, bs=8, blocks=10)
-    k = torch.zeros(1, 1, 64, 4)
-    k[..., 0] = 0.3  # every filler key: a little along the query
-    k[0, 0, 42:44] = torch.tensor([4.0, 0, 0, 0])  # the needle: 2 tokens along the query
-    k[0, 0, 44:48] = torch.tensor([-2.0, 0, 0, 0])  # the rest of block 5 points away
-    for job in t.append(k, torch.randn(1, 1, 64, 4)):
-        job()
-    q = torch.tensor([1.0, 0, 0, 0]).view(1, 1, 1, 4)
-    budget = dict(keep_ratio=0.375, costs=fixed(), fallback=False)  # 24 tokens: sink, window, one more block
-    assert 5 not in SparPR(**budget, summary="mean", summary_tokens=0).select(t, 0, q).blocks
-    assert 5 in SparPR(**budget, summary="mean", summary_tokens=2).select(t, 0, q).blocks
-
-
-def test_per_sequence_top_k_moves_the_union_and_masks_each_sequence_to_its_own():
-    t = resident(batch=3, hkv=2, d=4, bs=4, blocks=16)
-    fill(t, 48, seed=14)  # 12 sealed blocks: sink 0, window 11, candidates 1..10
-    q = torch.randn(3, 4, 1, 4, generator=torch.Generator().manual_seed(15))
-    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=True, head_score="softmax", summary="mean")
-    sel = pol.select(t, 0, q)
-    budget = token_budget(0.5, 48, pol.floor(t))  # 24: sink + window + 4 more blocks
-    scores = hand_scores(q, t.gather()[0][0], 4, "softmax")
-    mine = []
-    for s in range(3):
-        best = sorted(range(1, 11), key=lambda blk: -scores[s][blk])[:(budget - 8) // 4]
-        mine.append({0, 11, *best})
-        reads = sel.mask[s].view(2, -1, 4).all(dim=2)  # reads: [Hkv, moved blocks]
-        assert {sel.blocks[i] for i in reads[0].nonzero().flatten().tolist()} == mine[s]
-        assert torch.equal(reads[0], reads[1]) and int(sel.mask[s, 0].sum()) == 4 * len(mine[s]) <= budget
-    assert sel.blocks == sorted(set().union(*mine))  # the union moves; nobody's block is left behind
-
-
-@pytest.mark.parametrize("bad", [dict(head_score="max"), dict(summary_tokens=-1), dict(summary="max"),
-                                 dict(summary_rank=0), dict(summary_rank=1.5)])
-def test_bad_selection_knobs_are_refused(bad):
-    with pytest.raises(ValueError):
-        SparPR(**bad)
-
-
-def test_summary_tokens_must_divide_the_block_size():
-    with pytest.raises(ValueError, match="does not divide"):
-        SparPR(summary="mean", summary_tokens=3, quest_only=True).attach(resident(bs=8), 0)
 
 
 def test_dkv_cold_blocks_get_the_prefills_importance(tiny_llama_dir, tmp_path, monkeypatch):

@@ -12,13 +12,10 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.knobs import KnobError
 from flexgen_sparpr.kv.policies.sparpr import SparPR
-from flexgen_sparpr.runtime.costs import CostModel
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
 
-
-def fixed() -> CostModel:
-    return CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, matmul_latency_s={"float32": 0.0}, live=False)
+from tests.kv.sparpr_tables import fixed
 
 
 def filled(device: str, seed: int, bs=8, blocks=16, batch=2, hkv=2, d=8) -> BlockTable:
