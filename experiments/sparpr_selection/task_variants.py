@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[2]
 
+from flexgen_sparpr.bench.forced import ForcedTokens  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts  # noqa: E402
 from flexgen_sparpr.bench.tasks import build_trial, canonical, hit  # noqa: E402
 from flexgen_sparpr.bench.texts import SPLITS, TEXTS  # noqa: E402
@@ -67,14 +68,21 @@ def main() -> None:
                         for v, kw in variants.items()}
                 dense = make_policy("dense")
                 eng.set_kv_policy(dense, attach=False)
-                snap = eng.snapshot(eng.prefill([t.ids for t in trials], trials[0].gen_len,
+                forced = [t.forced for t in trials]  # late-question: teacher-forced, then greedy
+                nf = len(forced[0])
+                snap = eng.snapshot(eng.prefill([t.ids for t in trials], nf + trials[0].gen_len,
+                                                ForcedTokens(forced) if nf else None,
                                                 observers=tuple(pols.values())))
                 answers = {}
                 for name, pol in [("dense", dense), *pols.items()]:
                     eng.set_kv_policy(pol, attach=False)
-                    res = eng.decode(eng.restore(snap), stop=eos)
+                    st = eng.restore(snap)
+                    if nf:
+                        st.sampler = ForcedTokens([f[1:] for f in forced])
+                    res = eng.decode(st, stop=None if nf else eos)  # forced tokens may hold the stop token
+                    toks = [r[nf:] for r in res.tokens]
                     answers[name] = [tok.decode(r[:r.index(eos)] if eos in r else r, skip_special_tokens=True)
-                                     for r in res.tokens]
+                                     for r in toks]
                 for name, ans in answers.items():
                     score[name][0] += sum(hit(task, a, t.expected) for a, t in zip(ans, trials))
                     score[name][1] += sum(canonical(task, a) == canonical(task, d)
