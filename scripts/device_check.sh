@@ -47,11 +47,10 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: the same steps at sizes a 2-core CI
     GPU_MEM=()
 else
     SPARPR="--model opt-6.7b --contexts 1024,2048,4096 --gen-len 8"
-    # the sparpr step's placement in upstream's terms (weights 30/70, cache on the CPU); one context:
-    # each run draws OPT-6.7B's dummy weights anew
-    # the laptop policy file's placement and prompt length (configs/policies/opt-6.7b-rtx3070ti-laptop-8gb.yaml)
+    # upstream at the laptop policy file's placement and prompt length; one context: each run draws
+    # OPT-6.7B's dummy weights anew
     UPSPARPR="--model opt-6.7b --contexts 1920 --gen-len 8 --percent 50,40,0,80,100,0 --timeout 45"
-    LAPTOP="--gen-len 8 --device cuda --gpu-mem 8"
+    LAPTOP="--gen-len 8 --device cuda"  # the 8 GiB cap comes from GPU_MEM
     DECODE="--lengths 2048,4096 --batches 1,4 --gen-len 16"
     TOKENS="--lengths 512,2048 --batch 2 --gen-len 16"
     CUDA_TESTS=()
@@ -137,8 +136,8 @@ step sparpr 170 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" scripts/bench
 LAPTOP_FILE=configs/policies/opt-6.7b-rtx3070ti-laptop-8gb.yaml
 mkdir -p "$WORK/results/laptop"
 for kv in dense sparpr; do
-    step laptop-$kv 60 "$PY" -m flexgen_sparpr run --config "$LAPTOP_FILE" --path _DUMMY_ $LAPTOP --kv-policy $kv \
-        --offload-dir "$OFFLOAD/laptop" --output-json "$WORK/results/laptop/$kv.json" --no-log --quiet
+    step laptop-$kv 60 "$PY" -m flexgen_sparpr run --config "$LAPTOP_FILE" --path _DUMMY_ $LAPTOP "${GPU_MEM[@]}" \
+        --kv-policy $kv --offload-dir "$OFFLOAD/laptop" --output-json "$WORK/results/laptop/$kv.json" --no-log --quiet
 done
 step upstream-sparpr 95 "$PY" scripts/bench_upstream_sparpr.py --device "$DEVICE" $UPSPARPR "${GPU_MEM[@]}" \
     --offload-dir "$OFFLOAD/upstream-sparpr" --out "$WORK/results"
