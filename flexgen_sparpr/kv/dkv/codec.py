@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ...storage.codec import Codec
+from ...utils.linalg import eigh
 
 
 @dataclass
@@ -170,8 +171,8 @@ class DKVCodec(Codec):
         kernel instead of an SVD that loops over the batch with host syncs."""
         r = self.rank
         if x.shape[1] >= x.shape[2]:  # F <= bs: the eigenvectors of x^T x are the right singular vectors
-            return torch.linalg.eigh(x.mT @ x)[1][..., -r:].flip(-1)  # eigh ascends: the top r, largest first
-        lam, u = torch.linalg.eigh(x @ x.mT)  # lam: [B, bs] = sigma^2; u: [B, bs, bs] left singular vectors
+            return eigh(x.mT @ x)[1][..., -r:].flip(-1)  # eigh ascends: the top r, largest first
+        lam, u = eigh(x @ x.mT)  # lam: [B, bs] = sigma^2; u: [B, bs, bs] left singular vectors
         lam, u = lam[..., -r:].flip(-1), u[..., -r:].flip(-1)  # lam: [B, r]; u: [B, bs, r]
         live = lam > lam[..., :1] * _GRAM_EPS  # past the rank, u is noise: its v would be too
         v = (x.mT @ u) / lam.clamp(min=torch.finfo(lam.dtype).tiny).sqrt()[..., None, :]  # v = x^T u / sigma

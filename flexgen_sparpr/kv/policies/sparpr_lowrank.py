@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...utils.linalg import eigh
+
 LEVELS = 7  # codes -7..7 (4 bits, symmetric); stored + 8 as a nibble
 FIT_QUANTILE = 0.999  # the step: this quantile of |coordinate| over the fitted keys, not the max (sink keys are outliers)
 _MAX_FIT = 1 << 20  # coordinates the quantile looks at, per KV head (torch.quantile's input is bounded)
@@ -55,7 +57,7 @@ def fit_basis(keys: torch.Tensor, valid: torch.Tensor, rank: int) -> KeyBasis:
     w = valid if bool(valid.any()) else torch.ones_like(valid)
     x = keys * w[:, None, :, None].to(keys.dtype)  # x: [B, Hkv, T, D], pads zeroed
     m = torch.einsum("bktd,bkte->kde", x, x)  # m: [Hkv, D, D] second moment (uncentred: scores are q . k)
-    _, vecs = torch.linalg.eigh(m)  # ascending
+    _, vecs = eigh(m)  # ascending
     u = vecs[:, :, -rank:].flip(-1).half().float()  # u: [Hkv, D, r], strongest first, as stored
     sel = w.reshape(-1).nonzero().squeeze(1)
     coords = torch.einsum("bktd,kdr->kbtr", keys, u).reshape(hkv, b * t, rank)[:, sel]  # [Hkv, n, r]
