@@ -129,15 +129,20 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     b, h, sq, d = q.shape
     hkv = k.shape[1]
+    if k.shape[2] == 0:  # nothing to attend
+        return (torch.zeros(b, h, sq, d, dtype=torch.float32, device=q.device),
+                torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
     qg = q.float().view(b, hkv, h // hkv, sq, d)  # qg: [B, Hkv, G, Sq, D]
     scores = torch.einsum("bkgqd,bktd->bkgqt", qg, k.float()) / math.sqrt(d)
     if valid is not None:
         m = valid[:, None, None, None, :] if valid.dim() == 2 else valid[:, :, None, None, :]
         scores = scores.masked_fill(~m, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # lse: [B, Hkv, G, Sq]
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(scores - safe[..., None])
-    out = torch.einsum("bkgqt,bktd->bkgqd", p, v.float())
+    top = scores.amax(dim=-1, keepdim=True)  # top: [B, Hkv, G, Sq, 1]
+    top = torch.where(torch.isinf(top), 0.0, top)  # a row with nothing valid: its weights are all 0
+    p = torch.exp(scores - top)  # one pass of exp: the weights and their sum
+    den = p.sum(dim=-1)  # den: [B, Hkv, G, Sq]
+    out = torch.einsum("bkgqt,bktd->bkgqd", p, v.float()) / den.clamp(min=torch.finfo(den.dtype).tiny)[..., None]
+    lse = den.log() + top[..., 0]  # lse: [B, Hkv, G, Sq], -inf where nothing is valid
     return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
 
 

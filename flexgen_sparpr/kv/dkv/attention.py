@@ -4,7 +4,14 @@ decompressing K; partial attentions carry their log-sum-exp so they merge exactl
 For KV head g with key columns Kg and value columns Vg of the joint basis W (docs/dkv.md):
     q . k_t = q . a[Kg] + C_t . (W[Kg]^T q)          (project q once: r numbers per head)
     sum_t p_t v_t = (sum_t p_t) a[Vg] + (sum_t p_t C_t) @ W[Vg]^T
-"""
+
+The parts are views into the encoded rows ([n, nbytes] uint8, one row per block holding every
+sequence): for one sequence b, a part over the n blocks is a 3-D view whose matrices are
+contiguous and whose block stride is the row size, which batched matmuls read in place. So the
+scores run one sequence at a time over all its blocks at once with no part copied (a matmul over
+both the block and the sequence axes would copy every part first: the two strides do not merge),
+and the value side gathers only the K routed blocks' parts, all sequences in one batch. A query is laid out as [H, Hkv*D] with zeros off its own KV head's columns, so
+one matmul serves every head of a group-query model."""
 from __future__ import annotations
 
 import math
@@ -14,59 +21,73 @@ import torch
 from .codec import DKVParts
 
 
-def pick(parts: DKVParts, idx: torch.Tensor) -> DKVParts:
-    """Per-sequence blocks: parts with leading [n] (block) over B -> leading [K, B] for
-    idx: [B, K] block numbers (sequence b takes block idx[b, j] of its own row). Block-major, as
-    the rows are: the attention below runs batched matmuls over (block, sequence)."""
-    ar = torch.arange(idx.shape[0], device=idx.device)[None, :]  # ar: [1, B]
-    return DKVParts(*(getattr(parts, f)[idx.T, ar] for f in DKVParts.__dataclass_fields__))
-
-
-def _kv_split(x: torch.Tensor, hkv: int, d: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a joint F axis (K heads, then V heads) at `dim` into K and V, each [..., Hkv, D, ...]."""
-    shp = x.shape
-    x = x.reshape(*shp[:dim], 2, hkv, d, *shp[dim + 1:])
-    return x.select(dim, 0), x.select(dim, 1)
+def head_rows(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """q: [B, H, 1, D] -> [B, H, Hkv*D] float32: query head h's vector in its KV head's D columns,
+    zeros elsewhere."""
+    b, h, _, d = q.shape
+    out = torch.zeros(b, h, hkv, d, dtype=torch.float32, device=q.device)  # out: [B, H, Hkv, D]
+    heads = torch.arange(h, device=q.device)
+    out[:, heads, heads // (h // hkv)] = q[:, :, 0].float()
+    return out.view(b, h, hkv * d)
 
 
 def lowrank_scores(q: torch.Tensor, p: DKVParts, usable: torch.Tensor) -> torch.Tensor:
-    """Scaled scores q.k / sqrt(D) of K blocks per sequence, in low-rank form.
+    """Scaled scores q.k / sqrt(D) of n encoded blocks, in low-rank form, read in place.
 
-    q: [B, H, 1, D]; p: parts with leading [K, B] (every sequence its own K blocks); usable:
-    [K, B, bs] bool (False: -inf). Returns [K, B, H, bs] float32."""
+    q: [B, H, 1, D]; p: parts with leading [n] (every sequence reads every block: the rows'
+    own layout); usable: [n, B, bs] bool (False: -inf). Returns [B, n, H, bs] float32."""
     b, h, _, d = q.shape
-    hkv = p.anchor.shape[-1] // (2 * d)
-    qg = q.float().view(1, b, hkv, h // hkv, d)  # qg: [1, B, Hkv, G, D]
-    a_k, _ = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_k: [K, B, Hkv, D]
-    w_k, _ = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_k: [K, B, Hkv, D, r]
-    proj = torch.matmul(qg, w_k)  # proj: [K, B, Hkv, G, r] (q projected once per block: r numbers a head)
-    base = torch.matmul(qg, a_k[..., None])  # base: [K, B, Hkv, G, 1]
-    k_, b_ = proj.shape[:2]
-    scores = torch.matmul(proj.reshape(k_, b_, h, -1), p.coeffs.float().mT)  # scores: [K, B, H, bs]
-    scores = (scores + base.reshape(k_, b_, h, 1)) / math.sqrt(d)
-    return scores.masked_fill_(~usable[:, :, None], float("-inf"))
+    n, _, bs, r = p.coeffs.shape
+    hd = p.anchor.shape[-1] // 2  # Hkv * D: the K columns, then the V columns
+    qr = head_rows(q / math.sqrt(d), hd // d)  # qr: [B, H, Hkv*D] scaled
+    out = torch.empty(b, n, h, bs, dtype=torch.float32, device=q.device)
+    for i in range(b):  # one sequence at a time: its parts are 3-D views the matmuls read in place
+        proj = torch.bmm(qr[i].expand(n, -1, -1), p.basis[:, i, :hd].float())  # proj: [n, H, r]
+        base = p.anchor[:, i, :hd].float() @ qr[i].T  # base: [n, H] the anchors' scores
+        torch.baddbmm(base[..., None], proj, p.coeffs[:, i].float().mT, out=out[i])  # [n, H, bs]
+    return out.masked_fill_(~usable.transpose(0, 1)[:, :, None], float("-inf"))
 
 
-def lowrank_attention(q: torch.Tensor, p: DKVParts, usable: torch.Tensor, scores: torch.Tensor | None = None):
-    """Attention over K blocks per sequence in low-rank form.
+def block_weights(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of exp over every block's scores [B, n, H, bs]: w = exp(scores - top) [B, n, H, bs]
+    with top: [B, H] each head's largest score (0 where it has none), so a block's attention mass
+    and the attention itself come from the same w."""
+    top = scores.amax(dim=(1, 3))  # top: [B, H]
+    top = torch.where(torch.isinf(top), 0.0, top)
+    return torch.exp(scores - top[:, None, :, None]), top
 
-    q: [B, H, 1, D]; p: parts with leading [K, B]; usable: [K, B, bs] bool (valid tokens that are
-    not residual rows); scores: lowrank_scores(q, p, usable) when already computed.
-    Returns out: [B, H, 1, D] float32 and lse: [B, H, 1] (-inf if empty)."""
+
+def block_mass(w: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """log of each block's attention mass summed over heads, from block_weights: [B, n]."""
+    return (w.sum(-1).log() + top[:, None]).logsumexp(dim=2)  # [B, n, H] -> [B, n]
+
+
+def lowrank_attention(q: torch.Tensor, p: DKVParts, w: torch.Tensor, top: torch.Tensor,
+                      route: torch.Tensor | None = None):
+    """Attention over encoded blocks in low-rank form, from block_weights(scores).
+
+    q: [B, H, 1, D]; p: parts with leading [n]; w: [B, n, H, bs], top: [B, H]; route: [B, K] the
+    blocks each sequence attends (None: all n). Only the routed blocks' value side is read: one
+    gather of K blocks per sequence. Returns out: [B, H, 1, D] float32 and lse: [B, H, 1] (-inf
+    where nothing is attended)."""
     b, h, _, d = q.shape
-    hkv = p.anchor.shape[-1] // (2 * d)
-    _, a_v = _kv_split(p.anchor.float(), hkv, d, dim=2)  # a_v: [K, B, Hkv, D]
-    _, w_v = _kv_split(p.basis.float(), hkv, d, dim=2)  # w_v: [K, B, Hkv, D, r]
-    if scores is None:
-        scores = lowrank_scores(q, p, usable)  # scores: [K, B, H, bs]
-    lse = torch.logsumexp(scores, dim=(0, 3))  # lse: [B, H] over every block's tokens
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w = torch.exp(scores - safe[None, :, :, None])  # w: [K, B, H, bs]
-    k_ = w.shape[0]
-    wc = torch.matmul(w, p.coeffs.float())  # wc: [K, B, H, r] the weighted sum, in r dimensions
-    out = torch.matmul(wc.view(k_, b, hkv, h // hkv, -1), w_v.mT)  # out: [K, B, Hkv, G, D] mapped back
-    out = out.sum(0).reshape(b, h, d) + (w.sum(-1).view(k_, b, hkv, h // hkv, 1) * a_v[:, :, :, None]).sum(0).reshape(b, h, d)
-    return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
+    hd = p.anchor.shape[-1] // 2
+    ar = torch.arange(b, device=q.device)[:, None]  # ar: [B, 1]
+    if route is None:
+        route = torch.arange(w.shape[1], device=q.device).expand(b, -1)  # route: [B, n]
+    w = w[ar, route]  # w: [B, K, H, bs]
+    coeffs = p.coeffs[route, ar].float()  # coeffs: [B, K, bs, r]
+    w_v = p.basis[:, :, hd:][route, ar].float()  # w_v: [B, K, Hkv*D, r]
+    a_v = p.anchor[:, :, hd:][route, ar].float()  # a_v: [B, K, Hkv*D]
+    wsum = w.sum(-1)  # wsum: [B, K, H]
+    den = wsum.sum(1)  # den: [B, H]
+    wc = torch.matmul(w, coeffs)  # wc: [B, K, H, r] the weighted sums, in r dimensions
+    o = torch.matmul(wc, w_v.mT).sum(1)  # o: [B, H, Hkv*D] mapped back (every KV head's columns)
+    o += torch.matmul(wsum.mT, a_v)  # the anchors' share: [B, H, Hkv*D]
+    heads = torch.arange(h, device=q.device)
+    out = o.view(b, h, hd // d, d)[:, heads, heads // (h // (hd // d))]  # out: [B, H, D] own KV head
+    out = out / den.clamp(min=torch.finfo(den.dtype).tiny)[..., None]
+    return out[:, :, None], (den.log() + top)[:, :, None]
 
 
 def residual_kv(p: DKVParts, blocks: torch.Tensor, bs: int, d: int):
@@ -78,4 +99,3 @@ def residual_kv(p: DKVParts, blocks: torch.Tensor, bs: int, d: int):
     pos = (blocks[:, None, None] * bs + p.res_idx.long()).permute(1, 0, 2).reshape(b, n * m)
     k, v = rows.permute(2, 0, 3, 1, 4)  # k, v: [B, Hkv, n*m, D]
     return k, v, pos
-

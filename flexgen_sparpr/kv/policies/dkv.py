@@ -11,7 +11,7 @@ import torch
 
 from ...models.layers import attention_with_lse, merge_attention
 from ..block_table import BlockTable
-from ..dkv.attention import lowrank_attention, lowrank_scores, pick, residual_kv
+from ..dkv.attention import block_mass, block_weights, lowrank_attention, lowrank_scores, residual_kv
 from ..dkv.codec import PICKS, DKVCodec, DKVParts
 from ..dkv.importance import FOLLOW, WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
@@ -196,7 +196,7 @@ class DKV(KVPolicy):
         k_ex, v_ex, ok = kv[0], kv[1], pos[None, :] >= pads[:, None]  # ok: [B, T]
         first = len(sinks)
         cold = list(range(first, sealed - len(recent)))
-        low = None
+        low = []
         if cold:
             for job in jobs:  # a block sealed by this very append must be encoded before it is read
                 job()
@@ -204,25 +204,17 @@ class DKV(KVPolicy):
             codec: DKVCodec = table.store.codec
             p = codec.parts(table.rows(cold))  # leading [n]
             self._cache_cold(st, p, first, bs, q.shape[3], pads)
-            # the exact tokens (window and every cold block's residual rows) in one attention
-            k_ex, v_ex = torch.cat([k_ex, st.res_k], dim=2), torch.cat([v_ex, st.res_v], dim=2)
-            ok = torch.cat([ok, st.res_ok], dim=1)
             kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
-            # the rows' parts are block-major, [n, B, ...]: every sequence reads every block as they are
-            if kk == len(cold):
-                low = lowrank_attention(q, p, st.usable)
-            else:
-                scores = lowrank_scores(q, p, st.usable)  # scores: [n, B, H, bs]
-                route, scores = self._route(q, scores, st.mean[first:], kk)  # route: [B, K]
-                ar = torch.arange(q.shape[0], device=q.device)[None, :]
-                low = lowrank_attention(q, pick(p, route), st.usable[route.T, ar], scores)
+            w, top = block_weights(lowrank_scores(q, p, st.usable))  # w: [B, n, H, bs]; top: [B, H]
+            route = None if kk == len(cold) else self._route(q, w, top, st.mean[first:], kk)  # route: [B, K]
+            low = [attention_with_lse(q, st.res_k, st.res_v, st.res_ok),  # every cold block's exact rows
+                   lowrank_attention(q, p, w, top, route)]  # the routed blocks in low-rank form
             self.counts["routed_blocks"] += kk
             self.counts["residual_tokens"] += st.res_k.shape[2]
             self.counts["cold_blocks"] += len(cold)
         self.counts["steps"] += 1
         self.counts["window_tokens"] += pos.shape[0]
-        parts = [attention_with_lse(q, k_ex, v_ex, ok)] + ([low] if low is not None else [])
-        return merge_attention(parts).to(q.dtype), jobs
+        return merge_attention([attention_with_lse(q, k_ex, v_ex, ok)] + low).to(q.dtype), jobs
 
     @staticmethod
     def _cache_cold(st: _State, p, first: int, bs: int, d: int, pads: torch.Tensor) -> None:
@@ -248,22 +240,19 @@ class DKV(KVPolicy):
         st.res_ok = rpos >= pads[:, None]
         st.cached = n
 
-    def _route(self, q, scores: torch.Tensor, mean: torch.Tensor, kk: int):
-        """Per sequence, the K compressed blocks (route: [B, K] block indices) to attend in
-        low-rank form, with their scores [K, B, H, bs]: by attention mass in low-rank space
-        (route "lowrank", from every block's scores [n, B, H, bs]), or by the exact mean key
-        against the query summed over heads (route "mean"; mean: [>= n, B, Hkv, D] from the first
-        cold block)."""
+    def _route(self, q, w: torch.Tensor, top: torch.Tensor, mean: torch.Tensor, kk: int) -> torch.Tensor:
+        """Per sequence, the K compressed blocks to attend in low-rank form (route: [B, K] block
+        indices among the n cold ones): by attention mass in low-rank space (route "lowrank", from
+        every block's block_weights w: [B, n, H, bs], top: [B, H]), or by the exact mean key against
+        the query summed over heads (route "mean"; mean: [>= n, B, Hkv, D] from the first cold block)."""
         if self.route == "lowrank":
-            mass = scores.logsumexp(dim=(2, 3)).T  # mass: [B, n]
+            mass = block_mass(w, top)  # mass: [B, n]
         else:
             b, h, _, d = q.shape
             hkv = mean.shape[2]
             qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-            mass = torch.einsum("bgd,nbgd->bn", qg, mean[:scores.shape[0]])  # mass: [B, n]
-        route = mass.topk(kk, dim=1).indices  # route: [B, K]
-        ar = torch.arange(route.shape[0], device=route.device)[None, :]
-        return route, scores[route.T, ar]  # [K, B, H, bs]
+            mass = torch.einsum("bgd,nbgd->bn", qg, mean[:w.shape[1]])  # mass: [B, n]
+        return mass.topk(kk, dim=1).indices  # route: [B, K]
 
     def stats(self) -> dict | None:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
