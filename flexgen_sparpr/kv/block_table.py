@@ -107,6 +107,25 @@ class BlockTable:
         kv = self.store.gather(blocks, [self.block_len(b) for b in blocks], self.sealed, out, need, zero_unread)
         return kv, self.positions(blocks, dev)
 
+    def views(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The blocks' KV on compute, one (kv: [planes, B, Hkv, T, D], pos: [T]) per run of blocks:
+        a block that lives on compute exact (raw, the open block, or an encoded block's exact copy)
+        comes as a view with no copy, the others gathered (one gather per run of them). For
+        attention that merges partial results (log-sum-exp) instead of reading one tensor."""
+        out, pending = [], []
+        for b in blocks:
+            v = self.store.view(b, self.block_len(b), self.sealed)
+            if v is None:
+                pending.append(b)
+                continue
+            if pending:
+                out.append(self.gather(pending))
+                pending = []
+            out.append((v, self.positions([b])))
+        if pending:
+            out.append(self.gather(pending))
+        return out
+
     def rows(self, blocks: list[int]) -> torch.Tensor:
         """Encoded rows of sealed blocks on coded tiers, not decoded: [n, codec.nbytes] uint8 on
         compute (for policies that attend the encoded form, e.g. DKV)."""

@@ -221,6 +221,16 @@ class TierStore:
             self._read_disk(disk_reads)
         return out[:, :, :, :total]
 
+    def view(self, b: int, n: int, sealed: int) -> torch.Tensor | None:
+        """Block b's first n tokens on compute with no copy, [planes, B, Hkv, n, D]: the open block's
+        buffer, a raw block in the compute arena, or the exact copy kept of an encoded block; else
+        None (it must be gathered)."""
+        if n < self.bs:
+            return self.writable(b)[:, :, :, :n]
+        if self.is_raw_on_compute(b):
+            return self.in_place(b)
+        return self._exact_copy(b, sealed)
+
     def _exact_copy(self, b: int, sealed: int) -> torch.Tensor | None:
         """The exact copy kept of encoded block b (the codec's first and recent blocks), or None."""
         if b < self.codec.exact_first or b >= sealed - self.codec.exact_recent:

@@ -119,6 +119,27 @@ def test_subset_gather_order_and_positions(homes, disk):
         torch.testing.assert_close(kv, ref[:, :, :, want_pos], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("homes", [[C] * 4, [D, C, D, C]])
+def test_views_equal_gather_and_copy_only_what_is_not_on_compute(homes, disk):
+    """views(): a block on compute raw or the open block comes as a view of where it lives; runs of
+    the others are gathered; together they hold what gather() gives, in order."""
+    t = make(homes, bs=4, disk=disk)
+    ref, _ = fill(t, [14])
+    for blocks in ([0, 1, 2, 3], [0, 3], [1, 2], [2]):
+        got = t.views(blocks)
+        kv = torch.cat([v for v, _ in got], dim=3)
+        pos = torch.cat([p for _, p in got])
+        want, want_pos = t.gather(blocks)
+        torch.testing.assert_close(kv, want, rtol=0, atol=0)
+        assert pos.tolist() == want_pos.tolist()
+        for v, p in got:
+            on_compute = all(homes[i // 4] == C or i // 4 == 3 for i in p.tolist())  # block 3: the open one
+            shares = v.untyped_storage().data_ptr() in (t.store._arena[C].untyped_storage().data_ptr(),
+                                                        t.store._tail.untyped_storage().data_ptr())
+            assert shares == on_compute
+    assert len(t.views([0, 1, 2, 3])) == 4  # a view per block on compute, a gather per run of the rest
+
+
 def test_gather_into_a_larger_out_buffer(disk):
     t = make([D, C, C], bs=4, disk=disk)
     ref, _ = fill(t, [9])

@@ -192,8 +192,8 @@ class DKV(KVPolicy):
         sealed = table.length // bs
         recent = list(range(max(0, sealed - self.recent_blocks), sealed))
         sinks = [b for b in range(min(self.sink_blocks, sealed)) if b not in recent]
-        kv, pos = table.gather(sinks + recent + ([table.num_blocks - 1] if table.length % bs else []))  # exact
-        k_ex, v_ex, ok = kv[0], kv[1], pos[None, :] >= pads[:, None]  # ok: [B, T]
+        # the exact window, each block where it lives (no copy): kv: [2, B, Hkv, T, D]; pos: [T]
+        window = table.views(sinks + recent + ([table.num_blocks - 1] if table.length % bs else []))
         first = len(sinks)
         cold = list(range(first, sealed - len(recent)))
         low = []
@@ -213,8 +213,9 @@ class DKV(KVPolicy):
             self.counts["residual_tokens"] += st.res_k.shape[2]
             self.counts["cold_blocks"] += len(cold)
         self.counts["steps"] += 1
-        self.counts["window_tokens"] += pos.shape[0]
-        return merge_attention([attention_with_lse(q, k_ex, v_ex, ok)] + low).to(q.dtype), jobs
+        self.counts["window_tokens"] += sum(pos.shape[0] for _, pos in window)
+        exact = [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None]) for kv, pos in window]
+        return merge_attention(exact + low).to(q.dtype), jobs
 
     @staticmethod
     def _cache_cold(st: _State, p, first: int, bs: int, d: int, pads: torch.Tensor) -> None:
