@@ -120,6 +120,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.reshape(b, h, 1, d)
 
 
+# torch's fused CPU flash-attention kernel, which also returns the log-sum-exp (the public
+# scaled_dot_product_attention does not); absent from a build: the einsum path below serves
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None):
+    """attention_with_lse for one query per head, float32 on the CPU, in one fused kernel: a KV
+    head's G query heads go in as its G query positions (no K/V expanded to H heads)."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D] the group's heads as queries
+    mask = live = None
+    if valid is not None:
+        ok = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]  # ok: [B, 1|Hkv, 1, T]
+        mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
+        live = ok.any(dim=-1)  # live: [B, 1|Hkv, 1] (the kernel gives lse 0, not -inf, to a row with no key)
+    out, lse = _FLASH_CPU(qg, k, v, attn_mask=mask)  # out: [B, Hkv, G, D]; lse: [B, Hkv, G]
+    if live is not None:
+        lse = lse.masked_fill(~live, float("-inf"))
+    return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
+
+
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        valid: torch.Tensor | None = None):
     """Partial attention that also returns its log-sum-exp, for merging.
@@ -132,6 +154,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k.shape[2] == 0:  # nothing to attend
         return (torch.zeros(b, h, sq, d, dtype=torch.float32, device=q.device),
                 torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
+    if sq == 1 and _FLASH_CPU is not None and q.device.type == "cpu" and \
+            q.dtype == k.dtype == v.dtype == torch.float32:
+        return _decode_attention_cpu(q, k, v, valid)
     qg = q.float().view(b, hkv, h // hkv, sq, d)  # qg: [B, Hkv, G, Sq, D]
     scores = torch.einsum("bkgqd,bktd->bkgqt", qg, k.float()) / math.sqrt(d)
     if valid is not None:

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from flexgen_sparpr.models import layers
 from flexgen_sparpr.models.layers import (apply_rope, attention_with_lse, causal_attention,
                                           decode_attention, merge_attention, rms_norm, rope_cos_sin)
 
@@ -37,10 +38,21 @@ def rand_qkv(b, h, hkv, sq, t, d, seed=0):
 
 
 # --- partial attention + merge ------------------------------------------------------------
+@pytest.fixture(params=["fused", "einsum"])
+def kernel(request, monkeypatch):
+    """A decode query on the CPU goes through torch's fused flash kernel; the einsum path (other
+    devices, dtypes, several queries) is run for it too."""
+    if request.param == "einsum":
+        monkeypatch.setattr(layers, "_FLASH_CPU", None)
+    elif layers._FLASH_CPU is None:
+        pytest.skip("this torch build has no _scaled_dot_product_flash_attention_for_cpu")
+    return request.param
+
+
 @pytest.mark.parametrize("h, hkv", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("sq", [1, 3])
 @pytest.mark.parametrize("mask_kind", ["none", "per_seq", "per_head"])
-def test_lse_merge_over_a_split_equals_attention_over_the_union(h, hkv, sq, mask_kind):
+def test_lse_merge_over_a_split_equals_attention_over_the_union(h, hkv, sq, mask_kind, kernel):
     b, t, d = 2, 23, 16
     q, k, v = rand_qkv(b, h, hkv, sq, t, d)
     g = torch.Generator().manual_seed(1)
@@ -66,7 +78,19 @@ def test_lse_merge_over_a_split_equals_attention_over_the_union(h, hkv, sq, mask
     torch.testing.assert_close(merge_attention(parts[::-1]), whole, rtol=1e-5, atol=1e-5)
 
 
-def test_lse_is_the_log_sum_exp_of_the_scaled_scores():
+def test_keys_read_in_place_from_a_larger_cache(kernel):
+    """K and V as slices of a bigger [planes, B, Hkv, T, D] cache (a block where it lives): the same
+    attention as on contiguous copies."""
+    b, h, hkv, d = 2, 6, 2, 8
+    q, k, v = rand_qkv(b, h, hkv, 1, 40, d)
+    cache = torch.stack([k, v])  # cache: [2, B, Hkv, 40, D]
+    valid = torch.rand(b, 16, generator=torch.Generator().manual_seed(3)) > 0.3
+    got = attention_with_lse(q, cache[0, :, :, 8:24], cache[1, :, :, 8:24], valid)
+    want = attention_with_lse(q, k[:, :, 8:24].contiguous(), v[:, :, 8:24].contiguous(), valid)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_lse_is_the_log_sum_exp_of_the_scaled_scores(kernel):
     q, k, v = rand_qkv(1, 2, 2, 1, 9, 8)
     valid = torch.tensor([[True] * 6 + [False] * 3])
     _, lse = attention_with_lse(q, k, v, valid)
@@ -74,7 +98,7 @@ def test_lse_is_the_log_sum_exp_of_the_scaled_scores():
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=1e-6, atol=1e-6)
 
 
-def test_merge_ignores_a_part_with_nothing_valid():
+def test_merge_ignores_a_part_with_nothing_valid(kernel):
     b, h, hkv, d = 2, 4, 2, 8
     q, k, v = rand_qkv(b, h, hkv, 1, 12, d)
     valid = torch.ones(b, 12, dtype=torch.bool)
@@ -91,7 +115,7 @@ def test_merge_ignores_a_part_with_nothing_valid():
     assert bool((none == 0).all())
 
 
-def test_masked_entries_do_not_leak_even_when_huge():
+def test_masked_entries_do_not_leak_even_when_huge(kernel):
     q, k, v = rand_qkv(1, 2, 1, 1, 10, 8)
     k[:, :, 3] = 1e4  # a masked key with an enormous score
     v[:, :, 3] = 1e6
