@@ -110,14 +110,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """One query position over T keys. q: [B, H, 1, D]; k, v: [B, Hkv, T, D];
     valid: [B, T] or per KV head [B, Hkv, T] bool."""
     b, h, _, d = q.shape
-    hkv = k.shape[1]
-    # the query heads of a KV head become that head's query rows (no K/V expansion)
-    qg = q.reshape(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
-    mask = None
-    if valid is not None:
-        mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]  # [B, 1|Hkv, 1, T]
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # o: [B, Hkv, G, D]
+    qg, ok = _grouped_query(q, k.shape[1], valid)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=ok)  # o: [B, Hkv, G, D]
     return o.reshape(b, h, 1, d)
+
+
+def _grouped_query(q: torch.Tensor, hkv: int, valid: torch.Tensor | None):
+    """One decode query per head laid out for a kernel without group-query support: the query heads
+    of a KV head become that head's query rows (no K/V expansion). q: [B, H, 1, D]; valid: [B, T]
+    or [B, Hkv, T]. Returns qg: [B, Hkv, G, D] and the mask ok: [B, 1|Hkv, 1, T] bool (or None)."""
+    b, h, _, d = q.shape
+    ok = None if valid is None else valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]
+    return q.reshape(b, hkv, h // hkv, d), ok
 
 
 # torch's fused CPU flash-attention kernel, which also returns the log-sum-exp (the public
@@ -129,11 +133,9 @@ def _decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, val
     """attention_with_lse for one query per head, float32 on the CPU, in one fused kernel: a KV
     head's G query heads go in as its G query positions (no K/V expanded to H heads)."""
     b, h, _, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D] the group's heads as queries
+    qg, ok = _grouped_query(q, k.shape[1], valid)  # qg: [B, Hkv, G, D]; ok: [B, 1|Hkv, 1, T]
     mask = live = None
-    if valid is not None:
-        ok = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]  # ok: [B, 1|Hkv, 1, T]
+    if ok is not None:  # the kernel takes an additive mask only
         mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
         live = ok.any(dim=-1)  # live: [B, 1|Hkv, 1] (the kernel gives lse 0, not -inf, to a row with no key)
     out, lse = _FLASH_CPU(qg, k, v, attn_mask=mask)  # out: [B, Hkv, G, D]; lse: [B, Hkv, G]

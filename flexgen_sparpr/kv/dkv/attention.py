@@ -10,8 +10,9 @@ sequence): for one sequence b, a part over the n blocks is a 3-D view whose matr
 contiguous and whose block stride is the row size, which batched matmuls read in place. So the
 scores run one sequence at a time over all its blocks at once with no part copied (a matmul over
 both the block and the sequence axes would copy every part first: the two strides do not merge),
-and the value side gathers only the K routed blocks' parts, all sequences in one batch. A query is laid out as [H, Hkv*D] with zeros off its own KV head's columns, so
-one matmul serves every head of a group-query model."""
+and the value side gathers only the K routed blocks' parts, all sequences in one batch. A query is
+laid out as [H, Hkv*D] with zeros off its own KV head's columns, so one matmul serves every head
+of a group-query model."""
 from __future__ import annotations
 
 import math
@@ -21,13 +22,18 @@ import torch
 from .codec import DKVParts
 
 
+def _own_kv_head(h: int, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query heads 0..H-1, the KV head each reads): index pairs into an [..., H, Hkv, ...] axis pair."""
+    heads = torch.arange(h, device=device)
+    return heads, heads // (h // hkv)
+
+
 def head_rows(q: torch.Tensor, hkv: int) -> torch.Tensor:
     """q: [B, H, 1, D] -> [B, H, Hkv*D] float32: query head h's vector in its KV head's D columns,
     zeros elsewhere."""
     b, h, _, d = q.shape
     out = torch.zeros(b, h, hkv, d, dtype=torch.float32, device=q.device)  # out: [B, H, Hkv, D]
-    heads = torch.arange(h, device=q.device)
-    out[:, heads, heads // (h // hkv)] = q[:, :, 0].float()
+    out[(slice(None), *_own_kv_head(h, hkv, q.device))] = q[:, :, 0].float()
     return out.view(b, h, hkv * d)
 
 
@@ -84,8 +90,7 @@ def lowrank_attention(q: torch.Tensor, p: DKVParts, w: torch.Tensor, top: torch.
     wc = torch.matmul(w, coeffs)  # wc: [B, K, H, r] the weighted sums, in r dimensions
     o = torch.matmul(wc, w_v.mT).sum(1)  # o: [B, H, Hkv*D] mapped back (every KV head's columns)
     o += torch.matmul(wsum.mT, a_v)  # the anchors' share: [B, H, Hkv*D]
-    heads = torch.arange(h, device=q.device)
-    out = o.view(b, h, hd // d, d)[:, heads, heads // (h // (hd // d))]  # out: [B, H, D] own KV head
+    out = o.view(b, h, hd // d, d)[(slice(None), *_own_kv_head(h, hd // d, q.device))]  # out: [B, H, D] own KV head
     out = out / den.clamp(min=torch.finfo(den.dtype).tiny)[..., None]
     return out[:, :, None], (den.log() + top)[:, :, None]
 
