@@ -328,3 +328,30 @@ def test_full_rank_all_residuals_attention_pick_equals_dense(tiny_llama_dir, tmp
     assert got.tokens == ref.tokens
     for a, b in zip(got.logits, ref.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_attention_runs_on_decode_threads_and_equals_torchs_setting(tiny_llama_dir, tmp_path, monkeypatch):
+    """decode_threads 1 (the default): DKV's decode attention runs on one intra-op thread on the CPU
+    and gives the same tokens and logits as torch's own setting (decode_threads 0)."""
+    import flexgen_sparpr.kv.policies.dkv as dkv_mod
+    seen, scores = [], dkv_mod.lowrank_scores
+
+    def spy(*a):
+        seen.append(torch.get_num_threads())
+        return scores(*a)
+    monkeypatch.setattr(dkv_mod, "lowrank_scores", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = {}
+        for n in (1, 0):
+            seen.clear()
+            args = {"rank": 2, "residuals": 1, "topk": 1, "decode_threads": n}
+            with engine(tiny_llama_dir, tmp_path, kv_policy="dkv", policy_args=args) as eng:
+                out[n] = eng.generate(PROMPTS, 6, keep_logits=True)
+            assert seen and set(seen) == {1 if n else 2}
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert out[1].tokens == out[0].tokens
+    torch.testing.assert_close(out[1].logits, out[0].logits, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ...models.layers import attention_with_lse, merge_attention
+from ...utils.threads import intra_op_threads
 from ..block_table import BlockTable
 from ..dkv.attention import block_mass, block_weights, lowrank_attention, lowrank_scores, residual_kv
 from ..dkv.codec import PICKS, DKVCodec, DKVParts
@@ -84,12 +85,15 @@ class DKV(KVPolicy):
                               metavar="{" + ",".join(PICKS) + "}")
     pick_window: int = knob(WINDOW, "the prompt's last queries that score tokens for the attention pick")
     pick_follow: int = knob(FOLLOW, "a token inherits the attention pick's score of this many tokens before it")
+    decode_threads: int = knob(1, "CPU threads for the decode attention: its ~25 small operations a layer-step "
+                               "lose more to splitting across threads than they gain; 0 = torch's setting "
+                               "(no effect on a GPU)")
 
     attends = True  # the engine hands this policy the whole decode attention
 
     def __post_init__(self):
         for name in ("block", "rank", "residuals", "topk", "recent_blocks", "sink_blocks", "prefill_topk",
-                     "dense_layers", "pick_window", "pick_follow"):
+                     "dense_layers", "pick_window", "pick_follow", "decode_threads"):
             at_least(self, name, 1 if name in ("block", "rank", "pick_window") else 0)
         one_of(self, "route", ("lowrank", "mean"))
         one_of(self, "residual_pick", PICKS)
@@ -177,6 +181,10 @@ class DKV(KVPolicy):
     def attend(self, table: BlockTable, layer: int, q, k, v, pads):
         """One decode step. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D] the new token; pads: [B] or None.
         Returns (o: [B, H, 1, D], store jobs)."""
+        with intra_op_threads(self.decode_threads, q.device):
+            return self._attend(table, layer, q, k, v, pads)
+
+    def _attend(self, table: BlockTable, layer: int, q, k, v, pads):
         if layer < self.dense_layers:
             jobs = table.append(k, v)
             kv, pos = table.gather()
@@ -259,7 +267,7 @@ class DKV(KVPolicy):
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
         config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks", "sink_blocks",
                                                 "sparse_prefill", "prefill_topk", "dense_layers", "route",
-                                                "residual_pick", "pick_window", "pick_follow")}
+                                                "residual_pick", "pick_window", "pick_follow", "decode_threads")}
         blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],
                   "ratio": self._bytes[0] / self._bytes[1]} if self._bytes else None
         return {"policy": self.name, "config": config, "block_bytes": blocks, "totals": dict(self.counts)}

@@ -1,0 +1,24 @@
+"""Intra-op thread scopes: a stretch of many small CPU operations can run faster on one thread
+than split across torch's pool (each split op pays a fork and a join that cost more than its
+share of the work)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def intra_op_threads(n: int, device: torch.device | str):
+    """torch's intra-op threads set to n inside the block, for a CPU device only (a GPU's kernels
+    do not use them); n = 0 or a count at or above the current one leaves the setting alone. The
+    previous count comes back however the block ends."""
+    before = torch.get_num_threads()
+    if torch.device(device).type != "cpu" or n <= 0 or n >= before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
