@@ -7,7 +7,7 @@ or score blocks exactly (the block oracle). The rest is SparPR's: sink, recent b
 per-sequence top-k under the budget, no dynamic budget (keep is the ceiling).
 
 Usage (repo root): .venv/bin/python experiments/sparpr_summaries/ppl_variants.py P WINDOWS STEPS KEEP VARIANT[,VARIANT...]
-VARIANT: sparpr, oracle (exact block mass, one set per sequence), oracle-heads (per KV head),
+VARIANT: sparpr, sparpr-<summary> (the engine's other summaries), oracle (exact block mass, one set per sequence), oracle-heads (per KV head),
 mean-heads (SparPR's summaries, per KV head), tail-R-V (SparPR + left-out blocks as virtual
 tokens), flexgen-topk, or a probe.py rule name with spaces as '_'.
 Env: PPL_TEXT (comma list; default the tuning text alice29), PPL_SEED (default 0), PPL_BS (block
@@ -177,6 +177,8 @@ def rule_fn(rule: Rule):
 def make(name):
     if name == "sparpr":
         return make_policy("sparpr", keep_ratio=KEEP, dynamic_budget=False)
+    if name.startswith("sparpr-"):  # sparpr-<summary>: the engine's other summaries (sparpr-lowrank)
+        return make_policy("sparpr", keep_ratio=KEEP, dynamic_budget=False, summary=name.split("-", 1)[1])
     if name.startswith("tail"):  # tail-<run>-<vrun>
         _, run, vrun = name.split("-")
         return Tail(int(run), int(vrun), keep_ratio=KEEP, dynamic_budget=False)

@@ -1,4 +1,4 @@
-"""SparPR's low-rank key summaries (the default): every cached key, projected on its KV head's
+"""SparPR's low-rank key summaries (`--summary lowrank`): every cached key, projected on its KV head's
 main directions, in 4 bits.
 
 Per table and KV head, the r = `rank` directions that carry most of the keys' energy (top
