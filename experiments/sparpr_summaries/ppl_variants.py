@@ -8,7 +8,8 @@ per-sequence top-k under the budget, no dynamic budget (keep is the ceiling).
 
 Usage (repo root): .venv/bin/python experiments/sparpr_summaries/ppl_variants.py P WINDOWS STEPS KEEP VARIANT[,VARIANT...]
 VARIANT: sparpr, sparpr-<summary> (the engine's other summaries), oracle (exact block mass, one set per sequence), oracle-heads (per KV head),
-mean-heads (SparPR's summaries, per KV head), tail-R-V (SparPR + left-out blocks as virtual
+mean-heads (SparPR's summaries, per KV head), mean-maxheads (one set, a block scored
+by its best KV head's mass), tail-R-V (SparPR + left-out blocks as virtual
 tokens), flexgen-topk, or a probe.py rule name with spaces as '_'.
 Env: PPL_TEXT (comma list; default the tuning text alice29), PPL_SEED (default 0), PPL_BS (block
 tokens, default 16). Outputs kept: results/ppl/explore/ceiling-held-out.txt, variants-tuning.txt.
@@ -99,6 +100,12 @@ def mean_heads(self, table, layer, q):
     return per.view(b, hkv, nb, parts).amax(dim=-1)
 
 
+def mean_maxheads(self, table, layer, q):
+    """[B, nb]: SparPR's mean summaries, each KV head's mass (mean_heads); a block scores its best
+    KV head's, so one block set still serves every head (one read per block)."""
+    return mean_heads(self, table, layer, q).amax(dim=1)
+
+
 class PerHead(Simulated):
     """Each KV head picks its own blocks (sink, recent, open always) within the sequence's budget."""
 
@@ -186,6 +193,8 @@ def make(name):
         return PerHead(oracle_heads, keep_ratio=KEEP, dynamic_budget=False)
     if name == "mean-heads":
         return PerHead(mean_heads, keep_ratio=KEEP, dynamic_budget=False)
+    if name == "mean-maxheads":
+        return Simulated(mean_maxheads, keep_ratio=KEEP, dynamic_budget=False)
     if name == "oracle":
         return Simulated(oracle, keep_ratio=KEEP, dynamic_budget=False)
     if name.startswith("flexgen-topk"):
