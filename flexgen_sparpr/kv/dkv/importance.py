@@ -27,9 +27,11 @@ import torch
 import torch.nn.functional as F
 
 WINDOW = 32  # observation window: the last prompt queries
-# a token inherits the importance of this many tokens before it: 8 covers a 5-digit key and the
-# token that ends it; with 5 the 8k passkeys were recalled but not where they end ("23199999999")
-FOLLOW = 8
+# a token inherits the importance of this many tokens before it: 12 covers a 10-digit key and the
+# token that ends it (8 covered 5 digits: 4/10 10-digit keys on the tuning split, 12: 8/10, 16:
+# 3/10; 5-digit keys 10/10 with 8 and 12; results/fidelity/explore/dkv-follow-tuning.txt). With 5
+# the 8k passkeys were recalled but not where they end ("23199999999")
+FOLLOW = 12
 
 
 def observation_importance(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor | None,
