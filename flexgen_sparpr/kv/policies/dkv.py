@@ -16,7 +16,7 @@ from ..dkv.attention import block_mass, block_weights, lowrank_attention, lowran
 from ..dkv.codec import PICKS, DKVCodec, DKVParts
 from ..dkv.importance import FOLLOW, WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
-from ..knobs import KnobError, at_least, knob, one_of
+from ..knobs import KnobError, at_least, knob, knobs, one_of
 from ..policy import KVPolicy
 from .base import masked_mean_keys
 
@@ -265,9 +265,7 @@ class DKV(KVPolicy):
 
     def stats(self) -> dict | None:
         """JSON-able: knobs and what the decode steps attended (summed over layers and batches)."""
-        config = {k: getattr(self, k) for k in ("rank", "residuals", "topk", "recent_blocks", "sink_blocks",
-                                                "sparse_prefill", "prefill_topk", "dense_layers", "route",
-                                                "residual_pick", "pick_window", "pick_follow", "decode_threads")}
+        config = {k.name: getattr(self, k.name) for k in knobs(type(self))}  # every knob, as set
         blocks = {"dense_bytes": self._bytes[0], "dkv_bytes": self._bytes[1],
                   "ratio": self._bytes[0] / self._bytes[1]} if self._bytes else None
         return {"policy": self.name, "config": config, "block_bytes": blocks, "totals": dict(self.counts)}
