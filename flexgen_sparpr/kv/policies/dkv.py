@@ -22,6 +22,13 @@ from .base import masked_mean_keys
 
 
 
+def copies_window(device: torch.device) -> bool:
+    """Whether a step attends a copy of the exact sink and recent blocks together with the residual
+    rows (one attention call instead of three): on the CPU, where a call's fixed cost is that of
+    ~200 attended tokens; not on a GPU, where the call is cheap and the copy's memory is not."""
+    return device.type == "cpu"
+
+
 @dataclass(eq=False)
 class _State:
     """Per table: exact mean keys of sealed blocks (routing), and what a decode step would
@@ -38,8 +45,14 @@ class _State:
     res_ok: torch.Tensor | None = None  # [B, n*m] valid (not left padding)
     usable: torch.Tensor | None = None  # [n, B, bs] valid tokens that are not residual rows
     res_pos: torch.Tensor | None = None  # [B, n*m] their positions
+    # the exact rows a step reads that change only when a block seals, as one tensor: the residual
+    # rows (res_k, res_v are views into it) and, where copies_window, a copy of the exact blocks
+    fixed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # k, v: [B, Hkv, T, D]; ok: [B, T]
+    fixed_key: tuple | None = None  # what `fixed` was made for
+    epoch: int = 0  # seals and prefills so far (either may rewrite what `fixed` holds)
 
     def forget_from(self, block: int) -> None:
+        self.epoch += 1
         if block < self.cached:
             self.cached = 0  # a re-sealed block: rebuild from the rows (rare: rewinds)
 
@@ -157,6 +170,7 @@ class DKV(KVPolicy):
         self.attach(table, layer)
         st, bs = self._state[table], table.bs
         st.pads = (~valid).sum(dim=1).to(table.devices.compute)  # pads: [B]
+        st.epoch += 1
         sealed = table.length // bs
         if sealed and table.length == k.shape[2]:  # means over valid tokens only, now that pads are known
             keys = k[:, :, :sealed * bs].float().unflatten(2, (sealed, bs))  # keys: [B, Hkv, n, bs, D]
@@ -200,8 +214,10 @@ class DKV(KVPolicy):
         sealed = table.length // bs
         recent = list(range(max(0, sealed - self.recent_blocks), sealed))
         sinks = [b for b in range(min(self.sink_blocks, sealed)) if b not in recent]
-        # the exact window, each block where it lives (no copy): kv: [2, B, Hkv, T, D]; pos: [T]
-        window = table.views(sinks + recent + ([table.num_blocks - 1] if table.length % bs else []))
+        window = sinks + recent  # the exact sealed blocks
+        copied = window if copies_window(q.device) else []  # attended from `fixed`
+        live = [b for b in window if b not in copied] + ([table.num_blocks - 1] if table.length % bs else [])
+        views = table.views(live)  # the other exact blocks where they live: kv: [2, B, Hkv, T, D]; pos: [T]
         first = len(sinks)
         cold = list(range(first, sealed - len(recent)))
         low = []
@@ -215,15 +231,39 @@ class DKV(KVPolicy):
             kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
             w, top = block_weights(lowrank_scores(q, p, st.usable))  # w: [B, n, H, bs]; top: [B, H]
             route = None if kk == len(cold) else self._route(q, w, top, st.mean[first:], kk)  # route: [B, K]
-            low = [attention_with_lse(q, st.res_k, st.res_v, st.res_ok),  # every cold block's exact rows
-                   lowrank_attention(q, p, w, top, route)]  # the routed blocks in low-rank form
+            low = [lowrank_attention(q, p, w, top, route)]  # the routed blocks in low-rank form
             self.counts["routed_blocks"] += kk
             self.counts["residual_tokens"] += st.res_k.shape[2]
             self.counts["cold_blocks"] += len(cold)
         self.counts["steps"] += 1
-        self.counts["window_tokens"] += sum(pos.shape[0] for _, pos in window)
-        exact = [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None]) for kv, pos in window]
+        self.counts["window_tokens"] += len(copied) * bs + sum(pos.shape[0] for _, pos in views)
+        fixed = self._fixed(st, table, copied, sealed, bool(cold), pads)
+        exact = ([attention_with_lse(q, *fixed)] if fixed else []) + \
+            [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None]) for kv, pos in views]
         return merge_attention(exact + low).to(q.dtype), jobs
+
+    @staticmethod
+    def _fixed(st: _State, table: BlockTable, window: list[int], sealed: int, cold: bool, pads: torch.Tensor):
+        """A copy of the exact sealed blocks `window` and (cold) the cold blocks' residual rows as
+        one k, v: [B, Hkv, T, D] and ok: [B, T] (not padding), made again only when a block seals or
+        the blocks change; None when there are none."""
+        key = (st.epoch, sealed, tuple(window), st.cached if cold else -1, st.first)
+        if st.fixed_key == key:
+            return st.fixed
+        runs = table.views(window)  # [(kv: [2, B, Hkv, T, D], pos: [T])]
+        ks, vs = [kv[0] for kv, _ in runs], [kv[1] for kv, _ in runs]
+        oks = [pos[None, :] >= pads[:, None] for _, pos in runs]  # each [B, T]
+        if cold:
+            dt = ks[0].dtype if ks else st.res_k.dtype
+            ks, vs, oks = ks + [st.res_k.to(dt)], vs + [st.res_v.to(dt)], oks + [st.res_ok]
+        st.fixed = None if not ks else (ks[0], vs[0], oks[0]) if len(ks) == 1 else \
+            (torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat(oks, dim=1))  # one piece: no copy
+        if cold:  # the residual rows held once: in `fixed`, the last of it
+            fk, fv, _ = st.fixed
+            start = fk.shape[2] - st.res_k.shape[2]
+            st.res_k, st.res_v = fk[:, :, start:], fv[:, :, start:]
+        st.fixed_key = key
+        return st.fixed
 
     @staticmethod
     def _cache_cold(st: _State, p, first: int, bs: int, d: int, pads: torch.Tensor) -> None:
