@@ -91,7 +91,8 @@ def main(argv=None) -> None:
     cells = sorted({(r["task"], r["length"]) for r in rows if r["label"] != "dense"})
     fr = {p: frontier(rows, p, args.threshold) for p in POLICIES}
     dkv = {(r["task"], r["length"]): r["agree_rate"] >= args.threshold for r in rows if r["policy"] == "dkv"}
-    dkv_agree = {(r["task"], r["length"]): f"{r['agree']}/{r['n']}" for r in rows if r["policy"] == "dkv"}
+    dkv_agree = {(r["task"], r["length"]): f"{r['agree']}/{r['n']}; {r['kept']} of dense's {r['dense_hits']} hits"
+                 for r in rows if r["policy"] == "dkv"}
     keeps = {p: sorted({r["keep"] for r in rows if r["policy"] == p}, reverse=True) for p in POLICIES}
     n = {(r["task"], r["length"]): r["n"] for r in rows if r["label"] == "dense"}
 
@@ -116,7 +117,8 @@ def main(argv=None) -> None:
         f"Smallest keep ratio at which a policy's answer equals dense's in ≥ {100 * args.threshold:g} % of the "
         f"trials, at that keep and every larger one measured (`> k`: not even at the largest, k). Keeps "
         f"measured: {json.dumps(keeps)}. DKV has no keep: its column says whether its one configuration (rank 32, "
-        f"16 exact rows, 256-token blocks: {dkv_bytes():.3f} of dense's bytes per block) meets the same bar (in brackets: its trials equal to dense's). "
+        f"16 exact rows, 256-token blocks: {dkv_bytes():.3f} of dense's bytes per block) meets the same bar (in brackets: its trials equal to dense's, and how many of dense's right answers it "
+        f"also gives: agreeing on dense's wrong answers counts in the first). "
         f"With n trials a cell needs ⌈{args.threshold:g}·n⌉ agreements (all 10 of 10). Split "
         f"**{plan['split']}**: texts {', '.join(plan['texts'])}, depths {plan['depths']}, seed {plan['seed']}.", "",
         md_table(["task", "context", "trials", *[f"{p} keep" for p in POLICIES], "dkv meets"], table),

@@ -13,8 +13,9 @@ from .sweep import REFERENCE
 
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (task, length, label): hits, n, score, the same trials' dense hits, the ratio
-    score / dense score, and agree = trials whose canonical answer equals dense's (with its
-    Wilson interval)."""
+    score / dense score, kept = dense's hits this configuration also hits, and agree = trials
+    whose canonical answer equals dense's (with its Wilson interval): agreeing on dense's wrong
+    answers counts there, kept says whether its right ones survive."""
     dense = {(r["trial"], r["task"], r["length"]): r for r in records if r["label"] == REFERENCE}
     groups: dict[tuple, list[dict]] = {}
     for r in records:
@@ -25,11 +26,12 @@ def summarize(records: list[dict]) -> list[dict]:
                                                                             kv[0][2])):
         ds = [dense[(r["trial"], task, length)] for r in rs]
         hits, dhits = sum(r["hit"] for r in rs), sum(d["hit"] for d in ds)
+        kept = sum(r["hit"] and d["hit"] for r, d in zip(rs, ds))
         agree = sum(r["canon"] == d["canon"] for r, d in zip(rs, ds))
         lo, hi = wilson(agree, len(rs))
         rows.append({"task": task, "length": length, "label": label, "policy": rs[0]["policy"],
                      "keep": rs[0]["keep"], "n": len(rs), "hits": hits, "score": hits / len(rs),
-                     "dense_hits": dhits, "vs_dense": hits / dhits if dhits else None,
+                     "dense_hits": dhits, "kept": kept, "vs_dense": hits / dhits if dhits else None,
                      "agree": agree, "agree_rate": agree / len(rs), "agree_lo": lo, "agree_hi": hi})
     return rows
 

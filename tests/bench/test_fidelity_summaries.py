@@ -71,6 +71,7 @@ def test_agreement_is_trial_by_trial_and_the_frontier_is_monotone():
         recs.append(_trial(i, "sparpr@0.05", "1", i < 8, 0.05))  # agrees again, but below a miss
     rows = {r["label"]: r for r in summarize_trials(recs)}
     assert rows["sparpr@0.1"]["agree"] == 9 and rows["sparpr@0.1"]["vs_dense"] == pytest.approx(7 / 8)
+    assert rows["sparpr@0.1"]["kept"] == 7 and rows["sparpr@0.5"]["kept"] == rows["dense"]["kept"] == 8
     assert rows["sparpr@0.5"]["agree_rate"] == 1.0
     assert frontier(list(rows.values()), "sparpr") == {("passkey", 2048): 0.5}
     assert frontier(list(rows.values()), "sparpr", threshold=0.9) == {("passkey", 2048): 0.05}
