@@ -7,7 +7,9 @@ Usage (repo root):
       [--tasks phrase,multi-value,multi-key,passkey] [--length 2048] [--trials 10] [--keep 0.1] \
       --variants "default;summary_tokens=2"
 A variant is a comma list of SparPR knobs, as sparpr_variants.py reads them (recent_blocks,
-summary_tokens, per_sequence, head_score); "default" is the policy's defaults. Prints per task: dense hits, each variant's hits and the
+summary_tokens, per_sequence, head_score); "default" is the policy's defaults; "sim=NAME" a
+simulated selection of ../sparpr_summaries/simulated.py (oracle, oracle-heads, mean-heads,
+mean-maxheads). Prints per task: dense hits, each variant's hits and the
 trials whose canonical answer equals dense's.
 """
 from __future__ import annotations
@@ -34,7 +36,22 @@ from flexgen_sparpr.kv.policies.sparpr import SparPR  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sparpr_summaries"))
+from simulated import SCORES, make_simulated  # noqa: E402
 from sparpr_variants import parse_variant  # noqa: E402  (the same knob syntax)
+
+
+def variant_kw(text: str) -> dict:
+    if text.startswith("sim="):
+        if text[4:] not in SCORES:
+            raise ValueError(f"unknown simulated selection {text[4:]!r} (known: {', '.join(SCORES)})")
+        return {"sim": text[4:]}
+    return parse_variant(text)
+
+
+def new_policy(kw: dict, keep: float) -> SparPR:
+    common = {"keep_ratio": keep, "dynamic_budget": False, "fallback": False}
+    return make_simulated(kw["sim"], **common) if "sim" in kw else SparPR(**common, **kw)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -46,7 +63,7 @@ def main() -> None:
     ap.add_argument("--keep", type=float, default=0.1)
     ap.add_argument("--variants", default="default;summary_tokens=2")
     args = ap.parse_args()
-    variants = {v: parse_variant(v) for v in args.variants.split(";") if v}
+    variants = {v: variant_kw(v) for v in args.variants.split(";") if v}
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
@@ -64,8 +81,7 @@ def main() -> None:
                 trials = [build_trial(task, builders[j % len(builders)][0], args.length,
                                       split.depths[j % len(split.depths)], rng, builders[j % len(builders)][1])
                           for j in range(i, i + args.batch)]
-                pols = {v: SparPR(keep_ratio=args.keep, dynamic_budget=False, fallback=False, **kw)
-                        for v, kw in variants.items()}
+                pols = {v: new_policy(kw, args.keep) for v, kw in variants.items()}
                 dense = make_policy("dense")
                 eng.set_kv_policy(dense, attach=False)
                 forced = [t.forced for t in trials]  # late-question: teacher-forced, then greedy

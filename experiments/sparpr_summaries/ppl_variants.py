@@ -27,104 +27,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sparpr_ppl"))
 from forced import ppl_from_one_prefill, text_windows  # noqa: E402
 from probe import RULES, Rule  # noqa: E402
+from simulated import PerHead, Simulated, mean_heads, mean_maxheads, oracle, oracle_heads  # noqa: E402
 
 from flexgen_sparpr.kv.policies import make_policy
-from flexgen_sparpr.kv.policies.scoring import budgeted_pick, picked_tokens
 from flexgen_sparpr.kv.policies.sparpr import SparPR
 
 P, W, T, KEEP = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 NAMES = sys.argv[5].split(",")
 BS = int(os.environ.get("PPL_BS", 16))
 TEXT, SEED = os.environ.get("PPL_TEXT", "alice29"), int(os.environ.get("PPL_SEED", 0))
-
-
-class Simulated(SparPR):
-    """SparPR whose block scores come from `score_fn(self, table, layer, q) -> [B, nb]`."""
-
-    def __init__(self, score_fn, **kw):
-        super().__init__(**kw)
-        self.score_fn, self.basis = score_fn, {}
-
-    def on_prefill(self, table, layer, q, k, valid):
-        super().on_prefill(table, layer, q, k, valid)
-        x = k[0].float()  # [Hkv, S, D]
-        us = []
-        for h in range(x.shape[0]):
-            c = x[h] - x[h].mean(dim=0)
-            _, _, vt = torch.linalg.svd(torch.cat([c, x[h].mean(dim=0, keepdim=True)]), full_matrices=False)
-            us.append(vt.T)
-        self.basis[layer] = torch.stack(us)
-
-    def top_k(self, table, layer, q, budgets):
-        b = q.shape[0]
-        bs, sealed = table.bs, table.length // table.bs
-        valid, counts = self.block_counts(table)
-        score = self.score_fn(self, table, layer, q)  # [B, nb]
-        ids = torch.arange(sealed, device=q.device)
-        sink = ids[None, :] == (self.pads(table) // bs)[:, None]
-        own = sink | (ids >= sealed - self.recent_blocks)[None, :]
-        used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
-        pick = budgeted_pick(score, counts, torch.tensor(budgets, device=q.device) - used, own)
-        return picked_tokens(pick, table) & valid
-
-
-def block_mass(table, q):
-    """[B, Hkv, G, nb]: each query head's exact attention mass per sealed block."""
-    kv, _ = table.gather()
-    keys = kv[0].float()
-    b, h, _, d = q.shape
-    hkv, L = keys.shape[1], keys.shape[2]
-    p = torch.einsum("bkgd,bktd->bkgt", q.float().view(b, hkv, h // hkv, d), keys).div(math.sqrt(d)).softmax(-1)
-    sealed = L // table.bs
-    return p[..., :sealed * table.bs].reshape(b, hkv, h // hkv, sealed, table.bs).sum(dim=-1)
-
-
-def oracle(self, table, layer, q):
-    """[B, nb]: every head's exact attention mass per sealed block, summed."""
-    return block_mass(table, q).sum(dim=(1, 2))
-
-
-def oracle_heads(self, table, layer, q):
-    """[B, Hkv, nb]: each KV head's exact attention mass per sealed block (its query heads summed)."""
-    return block_mass(table, q).sum(dim=2)
-
-
-def mean_heads(self, table, layer, q):
-    """[B, Hkv, nb]: SparPR's mean summaries, each KV head's softmax over parts (its query heads summed)."""
-    mean, live = self.summaries(table, layer)  # [B, Hkv, nb, P, D], [B, nb, P]
-    b, h, _, d = q.shape
-    hkv, nb, parts = mean.shape[1], mean.shape[2], mean.shape[3]
-    lv = live.reshape(b, 1, 1, nb * parts)
-    per = torch.einsum("bkgd,bknd->bkgn", q.float().view(b, hkv, h // hkv, d), mean.float().reshape(b, hkv, nb * parts, d))
-    per = (per / math.sqrt(d)).masked_fill(~lv, -math.inf).softmax(-1).sum(dim=2)  # [B, Hkv, nb*P]
-    return per.view(b, hkv, nb, parts).amax(dim=-1)
-
-
-def mean_maxheads(self, table, layer, q):
-    """[B, nb]: SparPR's mean summaries, each KV head's mass (mean_heads); a block scores its best
-    KV head's, so one block set still serves every head (one read per block)."""
-    return mean_heads(self, table, layer, q).amax(dim=1)
-
-
-class PerHead(Simulated):
-    """Each KV head picks its own blocks (sink, recent, open always) within the sequence's budget."""
-
-    def select(self, table, layer, q):
-        from flexgen_sparpr.kv.policies.base import selection_from_tokens, token_budget
-        n_valid = [table.length - p for p in self.host_pads(table)]
-        budgets = [token_budget(self.keep_ratio, n, self.floor(table)) for n in n_valid]
-        bs, sealed = table.bs, table.length // table.bs
-        valid, counts = self.block_counts(table)
-        score = self.score_fn(self, table, layer, q)  # [B, Hkv, nb]
-        hkv = score.shape[1]
-        ids = torch.arange(sealed, device=q.device)
-        sink = ids[None, :] == (self.pads(table) // bs)[:, None]
-        own = sink | (ids >= sealed - self.recent_blocks)[None, :]
-        used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
-        room = (torch.tensor(budgets) - used)[:, None].expand(-1, hkv)
-        pick = budgeted_pick(score, counts[:, None], room, own[:, None].expand(-1, hkv, -1))
-        keep = picked_tokens(pick, table) & valid[:, None]
-        return selection_from_tokens(table, keep)
 
 
 class Tail(SparPR):
