@@ -21,7 +21,6 @@ from ..policy import KVPolicy
 from .base import masked_mean_keys
 
 
-
 def copies_window(device: torch.device) -> bool:
     """Whether a step attends a copy of the exact sink and recent blocks together with the residual
     rows (one attention call instead of three): on the CPU, where a call's fixed cost is that of
