@@ -9,7 +9,7 @@ Usage (repo root):
 A variant is a comma list of SparPR knobs, as sparpr_variants.py reads them (recent_blocks,
 summary_tokens, per_sequence, head_score); "default" is the policy's defaults; "sim=NAME" a
 simulated selection of ../sparpr_summaries/simulated.py (oracle, oracle-heads, mean-heads,
-mean-maxheads). Prints per task: dense hits, each variant's hits and the
+mean-maxheads, mean-sumparts). Prints per task: dense hits, each variant's hits and the
 trials whose canonical answer equals dense's.
 """
 from __future__ import annotations

@@ -98,8 +98,22 @@ class PerHead(Simulated):
         return selection_from_tokens(table, keep)
 
 
+
+def mean_sumparts(self, table, layer, q):
+    """[B, nb]: SparPR's mean summaries scored as in the engine (each query head's softmax over
+    every run, summed over heads), but a block scores the sum of its runs (a mass), not its best."""
+    mean, live = self.summaries(table, layer)  # [B, Hkv, nb, P, D], [B, nb, P]
+    b, h, _, d = q.shape
+    hkv, nb, parts = mean.shape[1], mean.shape[2], mean.shape[3]
+    lv = live.reshape(b, 1, 1, nb * parts)
+    per = torch.einsum("bkgd,bknd->bkgn", q.float().view(b, hkv, h // hkv, d), mean.float().reshape(b, hkv, nb * parts, d))
+    per = (per / math.sqrt(d)).masked_fill(~lv, -math.inf).softmax(-1).sum(dim=(1, 2))  # [B, nb*P]
+    return per.view(b, nb, parts).sum(dim=-1).masked_fill(~live.any(-1), -math.inf)
+
+
 SCORES = {"oracle": (Simulated, oracle), "oracle-heads": (PerHead, oracle_heads),
-          "mean-heads": (PerHead, mean_heads), "mean-maxheads": (Simulated, mean_maxheads)}
+          "mean-heads": (PerHead, mean_heads), "mean-maxheads": (Simulated, mean_maxheads),
+          "mean-sumparts": (Simulated, mean_sumparts)}
 
 
 def make_simulated(name: str, **kw) -> SparPR:
