@@ -10,7 +10,8 @@ Usage (repo root): .venv/bin/python experiments/sparpr_summaries/ppl_variants.py
 VARIANT: sparpr, sparpr-<summary> (the engine's other summaries), oracle (exact block mass, one set per sequence), oracle-heads (per KV head),
 mean-heads (SparPR's summaries, per KV head), mean-maxheads (one set, a block scored
 by its best KV head's mass), tail-R-V (SparPR + left-out blocks as virtual
-tokens), flexgen-topk, or a probe.py rule name with spaces as '_'.
+tokens), flexgen-topk, another of simulated.py's SCORES (mean-sumparts, mean-lognormal,
+mean-iso), or a probe.py rule name with spaces as '_'.
 Env: PPL_TEXT (comma list; default the tuning text alice29), PPL_SEED (default 0), PPL_BS (block
 tokens, default 16). Outputs kept: results/ppl/explore/ceiling-held-out.txt, variants-tuning.txt.
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sparpr_ppl"))
 from forced import ppl_from_one_prefill, text_windows  # noqa: E402
 from probe import RULES, Rule  # noqa: E402
-from simulated import PerHead, Simulated, mean_heads, mean_maxheads, oracle, oracle_heads  # noqa: E402
+from simulated import SCORES, PerHead, Simulated, make_simulated, mean_heads, mean_maxheads, oracle, oracle_heads  # noqa: E402
 
 from flexgen_sparpr.kv.policies import make_policy
 from flexgen_sparpr.kv.policies.sparpr import SparPR
@@ -108,6 +109,8 @@ def make(name):
         return Simulated(mean_maxheads, keep_ratio=KEEP, dynamic_budget=False)
     if name == "oracle":
         return Simulated(oracle, keep_ratio=KEEP, dynamic_budget=False)
+    if name in SCORES:  # the other simulated selections (simulated.py)
+        return make_simulated(name, keep_ratio=KEEP, dynamic_budget=False)
     if name.startswith("flexgen-topk"):
         return make_policy("flexgen-topk", keep_ratio=KEEP)
     rules = {r.name.replace(" ", "_"): r for r in RULES}

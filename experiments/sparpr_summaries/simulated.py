@@ -111,9 +111,38 @@ def mean_sumparts(self, table, layer, q):
     return per.view(b, nb, parts).sum(dim=-1).masked_fill(~live.any(-1), -math.inf)
 
 
+
+def _lognormal(iso: bool, t: int = 4):
+    """[B, nb]: each t-token run's attention mass estimated from its mean key and its keys' variance
+    (per channel, or `iso`: one number a run and KV head) as if its scores were normal:
+    count * exp(q.mu / sqrt(D) + q^T diag(var) q / (2 D)); each query head's softmax over every run,
+    summed over heads and over a block's runs (simulated from the cached keys)."""
+    def fn(self, table, layer, q):
+        kv, _ = table.gather()
+        bs, sealed = table.bs, table.length // table.bs
+        keys = kv[0].float()[:, :, :sealed * bs]  # keys: [B, Hkv, n*bs, D]
+        b, hkv, _, d = keys.shape
+        keys = keys.view(b, hkv, sealed, bs // t, t, d)  # [B, Hkv, nb, P, t, D]
+        w = self.valid_tokens(table)[:, :sealed * bs].view(b, 1, sealed, bs // t, t, 1).float()
+        cnt = w.sum(-2)  # cnt: [B, 1, nb, P, 1]
+        mu = (keys * w).sum(-2) / cnt.clamp(min=1)  # mu: [B, Hkv, nb, P, D]
+        var = ((keys - mu[..., None, :]).square() * w).sum(-2) / cnt.clamp(min=1)  # var: [B, Hkv, nb, P, D]
+        if iso:
+            var = var.mean(-1, keepdim=True).expand_as(var)
+        h = q.shape[1]
+        qg = q[:, :, 0].float().view(b, hkv, h // hkv, d) / math.sqrt(d)  # qg: [B, Hkv, G, D]
+        logit = (torch.einsum("bkgd,bknpd->bkgnp", qg, mu) + 0.5 * torch.einsum("bkgd,bknpd->bkgnp", qg.square(), var)
+                 + cnt[..., 0].clamp(min=1e-9).log()[:, :, None])  # logit: [B, Hkv, G, nb, P]
+        logit = logit.masked_fill((cnt[..., 0] == 0)[:, :, None], -math.inf)
+        mass = logit.flatten(3).softmax(-1).view_as(logit).sum(dim=(1, 2))  # mass: [B, nb, P]
+        return mass.sum(-1).masked_fill(cnt[:, 0, :, :, 0].sum(-1) == 0, -math.inf)
+    return fn
+
+
 SCORES = {"oracle": (Simulated, oracle), "oracle-heads": (PerHead, oracle_heads),
           "mean-heads": (PerHead, mean_heads), "mean-maxheads": (Simulated, mean_maxheads),
-          "mean-sumparts": (Simulated, mean_sumparts)}
+          "mean-sumparts": (Simulated, mean_sumparts), "mean-lognormal": (Simulated, _lognormal(False)),
+          "mean-iso": (Simulated, _lognormal(True))}
 
 
 def make_simulated(name: str, **kw) -> SparPR:
