@@ -27,15 +27,20 @@ class Simulated(SparPR):
             us.append(vt.T)
         self.basis[layer] = torch.stack(us)
 
-    def top_k(self, table, layer, q, budgets):
+    def always_read(self, table, budgets):
+        """(valid [B, L], counts [B, nb], own [B, nb]: the sink and recent blocks every step reads,
+        room [B]: the tokens the budget leaves for picked blocks)."""
         bs, sealed = table.bs, table.length // table.bs
         valid, counts = self.block_counts(table)
-        score = self.score_fn(self, table, layer, q)  # [B, nb]
-        ids = torch.arange(sealed, device=q.device)
+        ids = torch.arange(sealed, device=counts.device)
         sink = ids[None, :] == (self.pads(table) // bs)[:, None]
         own = sink | (ids >= sealed - self.recent_blocks)[None, :]
         used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
-        pick = budgeted_pick(score, counts, torch.tensor(budgets, device=q.device) - used, own)
+        return valid, counts, own, torch.tensor(budgets, device=counts.device) - used
+
+    def top_k(self, table, layer, q, budgets):
+        valid, counts, own, room = self.always_read(table, budgets)
+        pick = budgeted_pick(self.score_fn(self, table, layer, q), counts, room, own)  # score: [B, nb]
         return picked_tokens(pick, table) & valid
 
 
@@ -60,15 +65,21 @@ def oracle_heads(self, table, layer, q):
     return block_mass(table, q).sum(dim=2)
 
 
-def mean_heads(self, table, layer, q):
-    """[B, Hkv, nb]: SparPR's mean summaries, each KV head's softmax over parts (its query heads summed)."""
+def run_masses(self, table, layer, q):
+    """([B, Hkv, G, nb, P]: each query head's softmax over every run of SparPR's mean summaries,
+    live [B, nb, P])."""
     mean, live = self.summaries(table, layer)  # [B, Hkv, nb, P, D], [B, nb, P]
     b, h, _, d = q.shape
     hkv, nb, parts = mean.shape[1], mean.shape[2], mean.shape[3]
     lv = live.reshape(b, 1, 1, nb * parts)
     per = torch.einsum("bkgd,bknd->bkgn", q.float().view(b, hkv, h // hkv, d), mean.float().reshape(b, hkv, nb * parts, d))
-    per = (per / math.sqrt(d)).masked_fill(~lv, -math.inf).softmax(-1).sum(dim=2)  # [B, Hkv, nb*P]
-    return per.view(b, hkv, nb, parts).amax(dim=-1)
+    per = (per / math.sqrt(d)).masked_fill(~lv, -math.inf).softmax(-1)  # per: [B, Hkv, G, nb*P]
+    return per.view(b, hkv, h // hkv, nb, parts), live
+
+
+def mean_heads(self, table, layer, q):
+    """[B, Hkv, nb]: SparPR's mean summaries, each KV head's softmax over parts (its query heads summed)."""
+    return run_masses(self, table, layer, q)[0].sum(dim=2).amax(dim=-1)
 
 
 def mean_maxheads(self, table, layer, q):
@@ -84,32 +95,19 @@ class PerHead(Simulated):
         from flexgen_sparpr.kv.policies.base import selection_from_tokens, token_budget
         n_valid = [table.length - p for p in self.host_pads(table)]
         budgets = [token_budget(self.keep_ratio, n, self.floor(table)) for n in n_valid]
-        bs, sealed = table.bs, table.length // table.bs
-        valid, counts = self.block_counts(table)
+        valid, counts, own, room = self.always_read(table, budgets)
         score = self.score_fn(self, table, layer, q)  # [B, Hkv, nb]
         hkv = score.shape[1]
-        ids = torch.arange(sealed, device=q.device)
-        sink = ids[None, :] == (self.pads(table) // bs)[:, None]
-        own = sink | (ids >= sealed - self.recent_blocks)[None, :]
-        used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
-        room = (torch.tensor(budgets) - used)[:, None].expand(-1, hkv)
-        pick = budgeted_pick(score, counts[:, None], room, own[:, None].expand(-1, hkv, -1))
+        pick = budgeted_pick(score, counts[:, None], room[:, None].expand(-1, hkv), own[:, None].expand(-1, hkv, -1))
         keep = picked_tokens(pick, table) & valid[:, None]
         return selection_from_tokens(table, keep)
-
 
 
 def mean_sumparts(self, table, layer, q):
     """[B, nb]: SparPR's mean summaries scored as in the engine (each query head's softmax over
     every run, summed over heads), but a block scores the sum of its runs (a mass), not its best."""
-    mean, live = self.summaries(table, layer)  # [B, Hkv, nb, P, D], [B, nb, P]
-    b, h, _, d = q.shape
-    hkv, nb, parts = mean.shape[1], mean.shape[2], mean.shape[3]
-    lv = live.reshape(b, 1, 1, nb * parts)
-    per = torch.einsum("bkgd,bknd->bkgn", q.float().view(b, hkv, h // hkv, d), mean.float().reshape(b, hkv, nb * parts, d))
-    per = (per / math.sqrt(d)).masked_fill(~lv, -math.inf).softmax(-1).sum(dim=(1, 2))  # [B, nb*P]
-    return per.view(b, nb, parts).sum(dim=-1).masked_fill(~live.any(-1), -math.inf)
-
+    per, live = run_masses(self, table, layer, q)
+    return per.sum(dim=(1, 2, 4)).masked_fill(~live.any(-1), -math.inf)
 
 
 def _lognormal(iso: bool, t: int = 4):
