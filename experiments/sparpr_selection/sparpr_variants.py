@@ -72,8 +72,10 @@ def parse_variant(text: str) -> dict:
             kw[key] = int(val)
         elif key in BOOLS:
             kw[key] = val not in ("0", "false", "False")
-        elif key == "head_score":
+        elif key in ("head_score", "summary"):
             kw[key] = val
+        elif key == "summary_rank":
+            kw[key] = float(val)
         else:
             raise ValueError(f"unknown variant field {key!r} in {text!r}")
     SparPR(keep_ratio=0.5, quest_only=True, **kw)  # refuse bad knobs before any prefill

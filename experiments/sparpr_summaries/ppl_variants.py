@@ -96,8 +96,10 @@ def rule_fn(rule: Rule):
 def make(name):
     if name == "sparpr":
         return make_policy("sparpr", keep_ratio=KEEP, dynamic_budget=False)
-    if name.startswith("sparpr-"):  # sparpr-<summary>: the engine's other summaries (sparpr-lowrank)
-        return make_policy("sparpr", keep_ratio=KEEP, dynamic_budget=False, summary=name.split("-", 1)[1])
+    if name.startswith("sparpr-"):  # sparpr-<summary>[@rank]: the engine's other summaries (sparpr-lowrank@0.5)
+        summary, _, rank = name.split("-", 1)[1].partition("@")
+        extra = {"summary_rank": float(rank)} if rank else {}
+        return make_policy("sparpr", keep_ratio=KEEP, dynamic_budget=False, summary=summary, **extra)
     if name.startswith("tail"):  # tail-<run>-<vrun>
         _, run, vrun = name.split("-")
         return Tail(int(run), int(vrun), keep_ratio=KEEP, dynamic_budget=False)
