@@ -7,7 +7,7 @@ Usage (repo root):
       [--tasks phrase,multi-value,multi-key,passkey] [--length 2048] [--trials 10] [--keep 0.1] \
       --variants "default;summary_tokens=2"
 A variant is a comma list of SparPR knobs, as sparpr_variants.py reads them (recent_blocks,
-summary_tokens, per_sequence, head_score); "default" is the policy's defaults; "sim=NAME" a
+summary_tokens, per_sequence, head_score, summary, summary_rank); "default" is the policy's defaults; "sim=NAME" a
 simulated selection of ../sparpr_summaries/simulated.py (oracle, oracle-heads, mean-heads,
 mean-maxheads, mean-sumparts). Prints per task: dense hits, each variant's hits and the
 trials whose canonical answer equals dense's.

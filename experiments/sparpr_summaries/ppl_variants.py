@@ -7,7 +7,7 @@ or score blocks exactly (the block oracle). The rest is SparPR's: sink, recent b
 per-sequence top-k under the budget, no dynamic budget (keep is the ceiling).
 
 Usage (repo root): .venv/bin/python experiments/sparpr_summaries/ppl_variants.py P WINDOWS STEPS KEEP VARIANT[,VARIANT...]
-VARIANT: sparpr, sparpr-<summary> (the engine's other summaries), oracle (exact block mass, one set per sequence), oracle-heads (per KV head),
+VARIANT: sparpr, sparpr-<summary>[@rank] (the engine's other summaries; lowrank's summary_rank), oracle (exact block mass, one set per sequence), oracle-heads (per KV head),
 mean-heads (SparPR's summaries, per KV head), mean-maxheads (one set, a block scored
 by its best KV head's mass), tail-R-V (SparPR + left-out blocks as virtual
 tokens), flexgen-topk, another of simulated.py's SCORES (mean-sumparts, mean-lognormal,
