@@ -88,7 +88,12 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     b, h, _, d = q.shape
     hkv = codes.shape[1]
     qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(b, hkv, h // hkv, d), basis.u.float())  # qr: [B, Hkv, G, r]
-    logit = torch.einsum("bkgr,bktr->bkgt", qr, decode(codes, basis)) / math.sqrt(d)  # logit: [B, Hkv, G, T]
+    qs = qr * (basis.step[None, :, None, :] / math.sqrt(d))  # qs: [B, Hkv, G, r] the steps and 1/sqrt(D) folded in
+    # the codes are read as stored, low and high nibbles apart (no decoded [B, Hkv, T, r] copy):
+    # q . k~ = sum_j qs_j (c_j - 8) with c_j the nibble of direction j (even j low, odd j high)
+    logit = torch.matmul(qs[..., 0::2], (codes & 15).float().mT)  # logit: [B, Hkv, G, T]
+    logit += torch.matmul(qs[..., 1::2], (codes >> 4).float().mT)
+    logit -= (LEVELS + 1) * qs.sum(dim=-1, keepdim=True)
     logit = logit.masked_fill(~valid[:, None, None], -math.inf)
     t = logit.shape[-1]
     if head_score == "softmax":  # each query head's estimated attention mass per block, summed
