@@ -46,7 +46,7 @@ class Tail(SparPR):
     attends = True
 
     def __init__(self, run, vrun, **kw):
-        super().__init__(**kw)
+        super().__init__(**{"summary": "mean", **kw})  # its virtual tokens read the 4-token means
         self.run, self.vrun = run, vrun
 
     def attend(self, table, layer, q, k, v, pads):

@@ -14,6 +14,7 @@ class Simulated(SparPR):
     """SparPR whose block scores come from `score_fn(self, table, layer, q) -> [B, nb]`."""
 
     def __init__(self, score_fn, **kw):
+        kw.setdefault("summary", "mean")  # mean_heads & co read the 4-token means (the default before lowrank)
         super().__init__(**kw)
         self.score_fn, self.basis = score_fn, {}
 

@@ -36,7 +36,8 @@ def test_host_summaries_pick_what_device_summaries_pick(device, head_score):
         picks = {}
         for home in ("compute", "cpu"):
             t = filled(device, seed)
-            pol = SparPR(keep_ratio=0.3, costs=fixed(), fallback=False, head_score=head_score, summaries_on=home)
+            pol = SparPR(keep_ratio=0.3, costs=fixed(), fallback=False, head_score=head_score, summaries_on=home,
+                         summary="mean")
             sel = pol.select(t, 0, q)
             picks[home] = (sel.blocks, sel.mask.cpu())
             parts = pol._sums[t].parts
@@ -53,7 +54,9 @@ def test_host_summaries_pick_what_device_summaries_pick(device, head_score):
 
 def test_resident_share_counts_no_device_bytes_for_host_summaries():
     assert SparPR(summaries_on="cpu").resident_share(64, 2) == 0.0
-    assert SparPR().resident_share(64, 2) == 1 / 8  # 4-token means in the cache's dtype
+    assert SparPR(summary="mean").resident_share(64, 2) == 1 / 8  # 4-token means in the cache's dtype
+    assert SparPR().resident_share(64, 2) == 1 / 16  # the default: every key's 4-bit codes at rank D / 2
+    assert SparPR(summaries_on="cpu").summary == "mean"  # auto: the means where summaries live on the host
 
 
 def test_host_summaries_are_the_mean_ones():
@@ -69,6 +72,6 @@ def test_engine_generates_the_same_tokens_with_host_summaries(tiny_llama_dir, tm
     for home in ("compute", "cpu"):
         cfg = EngineConfig(device=device, block_size=8, offload_dir=str(tmp_path))
         with Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=2, cache_gpu_percent=0), cfg) as eng:
-            eng.set_kv_policy(SparPR(keep_ratio=0.4, costs=fixed(), summaries_on=home))
+            eng.set_kv_policy(SparPR(keep_ratio=0.4, costs=fixed(), summaries_on=home, summary="mean"))
             out[home] = eng.generate(prompts, 8).tokens
     assert out["cpu"] == out["compute"]

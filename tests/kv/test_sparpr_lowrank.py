@@ -53,7 +53,7 @@ def test_summaries_take_at_most_a_32nd_of_the_kv_bytes(dtype):
     the table can hold, and the fitted basis and steps) against the raw K+V they summarise;
     resident_share (what --policy auto counts) is not below what is really held, basis aside."""
     t = table(dtype)
-    pol = SparPR(keep_ratio=0.1, costs=costs(), summary="lowrank")
+    pol = SparPR(keep_ratio=0.1, costs=costs(), summary="lowrank", summary_rank=0.1875)  # issue 17's 1/32 setting
     prefill(pol, t, 2048)
     held, kv = pol.summary_bytes(t), kv_bytes(t)
     assert 0 < held <= BOUND * kv

@@ -30,7 +30,7 @@ CKPT_MARGIN = 2.0  # keep checkpoints while a rebuild costs < this x a copy (at 
 
 
 HEAD_SCORES = ("sum", "softmax")
-SUMMARIES = ("lowrank", "mean")
+SUMMARIES = ("auto", "lowrank", "mean")
 SUMMARY_HOMES = ("compute", "cpu")
 
 
@@ -109,10 +109,11 @@ class SparPR(BlockScoringPolicy):
                             "recompute or fallback)")
     head_score: str = knob("softmax", "how the query heads' q . summary add up to a block's score (block_scores)",
                            choices=HEAD_SCORES)
-    summary: str = knob("mean", "what scores blocks: every key in 4 bits on its KV head's main directions "
-                        "(lowrank) or a mean key per --summary-tokens tokens (mean)", choices=SUMMARIES)
-    summary_rank: float = knob(0.1875, "lowrank summaries: directions kept, as a share of the head dim "
-                               "(the summaries are this / 4 / dtype bytes of the K+V cache)")
+    summary: str = knob("auto", "what scores blocks: every key in 4 bits on its KV head's main directions "
+                        "(lowrank) or a mean key per --summary-tokens tokens (mean); auto: lowrank, or mean "
+                        "with --summaries-on cpu", choices=SUMMARIES)
+    summary_rank: float = knob(0.5, "lowrank summaries: directions kept, as a share of the head dim "
+                               "(the summaries are this / 4 / dtype bytes of the K+V cache: 1/16 at 0.5 in float16)")
     summary_tokens: int = knob(4, "mean summaries: tokens per mean key (per KV head); divides --block-size; "
                                "0: one per block")
     summaries_on: str = knob("compute", "where the mean summaries live and are scored: on the compute device, "
@@ -136,6 +137,8 @@ class SparPR(BlockScoringPolicy):
         in_unit(self, "summary_rank")
         at_least(self, "summary_tokens", 0)
         one_of(self, "summaries_on", SUMMARY_HOMES)
+        if self.summary == "auto":  # the low-rank keys where they can live; the means on the host
+            self.summary = "lowrank" if self.summaries_on == "compute" else "mean"
         if self.lowrank and self.summaries_on != "compute":
             raise KnobError("summaries_on", "host summaries are the mean ones (--summary mean); the low-rank "
                             "codes stay on the compute device")
