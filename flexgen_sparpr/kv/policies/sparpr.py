@@ -63,13 +63,14 @@ class SparPR(BlockScoringPolicy):
     Hardware" (arXiv 2610.18140, 2026). docs/sparpr.md has the design and its reasoning.
 
     Selection. Every sealed block keeps a summary of its keys (via `table.on_seal`), so scoring
-    reads no offloaded block: by default ("mean") the mean key per KV head of each run of
-    `summary_tokens` tokens (0: one per block) over its valid tokens, in the cache's dtype (1/8 of
-    K+V at 4 tokens), on the compute device or (`summaries_on` "cpu") in host memory, scored
-    there; or ("lowrank") each key's coordinates on its KV head's main directions in 4 bits
-    (sparpr_lowrank.py: 3/128 of a float16 K+V cache; it lost held-out needles: docs/sparpr.md,
-    "Summary memory"). A mean run's score for a sequence is the sum over query heads h of
-    f_h(q_h . summary[g(h)]), g(h) = h // (H / Hkv); f_h is head h's softmax over the runs
+    reads no offloaded block: by default ("lowrank") each key's coordinates on its KV head's
+    D / 2 main directions in 4 bits (sparpr_lowrank.py: 1/16 of a float16 K+V cache; a query
+    scores every key as attention would and a block gets its keys' share of each head's softmax,
+    summed over heads: docs/sparpr.md, "The default summary"); or ("mean") the mean key per KV
+    head of each run of `summary_tokens` tokens (0: one per block) over its valid tokens, in the
+    cache's dtype (1/8 of K+V at 4 tokens), on the compute device or (`summaries_on` "cpu") in
+    host memory, scored there ("auto", the default: lowrank, or mean on the host). A mean run's
+    score for a sequence is the sum over query heads h of f_h(q_h . summary[g(h)]), g(h) = h // (H / Hkv); f_h is head h's softmax over the runs
     (`head_score` "softmax") or the identity ("sum"); a block scores its best run. Each sequence always
     reads its sink block (the first holding a valid token), the last `recent_blocks` sealed blocks
     and the open block, and takes its own top-k blocks while its valid tokens fit its budget
