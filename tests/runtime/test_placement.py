@@ -130,14 +130,16 @@ def test_resident_share_of_each_kv_policy():
         eng = resolve(build_parser().parse_args(list(argv)))[2]
         return eng.make_kv_policy().resident_share(eng.block_size, dtype_bytes, eng.make_cold_codec())
     assert share("--kv-policy", "dense") == 0.0
-    assert share("--kv-policy", "sparpr") == 1 / 8  # a mean key per 4 tokens, K only
-    assert share("--kv-policy", "sparpr", "--summary-tokens", "8") == 1 / 16
-    assert share("--kv-policy", "sparpr", "--summary-tokens", "0") == 1 / 128  # one per 64-token block
-    assert share("--kv-policy", "sparpr", "--cold-codec", "dkv") == 1 / 8 + 16 / 256
-    lowrank = ("--kv-policy", "sparpr", "--summary", "lowrank")
-    assert share(*lowrank) == 3 / 128  # 3 D / 16 directions of every key in 4 bits (fp16 cache)
-    assert share(*lowrank, dtype_bytes=4) == 3 / 256
-    assert share(*lowrank, "--summary-rank", "0.25") == 1 / 32
+    assert share("--kv-policy", "sparpr") == 1 / 16  # D / 2 directions of every key in 4 bits (fp16 cache)
+    assert share("--kv-policy", "sparpr", dtype_bytes=4) == 1 / 32
+    assert share("--kv-policy", "sparpr", "--cold-codec", "dkv") == 1 / 16 + 16 / 256
+    mean = ("--kv-policy", "sparpr", "--summary", "mean")
+    assert share(*mean) == 1 / 8  # a mean key per 4 tokens, K only
+    assert share(*mean, "--summary-tokens", "8") == 1 / 16
+    assert share(*mean, "--summary-tokens", "0") == 1 / 128  # one per 64-token block
+    assert share("--kv-policy", "sparpr", "--summaries-on", "cpu") == 0.0  # auto: the means, on the host
+    assert share("--kv-policy", "sparpr", "--summary-rank", "0.1875") == 3 / 128
+    assert share("--kv-policy", "sparpr", "--summary-rank", "0.25") == 1 / 32
     assert share("--kv-policy", "quest") == 4 / (64 * 2)  # float32 min and max keys of a 64-token block
 
 
