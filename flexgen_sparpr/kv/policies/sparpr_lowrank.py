@@ -54,16 +54,16 @@ class KeyBasis:
 def fit_basis(keys: torch.Tensor, valid: torch.Tensor, rank: int) -> KeyBasis:
     """keys: [B, Hkv, T, D] float32; valid: [B, T] bool (no valid key: every key counts)."""
     b, hkv, t, d = keys.shape
-    w = valid if bool(valid.any()) else torch.ones_like(valid)
+    w = valid | ~valid.any()  # w: [B, T] the keys that count (all of them when none is valid); no host sync
     x = keys * w[:, None, :, None].to(keys.dtype)  # x: [B, Hkv, T, D], pads zeroed
     m = torch.einsum("bktd,bkte->kde", x, x)  # m: [Hkv, D, D] second moment (uncentred: scores are q . k)
     _, vecs = eigh(m)  # ascending
     u = vecs[:, :, -rank:].flip(-1).half().float()  # u: [Hkv, D, r], strongest first, as stored
-    sel = w.reshape(-1).nonzero().squeeze(1)
-    coords = torch.einsum("bktd,kdr->kbtr", keys, u).reshape(hkv, b * t, rank)[:, sel]  # [Hkv, n, r]
+    coords = torch.einsum("bktd,kdr->kbtr", keys, u).reshape(hkv, b * t, rank)  # coords: [Hkv, B*T, r]
+    coords = coords.masked_fill(~w.reshape(1, -1, 1), math.nan)  # pads leave the quantile (nanquantile)
     if coords.shape[1] > _MAX_FIT:
         coords = coords[:, :: math.ceil(coords.shape[1] / _MAX_FIT)]
-    q = coords.abs().transpose(1, 2).quantile(FIT_QUANTILE, dim=-1)  # q: [Hkv, r]
+    q = coords.abs().transpose(1, 2).nanquantile(FIT_QUANTILE, dim=-1)  # q: [Hkv, r]
     return KeyBasis(u.half(), (q / LEVELS).clamp(min=1e-6))
 
 
