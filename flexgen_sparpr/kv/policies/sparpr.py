@@ -70,11 +70,12 @@ class SparPR(BlockScoringPolicy):
     head of each run of `summary_tokens` tokens (0: one per block) over its valid tokens, in the
     cache's dtype (1/8 of K+V at 4 tokens), on the compute device or (`summaries_on` "cpu") in
     host memory, scored there ("auto", the default: lowrank, or mean on the host). A mean run's
-    score for a sequence is the sum over query heads h of f_h(q_h . summary[g(h)]), g(h) = h // (H / Hkv); f_h is head h's softmax over the runs
-    (`head_score` "softmax") or the identity ("sum"); a block scores its best run. Each sequence always
-    reads its sink block (the first holding a valid token), the last `recent_blocks` sealed blocks
-    and the open block, and takes its own top-k blocks while its valid tokens fit its budget
-    (whole blocks; all KV heads read the same blocks, as in the paper). The engine moves each
+    score for a sequence is the sum over query heads h of f_h(q_h . summary[g(h)]), g(h) = h //
+    (H / Hkv); f_h is head h's softmax over the runs (`head_score` "softmax") or the identity
+    ("sum"); a block scores its best run. Each sequence always reads its sink block (the first
+    holding a valid token), the last `recent_blocks` sealed blocks and the open block, and takes its
+    own top-k blocks while its valid tokens fit its budget (whole blocks; all KV heads read the same
+    blocks, as in the paper). The engine moves each
     block for the sequences that chose it only (raw CPU / disk blocks are read per sequence;
     encoded ones move whole); each sequence's mask keeps it to its own blocks. `per_sequence=False`
     chooses one set for the batch instead (the sequences take turns by rank).
