@@ -74,10 +74,15 @@ def encode(keys: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
+def nibbles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes: [..., r / 2] uint8 -> (even directions' codes, odd directions'), each [..., r / 2]
+    float32 in 1..15 (the stored nibbles: code + 8)."""
+    return (codes & 15).float(), (codes >> 4).float()
+
+
 def decode(codes: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
     """codes: [B, Hkv, T, r / 2] uint8 -> coordinates [B, Hkv, T, r] float32 (in the basis)."""
-    lo, hi = (codes & 15).float(), (codes >> 4).float()
-    c = torch.stack((lo, hi), dim=-1).flatten(-2) - (LEVELS + 1)  # c: [B, Hkv, T, r]
+    c = torch.stack(nibbles(codes), dim=-1).flatten(-2) - (LEVELS + 1)  # c: [B, Hkv, T, r]
     return c * basis.step[None, :, None, :]
 
 
@@ -91,8 +96,9 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     qs = qr * (basis.step[None, :, None, :] / math.sqrt(d))  # qs: [B, Hkv, G, r] the steps and 1/sqrt(D) folded in
     # the codes are read as stored, low and high nibbles apart (no decoded [B, Hkv, T, r] copy):
     # q . k~ = sum_j qs_j (c_j - 8) with c_j the nibble of direction j (even j low, odd j high)
-    logit = torch.matmul(qs[..., 0::2], (codes & 15).float().mT)  # logit: [B, Hkv, G, T]
-    logit += torch.matmul(qs[..., 1::2], (codes >> 4).float().mT)
+    lo, hi = nibbles(codes)  # each [B, Hkv, T, r / 2]
+    logit = torch.matmul(qs[..., 0::2], lo.mT)  # logit: [B, Hkv, G, T]
+    logit += torch.matmul(qs[..., 1::2], hi.mT)
     logit -= (LEVELS + 1) * qs.sum(dim=-1, keepdim=True)
     logit = logit.masked_fill(~valid[:, None, None], -math.inf)
     t = logit.shape[-1]
