@@ -28,19 +28,13 @@ class Simulated(SparPR):
             us.append(vt.T)
         self.basis[layer] = torch.stack(us)
 
-    def always_read(self, table, budgets):
-        """(valid [B, L], counts [B, nb], own [B, nb]: the sink and recent blocks every step reads,
-        room [B]: the tokens the budget leaves for picked blocks)."""
-        bs, sealed = table.bs, table.length // table.bs
-        valid, counts = self.block_counts(table)
-        ids = torch.arange(sealed, device=counts.device)
-        sink = ids[None, :] == (self.pads(table) // bs)[:, None]
-        own = sink | (ids >= sealed - self.recent_blocks)[None, :]
-        used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
+    def reads(self, table, budgets):
+        """SparPR's always_read with the budget's room left for picked blocks: (valid, counts, own, room [B])."""
+        valid, counts, own, used = self.always_read(table)
         return valid, counts, own, torch.tensor(budgets, device=counts.device) - used
 
     def top_k(self, table, layer, q, budgets):
-        valid, counts, own, room = self.always_read(table, budgets)
+        valid, counts, own, room = self.reads(table, budgets)
         pick = budgeted_pick(self.score_fn(self, table, layer, q), counts, room, own)  # score: [B, nb]
         return picked_tokens(pick, table) & valid
 
@@ -96,7 +90,7 @@ class PerHead(Simulated):
         from flexgen_sparpr.kv.policies.base import selection_from_tokens, token_budget
         n_valid = [table.length - p for p in self.host_pads(table)]
         budgets = [token_budget(self.keep_ratio, n, self.floor(table)) for n in n_valid]
-        valid, counts, own, room = self.always_read(table, budgets)
+        valid, counts, own, room = self.reads(table, budgets)
         score = self.score_fn(self, table, layer, q)  # [B, Hkv, nb]
         hkv = score.shape[1]
         pick = budgeted_pick(score, counts[:, None], room[:, None].expand(-1, hkv), own[:, None].expand(-1, hkv, -1))

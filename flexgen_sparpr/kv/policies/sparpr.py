@@ -75,10 +75,9 @@ class SparPR(BlockScoringPolicy):
     ("sum"); a block scores its best run. Each sequence always reads its sink block (the first
     holding a valid token), the last `recent_blocks` sealed blocks and the open block, and takes its
     own top-k blocks while its valid tokens fit its budget (whole blocks; all KV heads read the same
-    blocks, as in the paper). The engine moves each
-    block for the sequences that chose it only (raw CPU / disk blocks are read per sequence;
-    encoded ones move whole); each sequence's mask keeps it to its own blocks. `per_sequence=False`
-    chooses one set for the batch instead (the sequences take turns by rank).
+    blocks, as in the paper). The engine moves each block for the sequences that chose it only (raw
+    CPU / disk blocks are read per sequence; encoded ones move whole); each sequence's mask keeps it
+    to its own blocks. `per_sequence=False` chooses one set for the batch (sequences take turns by rank).
 
     Budget. A block's copy cost is codec.nbytes (K and V: the 2 is in it; the share of the
     sequences reading it, where the block is read per sequence) over the measured
@@ -296,19 +295,23 @@ class SparPR(BlockScoringPolicy):
         rho = cost_ratio(sum(c for c, _ in off), sum(r for _, r in off))
         return keep_target(rho, self.keep_ratio, self.min_keep), rho
 
+    def always_read(self, table: BlockTable):
+        """(valid [B, L], counts [B, nb], own [B, nb]: each sequence's sink and recent blocks, used
+        [B]: the tokens they and the open block take from the budget)."""
+        bs, sealed = table.bs, table.length // table.bs
+        valid, counts = self.block_counts(table)
+        ids = torch.arange(sealed, device=counts.device)
+        sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
+        own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb]
+        return valid, counts, own, (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
+
     def top_k(self, table: BlockTable, layer: int, q: torch.Tensor, budgets: list[int]) -> torch.Tensor:
         """[B, L] bool: the cached tokens each sequence reads (the same for all its KV heads): its
         sink, the recent window, the open block and (per_sequence) its own best blocks while they
         fit its budget. per_sequence=False: one set for the batch, the sequences taking turns (by
         rank) while every one's budget holds. With one sequence the two are plain top-k."""
-        b = q.shape[0]
-        bs, sealed = table.bs, table.length // table.bs
-        valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
+        valid, counts, own, used = self.always_read(table)
         score = self.scores(table, layer, q, valid)  # score: [B, nb]
-        ids = torch.arange(sealed, device=q.device)
-        sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
-        own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb] always read
-        used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)  # used: [B] tokens
         if self.per_sequence:  # each its own best blocks while they fit (Quest's rule, one set per sequence)
             room = torch.tensor(budgets).to(q.device, non_blocking=True) - used  # no sync: staged at once
             pick = budgeted_pick(score, counts, room, own)
