@@ -334,12 +334,12 @@ def test_decode_attention_runs_on_decode_threads_and_equals_torchs_setting(tiny_
     """decode_threads 1 (the default): DKV's decode attention runs on one intra-op thread on the CPU
     and gives the same tokens and logits as torch's own setting (decode_threads 0)."""
     import flexgen_sparpr.kv.policies.dkv as dkv_mod
-    seen, scores = [], dkv_mod.lowrank_scores
+    seen, scores = [], dkv_mod.lowrank_blocks
 
     def spy(*a):
         seen.append(torch.get_num_threads())
         return scores(*a)
-    monkeypatch.setattr(dkv_mod, "lowrank_scores", spy)
+    monkeypatch.setattr(dkv_mod, "lowrank_blocks", spy)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_sparpr.kv.dkv.attention import block_mass, block_weights, lowrank_attention, lowrank_scores, residual_kv
+from flexgen_sparpr.kv.dkv.attention import lowrank_blocks, lowrank_merge, residual_kv
 from flexgen_sparpr.kv.dkv.codec import DKVCodec
 from flexgen_sparpr.kv.policies.dkv import DKV
 from flexgen_sparpr.models.layers import attention_with_lse, merge_attention
@@ -23,22 +23,40 @@ def test_lowrank_attention_equals_attention_over_decompressed_blocks(routed):
     q = torch.randn(b, h, 1, SHAPE[4])
     route = torch.tensor([[2, 0], [1, 2]]) if routed else torch.arange(n).expand(b, -1)  # route: [B, K]
     usable = torch.rand(n, b, SHAPE[3]) > 0.3  # usable: [n, B, bs]
-    scores = lowrank_scores(q, parts, usable)  # scores: [B, n, H, bs]
-    out, lse = lowrank_attention(q, parts, *block_weights(scores), route if routed else None)
-    # the routing mass from the same weights: each block's log-sum-exp over heads and tokens
-    torch.testing.assert_close(block_mass(*block_weights(scores)), scores.logsumexp(dim=(2, 3)))
-    # the same scores and attention over decompressed keys and values, sequence by sequence
+    usable[1, 0] = False  # a block with no usable token: no mass, no weight
+    cm, block_lse = lowrank_blocks(q, parts, usable)  # cm: [n, B, H, r]; block_lse: [B, n, H]
+    out, lse = lowrank_merge(q, parts, cm, block_lse, route if routed else None)
+    # each block's log mass per head: the log-sum-exp of the scores over decompressed keys
     for i in range(b):
         for j in range(n):
             ref = torch.einsum("hd,htd->ht", q[i, :, 0], approx[j][0, i].repeat_interleave(h // SHAPE[2], 0))
             ref = (ref / SHAPE[4] ** 0.5).masked_fill(~usable[j, i], float("-inf"))
-            torch.testing.assert_close(scores[i, j], ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(block_lse[i, j], ref.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    assert torch.isneginf(block_lse[0, 1]).all() and torch.isfinite(out).all()
+    # the merged attention over the routed blocks equals attention over their decompressed keys and values
+    for i in range(b):
         k = torch.cat([approx[j][0, i] for j in route[i].tolist()], dim=1)[None]  # k: [1, Hkv, K*bs, D]
         v = torch.cat([approx[j][1, i] for j in route[i].tolist()], dim=1)[None]
         ok = torch.cat([usable[j, i] for j in route[i].tolist()])[None]
         o_ref, lse_ref = attention_with_lse(q[i:i + 1], k, v, ok)
         torch.testing.assert_close(out[i:i + 1], o_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse[i:i + 1], lse_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_lowrank_blocks_same_without_the_fused_cpu_kernel(monkeypatch):
+    """Where the fused CPU kernel does not serve (a GPU, half precision, a build without it),
+    attention_with_lse's own path gives the same block means and log masses."""
+    import flexgen_sparpr.models.layers as layers
+    torch.manual_seed(4)
+    c = DKVCodec(SHAPE, torch.float32, rank=3, residuals=1)
+    parts = c.parts(torch.stack([c.encode(torch.randn(SHAPE)) for _ in range(4)]))
+    q = torch.randn(SHAPE[1], 6, 1, SHAPE[4])
+    usable = torch.rand(4, SHAPE[1], SHAPE[3]) > 0.3
+    usable[2, 1] = False
+    fused = lowrank_blocks(q, parts, usable)
+    monkeypatch.setattr(layers, "_FLASH_CPU", None)
+    for a, b in zip(fused, lowrank_blocks(q, parts, usable)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_residual_kv_positions_and_rows():
@@ -89,5 +107,5 @@ def test_routing_finds_the_block_the_query_matches(route):
     st = type("S", (), {"mean": mean})()
     p_all = c.parts(torch.stack([c.encode(x) for x in blocks]))  # leading [n]
     usable = torch.ones(4, SHAPE[1], SHAPE[3], dtype=torch.bool).scatter_(2, p_all.res_idx.long(), False)
-    got = pol._route(q, *block_weights(lowrank_scores(q, p_all, usable)), st.mean, 1)
+    got = pol._route(q, lowrank_blocks(q, p_all, usable)[1], st.mean, 1)
     assert got.tolist() == [[2]] * SHAPE[1]

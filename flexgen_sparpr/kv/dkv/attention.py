@@ -5,20 +5,27 @@ For KV head g with key columns Kg and value columns Vg of the joint basis W (doc
     q . k_t = q . a[Kg] + C_t . (W[Kg]^T q)          (project q once: r numbers per head)
     sum_t p_t v_t = (sum_t p_t) a[Vg] + (sum_t p_t C_t) @ W[Vg]^T
 
+The anchor's score q . a[Kg] is the same for every token of a block, so within a block the
+softmax is attention with the projected query W[Kg]^T q against the coefficients C as keys and
+as values: one fused attention call (models/layers.attention_with_lse) attends every block of
+every sequence on its own (the sequences as its KV heads), giving each block's mean coefficient
+per head and its log mass; the anchor's score is added to that log mass afterwards. The routed
+blocks then merge by their log masses and map back through W[Vg] and a[Vg] (lowrank_merge).
+
 The parts are views into the encoded rows ([n, nbytes] uint8, one row per block holding every
 sequence): for one sequence b, a part over the n blocks is a 3-D view whose matrices are
-contiguous and whose block stride is the row size, which batched matmuls read in place. So the
-scores run one sequence at a time over all its blocks at once with no part copied (a matmul over
-both the block and the sequence axes would copy every part first: the two strides do not merge),
-and the value side, also one sequence at a time, copies only its K routed blocks' parts. A query is
-laid out as [H, Hkv*D] with zeros off its own KV head's columns, so one matmul serves every head
-of a group-query model."""
+contiguous and whose block stride is the row size, which batched matmuls read in place (a
+matmul over both the block and the sequence axes would copy every part first: the two strides
+do not merge), so the projections and the value side run one sequence at a time, the value side
+copying only its K routed blocks' parts. A query is laid out as [H, Hkv*D] with zeros off its own
+KV head's columns, so one matmul serves every head of a group-query model."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+from ...models.layers import attention_with_lse
 from .codec import DKVParts
 
 
@@ -37,65 +44,52 @@ def head_rows(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return out.view(b, h, hkv * d)
 
 
-def lowrank_scores(q: torch.Tensor, p: DKVParts, usable: torch.Tensor) -> torch.Tensor:
-    """Scaled scores q.k / sqrt(D) of n encoded blocks, in low-rank form, read in place.
+def lowrank_blocks(q: torch.Tensor, p: DKVParts, usable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every encoded block attended on its own in low-rank space, one fused attention call.
 
-    q: [B, H, 1, D]; p: parts with leading [n] (every sequence reads every block: the rows'
-    own layout); usable: [n, B, bs] bool (False: -inf). Returns [B, n, H, bs] float32."""
+    q: [B, H, 1, D]; p: parts with leading [n]; usable: [n, B, bs] bool. Returns c: [n, B, H, r]
+    float32, each head's softmax-weighted mean of the block's coefficients over its usable tokens,
+    and lse: [B, n, H] float32, the log of the block's attention mass (its softmax denominator of
+    the scaled scores q.k / sqrt(D)), -inf where it has no usable token. The anchor's score is the
+    same for every token of a block: it shifts lse only, so the attention runs on the coefficients
+    alone, with each block's projected query W[Kg]^T q and C as both keys and values."""
     b, h, _, d = q.shape
     n, _, bs, r = p.coeffs.shape
     hd = p.anchor.shape[-1] // 2  # Hkv * D: the K columns, then the V columns
     qr = head_rows(q / math.sqrt(d), hd // d)  # qr: [B, H, Hkv*D] scaled
-    out = torch.empty(b, n, h, bs, dtype=torch.float32, device=q.device)
+    proj = torch.empty(b, n, h, r, dtype=torch.float32, device=q.device)  # proj: [B, n, H, r]
+    base = torch.empty(b, n, h, dtype=torch.float32, device=q.device)  # base: [B, n, H] the anchors' scores
     for i in range(b):  # one sequence at a time: its parts are 3-D views the matmuls read in place
-        proj = torch.bmm(qr[i].expand(n, -1, -1), p.basis[:, i, :hd].float())  # proj: [n, H, r]
-        base = p.anchor[:, i, :hd].float() @ qr[i].T  # base: [n, H] the anchors' scores
-        torch.baddbmm(base[..., None], proj, p.coeffs[:, i].float().mT, out=out[i])  # [n, H, bs]
-    return out.masked_fill_(~usable.transpose(0, 1)[:, :, None], float("-inf"))
+        torch.bmm(qr[i].expand(n, -1, -1), p.basis[:, i, :hd].float(), out=proj[i])  # [n, H, r]
+        torch.mm(p.anchor[:, i, :hd].float(), qr[i].T, out=base[i])  # [n, H]
+    # the attention's own 1/sqrt(r) undone: the scores stay q.k / sqrt(D)
+    qc = (proj.transpose(0, 1) * math.sqrt(r)).reshape(n, b * h, 1, r)  # qc: [n, B*H, 1, r]
+    c, lse = attention_with_lse(qc, p.coeffs, p.coeffs, usable)  # the sequences as KV heads: c: [n, B*H, 1, r]
+    return c.view(n, b, h, r), lse.view(n, b, h).transpose(0, 1) + base
 
 
-def block_weights(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass of exp over every block's scores [B, n, H, bs]: w = exp(scores - top) [B, n, H, bs]
-    with top: [B, H] each head's largest score (0 where it has none), so a block's attention mass
-    and the attention itself come from the same w."""
-    top = scores.amax(dim=(1, 3))  # top: [B, H]
-    top = torch.where(torch.isinf(top), 0.0, top)
-    return torch.exp(scores - top[:, None, :, None]), top
+def lowrank_merge(q: torch.Tensor, p: DKVParts, c: torch.Tensor, lse: torch.Tensor,
+                  route: torch.Tensor | None = None):
+    """The routed blocks' attentions from lowrank_blocks merged into one, mapped back from
+    low-rank space: sum_t p_t v_t = (sum_t p_t) a[Vg] + (sum_t p_t C_t) @ W[Vg]^T per block.
 
-
-def block_mass(w: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """log of each block's attention mass summed over heads, from block_weights: [B, n]."""
-    return (w.sum(-1).log() + top[:, None]).logsumexp(dim=2)  # [B, n, H] -> [B, n]
-
-
-def lowrank_attention(q: torch.Tensor, p: DKVParts, w: torch.Tensor, top: torch.Tensor,
-                      route: torch.Tensor | None = None):
-    """Attention over encoded blocks in low-rank form, from block_weights(scores).
-
-    q: [B, H, 1, D]; p: parts with leading [n]; w: [B, n, H, bs], top: [B, H]; route: [B, K] the
-    blocks each sequence attends (None: all n). Only the routed blocks' value side is read: one
-    gather of K blocks per sequence. Returns out: [B, H, 1, D] float32 and lse: [B, H, 1] (-inf
-    where nothing is attended)."""
+    q: [B, H, 1, D]; c: [n, B, H, r]; lse: [B, n, H]; route: [B, K] (None: all n). Returns out:
+    [B, H, 1, D] float32 and lse: [B, H, 1] (-inf where nothing is attended)."""
     b, h, _, d = q.shape
     hd = p.anchor.shape[-1] // 2
     if route is None:
-        route = torch.arange(w.shape[1], device=q.device).expand(b, -1)  # route: [B, n]
+        route = torch.arange(lse.shape[1], device=q.device).expand(b, -1)  # route: [B, n]
+    lse = lse.gather(1, route[:, :, None].expand(-1, -1, h))  # lse: [B, K, H]
+    total = lse.logsumexp(dim=1)  # total: [B, H]
+    alpha = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)[:, None])  # alpha: [B, K, H] block weights
     o = torch.empty(b, h, hd, dtype=torch.float32, device=q.device)  # o: [B, H, Hkv*D]
-    den = torch.empty(b, h, dtype=torch.float32, device=q.device)  # den: [B, H]
-    # one sequence at a time: index_select along its parts' block axis copies each routed block's
-    # part whole (one advanced index over the block and sequence axes at once was ~2x slower on the CPU)
-    for i in range(b):
+    for i in range(b):  # one sequence at a time: index_select copies each routed block's part whole
         idx = route[i]  # idx: [K]
-        wi = w[i].index_select(0, idx)  # wi: [K, H, bs]
-        wsum = wi.sum(-1)  # wsum: [K, H]
-        wc = torch.bmm(wi, p.coeffs[:, i].index_select(0, idx).float())  # wc: [K, H, r] weighted sums in r dims
-        oi = torch.bmm(wc, p.basis[:, i, hd:].index_select(0, idx).float().mT).sum(0)  # oi: [H, Hkv*D] mapped back
-        oi += wsum.T @ p.anchor[:, i, hd:].index_select(0, idx).float()  # the anchors' share: [H, Hkv*D]
-        o[i] = oi
-        den[i] = wsum.sum(0)
+        ci = c[:, i].index_select(0, idx) * alpha[i][..., None]  # ci: [K, H, r] weighted mean coefficients
+        oi = torch.bmm(ci, p.basis[:, i, hd:].index_select(0, idx).float().mT).sum(0)  # oi: [H, Hkv*D]
+        o[i] = oi.addmm_(alpha[i].T, p.anchor[:, i, hd:].index_select(0, idx).float())  # + the anchors' share
     out = o.view(b, h, hd // d, d)[(slice(None), *_own_kv_head(h, hd // d, q.device))]  # out: [B, H, D] own KV head
-    out = out / den.clamp(min=torch.finfo(den.dtype).tiny)[..., None]
-    return out[:, :, None], (den.log() + top)[:, :, None]
+    return out[:, :, None], total[:, :, None]
 
 
 def residual_kv(p: DKVParts, blocks: torch.Tensor, bs: int, d: int):

@@ -12,7 +12,7 @@ import torch
 from ...models.layers import attention_with_lse, merge_attention
 from ...utils.threads import intra_op_threads
 from ..block_table import BlockTable
-from ..dkv.attention import block_mass, block_weights, lowrank_attention, lowrank_scores, residual_kv
+from ..dkv.attention import lowrank_blocks, lowrank_merge, residual_kv
 from ..dkv.codec import PICKS, DKVCodec, DKVParts
 from ..dkv.importance import FOLLOW, WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
@@ -228,9 +228,9 @@ class DKV(KVPolicy):
             p = codec.parts(table.rows(cold))  # leading [n]
             self._cache_cold(st, p, first, bs, q.shape[3], pads)
             kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
-            w, top = block_weights(lowrank_scores(q, p, st.usable))  # w: [B, n, H, bs]; top: [B, H]
-            route = None if kk == len(cold) else self._route(q, w, top, st.mean[first:], kk)  # route: [B, K]
-            low = [lowrank_attention(q, p, w, top, route)]  # the routed blocks in low-rank form
+            c, lse = lowrank_blocks(q, p, st.usable)  # c: [n, B, H, r]; lse: [B, n, H] every block on its own
+            route = None if kk == len(cold) else self._route(q, lse, st.mean[first:], kk)  # route: [B, K]
+            low = [lowrank_merge(q, p, c, lse, route)]  # the routed blocks merged
             self.counts["routed_blocks"] += kk
             self.counts["residual_tokens"] += st.res_k.shape[2]
             self.counts["cold_blocks"] += len(cold)
@@ -288,18 +288,18 @@ class DKV(KVPolicy):
         st.res_ok = rpos >= pads[:, None]
         st.cached = n
 
-    def _route(self, q, w: torch.Tensor, top: torch.Tensor, mean: torch.Tensor, kk: int) -> torch.Tensor:
+    def _route(self, q, lse: torch.Tensor, mean: torch.Tensor, kk: int) -> torch.Tensor:
         """Per sequence, the K compressed blocks to attend in low-rank form (route: [B, K] block
         indices among the n cold ones): by attention mass in low-rank space (route "lowrank", from
-        every block's block_weights w: [B, n, H, bs], top: [B, H]), or by the exact mean key against
+        every block's log mass per head lse: [B, n, H], lowrank_blocks), or by the exact mean key against
         the query summed over heads (route "mean"; mean: [>= n, B, Hkv, D] from the first cold block)."""
         if self.route == "lowrank":
-            mass = block_mass(w, top)  # mass: [B, n]
+            mass = lse.logsumexp(dim=2)  # mass: [B, n] summed over heads
         else:
             b, h, _, d = q.shape
             hkv = mean.shape[2]
             qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-            mass = torch.einsum("bgd,nbgd->bn", qg, mean[:w.shape[1]])  # mass: [B, n]
+            mass = torch.einsum("bgd,nbgd->bn", qg, mean[:lse.shape[1]])  # mass: [B, n]
         return mass.topk(kk, dim=1).indices  # route: [B, K]
 
     def stats(self) -> dict | None:
