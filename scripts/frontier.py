@@ -1,9 +1,10 @@
 """The keep frontier: for SparPR, Quest, DKV and SparPR+DKV, the smallest keep at which the answer
-still equals dense's in >= 95 % of trials, per task and context length (DKV has no keep: its one
-configuration's bytes are shown instead). Reads one or more needle.json files of scripts/needle.py
-made with the same prompts (split, texts, depths, seed, tasks, trials, batch): their records are
-joined by trial, so a run with --no-dense takes dense's answers from another. Writes
-<out>/frontier.{json,md,png}.
+still equals dense's in >= 95 % of trials, per task and context length (DKV has no keep: its
+budget is its bytes per block over a raw block's, set by its rank and exact rows, so its column
+is the smallest such share measured, one needle.py run per DKV configuration). Reads one or more
+needle.json files of scripts/needle.py made with the same prompts (split, texts, depths, seed,
+tasks, trials, batch): their records are joined by trial, so a run with --no-dense takes dense's
+answers from another. Writes <out>/frontier.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from _common import OneLineParser, REPO, die, md_table, write_results  # noqa: E
 
 from flexgen_sparpr.bench.fidelity import frontier, summarize  # noqa: E402
 from flexgen_sparpr.kv.dkv.codec import DKVCodec  # noqa: E402
+from flexgen_sparpr.kv.policies.dkv import DKV  # noqa: E402
 
 POLICIES = ("sparpr", "quest", "sparpr+dkv")
 PROMPT_KEYS = ("split", "texts", "depths", "seed", "tasks", "trials", "batch", "answer_prefix")
@@ -37,7 +39,14 @@ def load(paths: list[Path]) -> tuple[dict, list[dict], list[str]]:
         elif mine["split"] != plan["split"] or any(mine[k] != plan[k] for k in PROMPT_KEYS if k != "tasks"):
             die(f"{p} was made from other prompts than {paths[0]} (plans differ in "
                 f"{', '.join(k for k in PROMPT_KEYS if mine[k] != plan[k])})")
+        dkv_args = data["plan"].get("dkv_args", {})  # a needle.py run's DKV rank and rows, where not the defaults
         for r in data["records"]:
+            if r["policy"] == "dkv":  # its budget is its bytes: one label per DKV configuration
+                share = dkv_bytes(data["plan"].get("dkv_block", 256), **dkv_args)
+                r = dict(r, keep=round(share, 4), label=f"dkv@{share:.4f}")
+            elif dkv_args and r["policy"] == "sparpr+dkv":
+                die(f"{p}: sparpr+dkv over a DKV configuration other than the default ({dkv_args}): its keeps "
+                    f"would mix with the default's; give its frontier on its own")
             recs[(r["trial"], r["label"])] = r
             # a trial id names the same prompt in every file only if its draws agree
             seen = prompts.setdefault(r["trial"], (r["expected"], r["depth"], r.get("text")))
@@ -48,12 +57,12 @@ def load(paths: list[Path]) -> tuple[dict, list[dict], list[str]]:
     return plan, list(recs.values()), commits
 
 
-def dkv_bytes(block: int = 256, rank: int = 32, residuals: int = 16) -> float:
+def dkv_bytes(block: int = 256, rank: int = DKV().rank, residuals: int = DKV().residuals) -> float:
     """DKV's encoded block over a raw one for SmolLM2 (3 KV heads x 64), float32."""
     return DKVCodec.formula(1, 3, block, 64, rank, residuals, 4) / (2 * 3 * block * 64 * 4)
 
 
-def plot(fr: dict, dkv: dict, cells: list[tuple[str, int]], png: Path) -> None:
+def plot(fr: dict, cells: list[tuple[str, int]], png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -61,16 +70,16 @@ def plot(fr: dict, dkv: dict, cells: list[tuple[str, int]], png: Path) -> None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks), 3.6), squeeze=False, sharey=True)
     for ax, task in zip(axes[0], tasks):
         lengths = sorted(n for t, n in cells if t == task)
-        for i, pol in enumerate(POLICIES):  # measured cells only; 1.05: measured, never agreed enough
+        for i, pol in enumerate((*POLICIES, "dkv")):  # measured cells only; 1.05: measured, never agreed enough
             pts = [(n, fr[pol][(task, n)]) for n in lengths if (task, n) in fr[pol]]
-            ax.plot([n for n, _ in pts], [y if y is not None else 1.05 for _, y in pts], marker="os^"[i], label=pol)
-        pts = [(n, dkv[(task, n)]) for n in lengths if (task, n) in dkv]
-        ax.plot([n for n, _ in pts], [dkv_bytes() if y else 1.05 for _, y in pts], "k:", marker="x", label="dkv (bytes)")
+            style = dict(ls=":", color="k", marker="x", label="dkv (bytes)") if pol == "dkv" else \
+                dict(marker="os^"[i], label=pol)
+            ax.plot([n for n, _ in pts], [y if y is not None else 1.05 for _, y in pts], **style)
         ax.axhline(1.05, color="0.8", lw=0.8)
         ax.set(title=task, xlabel="context tokens", xscale="log", yscale="log", ylim=(0.015, 1.2))
         ax.set_xticks(lengths)
         ax.set_xticklabels([f"{n // 1024}k" for n in lengths])
-    axes[0][0].set_ylabel("smallest keep with >= 95 % agreement\n(top line: none measured)")
+    axes[0][0].set_ylabel("smallest keep (dkv: bytes) with >= 95 %\nagreement (top line: none measured)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -78,9 +87,12 @@ def plot(fr: dict, dkv: dict, cells: list[tuple[str, int]], png: Path) -> None:
     plt.close(fig)
 
 
-def dkv_cell(meets: bool, r: dict) -> str:
-    """DKV's column: whether it meets the bar, its trials equal to dense's and dense's hits it keeps."""
-    return f"{'yes' if meets else 'no'} ({r['agree']}/{r['n']}; {r['kept']} of dense's {r['dense_hits']} hits)"
+def dkv_cell(k: float | None, configs: list[dict]) -> str:
+    """DKV's column: the smallest share of dense's bytes that meets the bar, then each configuration
+    measured: its trials equal to dense's and dense's hits it keeps."""
+    head = f"{k:.3f}" if k is not None else f"> {max(r['keep'] for r in configs):.3f}"
+    return head + " (" + "; ".join(f"{r['keep']:.3f}: {r['agree']}/{r['n']}, {r['kept']} of dense's {r['dense_hits']} hits"
+                                   for r in sorted(configs, key=lambda r: r["keep"])) + ")"
 
 
 def main(argv=None) -> None:
@@ -94,10 +106,13 @@ def main(argv=None) -> None:
     plan, recs, commits = load([Path(p) for p in args.inputs])
     rows = summarize(recs)
     cells = sorted({(r["task"], r["length"]) for r in rows if r["label"] != "dense"})
-    fr = {p: frontier(rows, p, args.threshold) for p in POLICIES}
-    dkv_rows = {(r["task"], r["length"]): r for r in rows if r["policy"] == "dkv"}
-    dkv = {c: r["agree_rate"] >= args.threshold for c, r in dkv_rows.items()}
-    keeps = {p: sorted({r["keep"] for r in rows if r["policy"] == p}, reverse=True) for p in POLICIES}
+    every = (*POLICIES, "dkv")
+    fr = {p: frontier(rows, p, args.threshold) for p in every}  # dkv: over its bytes shares
+    keeps = {p: sorted({r["keep"] for r in rows if r["policy"] == p}, reverse=True) for p in every}
+    dkv_rows = {}
+    for r in rows:
+        if r["policy"] == "dkv":
+            dkv_rows.setdefault((r["task"], r["length"]), []).append(r)
     n = {(r["task"], r["length"]): r["n"] for r in rows if r["label"] == "dense"}
 
     def cell(pol, c):
@@ -106,26 +121,27 @@ def main(argv=None) -> None:
         k = fr[pol][c]
         return f"{k:g}" if k is not None else f"> {max(keeps[pol]):g}"
     table = [[t, n_, n.get((t, n_), "?"), *[cell(p, (t, n_)) for p in POLICIES],
-              "–" if (t, n_) not in dkv else dkv_cell(dkv[(t, n_)], dkv_rows[(t, n_)])]
+              "–" if (t, n_) not in dkv_rows else dkv_cell(fr["dkv"][(t, n_)], dkv_rows[(t, n_)])]
              for t, n_ in cells]
     png = Path(args.out) / "frontier.png"
-    plot(fr, dkv, cells, png)
+    plot(fr, cells, png)
     payload = {"config": {"inputs": [str(p) for p in args.inputs], "threshold": args.threshold, "prompts": plan,
-                          "engine_commits": commits, "keeps": keeps, "dkv_bytes_ratio": dkv_bytes()},
+                          "engine_commits": commits, "keeps": keeps},
                "frontier": {p: [{"task": t, "length": n_, "keep": k} for (t, n_), k in sorted(fr[p].items())]
-                            for p in POLICIES},
-               "dkv_meets": [{"task": t, "length": n_, "meets": m} for (t, n_), m in sorted(dkv.items())],
+                            for p in every},
                "rows": rows}
     md = "\n".join([
         "# The keep frontier (SmolLM2-135M-Instruct)", "",
         f"Smallest keep ratio at which a policy's answer equals dense's in ≥ {100 * args.threshold:g} % of the "
         f"trials, at that keep and every larger one measured (`> k`: not even at the largest, k). Keeps "
-        f"measured: {json.dumps(keeps)}. DKV has no keep: its column says whether its one configuration (rank 32, "
-        f"16 exact rows, 256-token blocks: {dkv_bytes():.3f} of dense's bytes per block) meets the same bar (in brackets: its trials equal to dense's, and how many of dense's right answers it "
-        f"also gives: agreeing on dense's wrong answers counts in the first). "
+        f"measured: {json.dumps({p: keeps[p] for p in POLICIES})}. DKV has no keep: its budget is its bytes per "
+        f"block over a raw block's (256-token blocks; rank 32 and 16 exact rows: {dkv_bytes():.3f}), and its "
+        f"column is the smallest such share measured that meets the same bar, then each configuration's trials "
+        f"equal to dense's and how many of dense's right answers it also gives (agreeing on dense's wrong answers "
+        f"counts in the first); shares measured: {keeps['dkv']}. "
         f"With n trials a cell needs ⌈{args.threshold:g}·n⌉ agreements (all 10 of 10). Split "
         f"**{plan['split']}**: texts {', '.join(plan['texts'])}, depths {plan['depths']}, seed {plan['seed']}.", "",
-        md_table(["task", "context", "trials", *[f"{p} keep" for p in POLICIES], "dkv meets"], table),
+        md_table(["task", "context", "trials", *[f"{p} keep" for p in POLICIES], "dkv bytes"], table),
         f"Inputs: {', '.join(args.inputs)}; engine commits {', '.join(sorted(set(commits)))}. Plot: {png.name}.", ""])
     paths = write_results(Path(args.out), "frontier", payload, md)
     print(md)

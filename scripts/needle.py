@@ -30,9 +30,12 @@ from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # 
 from flexgen_sparpr.bench.sweep import Config, PolicySweep, configs, known_policies  # noqa: E402
 from flexgen_sparpr.bench.tasks import TASKS, build_trial, canonical, hit  # noqa: E402
 from flexgen_sparpr.engine.sampling import Sampler  # noqa: E402
+from flexgen_sparpr.kv.policies.dkv import DKV  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 FRONTIER_POLICIES = ("sparpr", "quest", "sparpr+dkv")  # swept over --frontier-keep too
+DKV_RANK, DKV_RESIDUALS = DKV().rank, DKV().residuals  # the dkv policy's defaults
+
 # the SparPR paper's passkey scores (2k / 4k / 8k), quoted beside ours
 PAPER = {("sparpr", 0.5): ".943 / .879 / .780", ("sparpr", 0.1): ".600 / .482 / .308",
          ("h2o", 0.5): "≈ .49–.51", ("h2o", 0.1): "≈ .12", ("streaming-llm", 0.5): "≈ .45–.49",
@@ -54,6 +57,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=5, help="prompts per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family (Quest's page)")
     ap.add_argument("--dkv-block", type=int, default=256, help="KV block of the dkv family")
+    ap.add_argument("--dkv-rank", type=int, default=DKV_RANK, help="rank of the dkv family's joint K|V delta")
+    ap.add_argument("--dkv-residuals", type=int, default=DKV_RESIDUALS,
+                    help="exact rows per block of the dkv family (frontier.py reads DKV's bytes from these)")
     ap.add_argument("--answer-prefix", default="The secret passkey is", help="opens the passkey tasks' answer")
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/needle.json")
@@ -78,6 +84,10 @@ def parse_args(argv=None):
         die("--trials and --batch must be >= 1")
     if not all(0 < k <= 1 for k in args.keep + args.frontier_keep):
         die("keep ratios must be in (0, 1]")
+    if not (1 <= args.dkv_rank <= args.dkv_block and 0 <= args.dkv_residuals <= args.dkv_block):
+        die(f"--dkv-rank must be in 1..{args.dkv_block} and --dkv-residuals in 0..{args.dkv_block} (--dkv-block)")
+    args.dkv_args = {k: v for k, v in (("rank", args.dkv_rank), ("residuals", args.dkv_residuals))
+                     if v != {"rank": DKV_RANK, "residuals": DKV_RESIDUALS}[k]}  # only what differs: older plans resume
     return args
 
 
@@ -98,7 +108,9 @@ def render(payload, png: Path) -> str:
              "Cell: score (hits / trials) · agreement with dense trial by trial (the answers' numbers, or the "
              "phrase, equal dense's). Keep = the share of the context's KV tokens a step may read (sinks and "
              "recent window inside it). Raw policies: KV blocks of "
-             f"{cfg['block_size']} tokens; dkv and sparpr+dkv: {cfg['dkv_block']} (rank 32, 16 exact rows).", ""]
+             f"{cfg['block_size']} tokens; dkv and sparpr+dkv: {cfg['dkv_block']} (rank "
+             f"{cfg.get('dkv_args', {}).get('rank', DKV_RANK)}, "
+             f"{cfg.get('dkv_args', {}).get('residuals', DKV_RESIDUALS)} exact rows).", ""]
     for task in [t for t in TASKS if any(r["task"] == t for r in rows)]:
         by = {(r["label"], r["length"]): r for r in rows if r["task"] == task}
         labels = sorted({lab for lab, _ in by}, key=lambda s: (s != "dense", s.split("@")[0],
@@ -174,7 +186,7 @@ def main(argv=None) -> None:
     plan = {"split": args.split, "texts": [t.name for t in args.text_objs], "depths": args.depths, "seed": args.seed,
             "tasks": args.tasks, "lengths": args.lengths, "trials": args.trials, "batch": args.batch,
             "configs": [c.label for c in args.configs], "block_size": args.block_size, "dkv_block": args.dkv_block,
-            "answer_prefix": args.answer_prefix}
+            "answer_prefix": args.answer_prefix, **({"dkv_args": args.dkv_args} if args.dkv_args else {})}
     out = Path(args.out)
     try:
         old = None if args.fresh else load_partial(out / "needle.json", plan)
@@ -188,7 +200,8 @@ def main(argv=None) -> None:
     todo = [b for b in plan_batches(plans, args.batch) if b[0] not in done]
     print(f"{len(done)} batches already in {out / 'needle.json'}; {len(todo)} to run", flush=True)
     eos = src.spec.eos_id
-    sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block)
+    sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block,
+                        dkv_args=args.dkv_args)
     base = payload["wall_s"]
     try:
         with timer() as wall:

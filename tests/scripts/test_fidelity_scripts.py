@@ -16,6 +16,7 @@ from tests.scripts.runner import run_script
     ("needle.py", ["--texts", "alice29"], "tuning split"),  # a held-out run on the tuning text
     ("needle.py", ["--split", "other"], "--split"),
     ("needle.py", ["--keep", "0"], "keep"),
+    ("needle.py", ["--dkv-residuals", "300"], "--dkv-residuals"),
     ("ppl.py", ["--keep", "1.5"], "--keep"),
     ("ppl.py", ["--windows", "0"], "--windows"),
     ("ppl.py", ["--texts", "nope"], "nope"),
@@ -62,3 +63,34 @@ def test_batches_run_short_lengths_first_with_stable_ids():
     got = [(bid, len(chunk)) for bid, _, chunk in plan_batches(items, 2)]
     assert got == [("b:2048:0", 2), ("b:2048:2", 1), ("a:4096:0", 2), ("b:4096:0", 2), ("b:4096:2", 2)]
     assert [b for b, *_ in plan_batches({2048: [1, 2, 3]}, 2)] == ["2048:0", "2048:2"]
+
+
+def test_frontier_reads_dkv_budget_as_its_bytes_per_configuration(tmp_path):
+    """Two dkv runs of the same prompts (16 and 64 exact rows): each is its own budget, the bytes
+    share its rank and rows give; the frontier is the smallest share that agrees with dense."""
+    import sys
+    from tests.scripts.runner import REPO
+    sys.path.insert(0, str(REPO / "scripts"))
+    from frontier import dkv_bytes
+    plan = {"split": "held-out", "texts": ["asyoulik"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
+            "trials": 2, "batch": 2, "answer_prefix": "x", "dkv_block": 256}
+    base = {"task": "passkey", "length": 2048, "expected": ["1"], "depth": 0.1, "text": "asyoulik", "keep": 1.0}
+    dense = [base | {"trial": f"t{i}", "label": "dense", "policy": "dense", "hit": True, "canon": "1"} for i in (0, 1)]
+    dkv16 = [base | {"trial": f"t{i}", "label": "dkv", "policy": "dkv", "hit": i == 0, "canon": "1" if i == 0 else "2"}
+             for i in (0, 1)]  # disagrees on one trial
+    dkv64 = [r | {"hit": True, "canon": "1"} for r in dkv16]
+    files = []
+    for name, p, recs in (("a", plan, dense + dkv16), ("b", plan | {"dkv_args": {"residuals": 64}}, dkv64)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps({"plan": p, "config": {}, "records": recs}))
+    r = run_script("frontier.py", *map(str, files), "--out", str(tmp_path / "res"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "res" / "frontier.json").read_text())
+    assert data["frontier"]["dkv"] == [{"task": "passkey", "length": 2048, "keep": round(dkv_bytes(residuals=64), 4)}]
+    assert sorted(data["config"]["keeps"]["dkv"]) == [round(dkv_bytes(), 4), round(dkv_bytes(residuals=64), 4)]
+    assert "1/2" in (tmp_path / "res" / "frontier.md").read_text()
+    # sparpr+dkv over another DKV configuration would mix its keeps with the default's: refused
+    files[1].write_text(json.dumps({"plan": plan | {"dkv_args": {"residuals": 64}}, "config": {}, "records": [
+        dkv64[0] | {"label": "sparpr+dkv@0.1", "policy": "sparpr+dkv", "keep": 0.1}]}))
+    r = run_script("frontier.py", *map(str, files), "--out", str(tmp_path / "res2"))
+    assert r.returncode == 2 and "sparpr+dkv" in r.stderr and "Traceback" not in r.stderr
