@@ -1,4 +1,5 @@
-"""utils/linalg.eigh: the float64 second solve of items the float32 solver returned as NaN."""
+"""utils/linalg.eigh: the float64 second solve of items the float32 solver returned as NaN, and
+of a batch it refused to converge on."""
 from __future__ import annotations
 
 import pytest
@@ -66,4 +67,38 @@ def test_dkv_encode_gives_a_finite_block_when_the_solver_fails(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", _nan_on({0}))
     got = c.decode(c.encode(kv))
     assert got.isfinite().all()
+    torch.testing.assert_close(got, clean, atol=1e-3, rtol=1e-3)
+
+
+def _refuse_float32():
+    """A float32 eigh that raises as MKL's did on a DKV block's Gram with 65 zero rows."""
+    real = torch.linalg.eigh
+
+    def fake(m):
+        if m.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.eigh: (Batch element 1): The algorithm failed to converge")
+        return real(m)
+    return fake
+
+
+def test_a_batch_the_solver_refuses_is_solved_in_float64(monkeypatch):
+    torch.manual_seed(3)
+    m = _gram(3)
+    ref_lam, ref_vec = torch.linalg.eigh(m.double())
+    monkeypatch.setattr(torch.linalg, "eigh", _refuse_float32())
+    lam, vec = linalg.eigh(m)
+    assert lam.dtype == vec.dtype == torch.float32
+    torch.testing.assert_close(lam, ref_lam.float())
+    torch.testing.assert_close(vec, ref_vec.float())
+
+
+def test_dkv_encode_with_many_exact_rows_survives_a_refusing_solver(monkeypatch):
+    """64 of 256 rows kept exact (zeroed before the refit): the encode still gives the block."""
+    torch.manual_seed(4)
+    shape = (2, 2, 3, 256, 64)  # F = 384 > bs: the Gram of rows, 65 of them zero at the refit
+    c = DKVCodec(shape, torch.float32, rank=32, residuals=64, residual_pick="error")
+    kv = torch.randn(shape)
+    clean = c.decode(c.encode(kv))
+    monkeypatch.setattr(torch.linalg, "eigh", _refuse_float32())
+    got = c.decode(c.encode(kv))
     torch.testing.assert_close(got, clean, atol=1e-3, rtol=1e-3)
