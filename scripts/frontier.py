@@ -40,9 +40,9 @@ def load(paths: list[Path]) -> tuple[dict, list[dict], list[str]]:
             die(f"{p} was made from other prompts than {paths[0]} (plans differ in "
                 f"{', '.join(k for k in PROMPT_KEYS if mine[k] != plan[k])})")
         dkv_args = data["plan"].get("dkv_args", {})  # a needle.py run's DKV rank and rows, where not the defaults
+        share = dkv_bytes(data["plan"].get("dkv_block", 256), **dkv_args)  # the file's one DKV configuration
         for r in data["records"]:
             if r["policy"] == "dkv":  # its budget is its bytes: one label per DKV configuration
-                share = dkv_bytes(data["plan"].get("dkv_block", 256), **dkv_args)
                 r = dict(r, keep=round(share, 4), label=f"dkv@{share:.4f}")
             elif dkv_args and r["policy"] == "sparpr+dkv":
                 die(f"{p}: sparpr+dkv over a DKV configuration other than the default ({dkv_args}): its keeps "

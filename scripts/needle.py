@@ -86,8 +86,9 @@ def parse_args(argv=None):
         die("keep ratios must be in (0, 1]")
     if not (1 <= args.dkv_rank <= args.dkv_block and 0 <= args.dkv_residuals <= args.dkv_block):
         die(f"--dkv-rank must be in 1..{args.dkv_block} and --dkv-residuals in 0..{args.dkv_block} (--dkv-block)")
+    defaults = {"rank": DKV_RANK, "residuals": DKV_RESIDUALS}
     args.dkv_args = {k: v for k, v in (("rank", args.dkv_rank), ("residuals", args.dkv_residuals))
-                     if v != {"rank": DKV_RANK, "residuals": DKV_RESIDUALS}[k]}  # only what differs: older plans resume
+                     if v != defaults[k]}  # only what differs from the defaults: older plans still resume
     return args
 
 
