@@ -120,8 +120,12 @@ def _grouped_query(q: torch.Tensor, hkv: int, valid: torch.Tensor | None):
     of a KV head become that head's query rows (no K/V expansion). q: [B, H, 1, D]; valid: [B, T]
     or [B, Hkv, T]. Returns qg: [B, Hkv, G, D] and the mask ok: [B, 1|Hkv, 1, T] bool (or None)."""
     b, h, _, d = q.shape
-    ok = None if valid is None else valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]
-    return q.reshape(b, hkv, h // hkv, d), ok
+    return q.reshape(b, hkv, h // hkv, d), None if valid is None else _grouped_mask(valid)
+
+
+def _grouped_mask(valid: torch.Tensor) -> torch.Tensor:
+    """valid: [B, T] or [B, Hkv, T] -> [B, 1|Hkv, 1, T], the layout of _grouped_query's rows."""
+    return valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]
 
 
 # torch's fused CPU flash-attention kernel, which also returns the log-sum-exp (the public
@@ -129,26 +133,51 @@ def _grouped_query(q: torch.Tensor, hkv: int, valid: torch.Tensor | None):
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None):
+class KeyMask(NamedTuple):
+    """A key mask made once for many decode steps (attention_with_lse's `valid`, from key_mask):
+    the boolean mask and what the fused CPU kernel needs of it, which would otherwise be made
+    again at every call."""
+
+    valid: torch.Tensor  # [B, T] or [B, Hkv, T] bool
+    additive: torch.Tensor | None  # [B, 1|Hkv, 1, T] float32, 0 or -inf; None: every key valid
+    dead: torch.Tensor | None  # [B, 1|Hkv, 1] bool: the rows with no valid key; None: there are none
+
+
+def key_mask(valid: torch.Tensor, once: bool = True) -> KeyMask:
+    """valid: [B, T] or [B, Hkv, T] bool -> a KeyMask to pass as attention_with_lse's `valid`.
+    `once` (a mask made for many calls): also look whether it masks anything at all, so that the
+    calls that take it skip what it would not change."""
+    if valid.device.type != "cpu" or _FLASH_CPU is None:
+        return KeyMask(valid, None, None)
+    ok = _grouped_mask(valid)  # ok: [B, 1|Hkv, 1, T]
+    if once and bool(ok.all()):
+        return KeyMask(valid, None, None)
+    dead = ~ok.any(dim=-1)  # dead: [B, 1|Hkv, 1]
+    additive = torch.zeros(ok.shape, dtype=torch.float32).masked_fill_(~ok, float("-inf"))
+    return KeyMask(valid, additive, dead if not once or bool(dead.any()) else None)
+
+
+def _decode_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          valid: torch.Tensor | KeyMask | None):
     """attention_with_lse for one query per head, float32 on the CPU, in one fused kernel: a KV
     head's G query heads go in as its G query positions (no K/V expanded to H heads)."""
     b, h, _, d = q.shape
-    qg, ok = _grouped_query(q, k.shape[1], valid)  # qg: [B, Hkv, G, D]; ok: [B, 1|Hkv, 1, T]
-    mask = live = None
-    if ok is not None:  # the kernel takes an additive mask only
-        mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
-        live = ok.any(dim=-1)  # live: [B, 1|Hkv, 1] (the kernel gives lse 0, not -inf, to a row with no key)
+    if valid is not None and not isinstance(valid, KeyMask):
+        valid = key_mask(valid, once=False)  # the kernel takes an additive mask only
+    mask, dead = (None, None) if valid is None else valid[1:]
+    qg = q.reshape(b, k.shape[1], h // k.shape[1], d)  # qg: [B, Hkv, G, D]
     out, lse = _FLASH_CPU(qg, k, v, attn_mask=mask)  # out: [B, Hkv, G, D]; lse: [B, Hkv, G]
-    if live is not None:
-        lse = lse.masked_fill(~live, float("-inf"))
+    if dead is not None:  # the kernel gives a row with no valid key lse 0, not -inf
+        lse = lse.masked_fill(dead, float("-inf"))
     return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       valid: torch.Tensor | None = None):
+                       valid: torch.Tensor | KeyMask | None = None):
     """Partial attention that also returns its log-sum-exp, for merging.
 
-    q: [B, H, Sq, D]; k, v: [B, Hkv, T, D]; valid: [B, T] bool or [B, Hkv, T] bool.
+    q: [B, H, Sq, D]; k, v: [B, Hkv, T, D]; valid: [B, T] bool or [B, Hkv, T] bool, or a KeyMask
+    of one (key_mask: for a mask that serves many steps).
     Returns out: [B, H, Sq, D] (float32), lse: [B, H, Sq] (float32; -inf where nothing is valid).
     """
     b, h, sq, d = q.shape
@@ -159,6 +188,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if sq == 1 and _FLASH_CPU is not None and q.device.type == "cpu" and \
             q.dtype == k.dtype == v.dtype == torch.float32:
         return _decode_attention_cpu(q, k, v, valid)
+    if isinstance(valid, KeyMask):
+        valid = valid.valid
     qg = q.float().view(b, hkv, h // hkv, sq, d)  # qg: [B, Hkv, G, Sq, D]
     scores = torch.einsum("bkgqd,bktd->bkgqt", qg, k.float()) / math.sqrt(d)
     if valid is not None:

@@ -8,7 +8,7 @@ import torch
 
 from flexgen_sparpr.models import layers
 from flexgen_sparpr.models.layers import (apply_rope, attention_with_lse, causal_attention,
-                                          decode_attention, merge_attention, rms_norm, rope_cos_sin)
+                                          decode_attention, key_mask, merge_attention, rms_norm, rope_cos_sin)
 
 
 def naive_attention(q, k, v, valid=None, causal=False):
@@ -113,6 +113,29 @@ def test_merge_ignores_a_part_with_nothing_valid(kernel):
     # a row with no valid key anywhere merges to zeros, not NaN
     none = merge_attention([p0, p0])
     assert bool((none == 0).all())
+
+
+@pytest.mark.parametrize("kind", ["some masked", "a row with none", "all valid", "per KV head"])
+def test_a_key_mask_made_once_attends_as_its_boolean_mask(kernel, kind):
+    """key_mask's prepared form (made once for many steps) gives the attention of the mask it was
+    made from, rows with no valid key included (lse -inf, out 0), whichever kernel runs."""
+    b, h, hkv, d, t = 3, 6, 2, 8, 11
+    q, k, v = rand_qkv(b, h, hkv, 1, t, d, seed=5)
+    valid = torch.rand(b, hkv, t, generator=torch.Generator().manual_seed(4)) > 0.4
+    valid = valid if kind == "per KV head" else valid[:, 0]
+    if kind == "a row with none":
+        valid[1] = False
+    elif kind == "all valid":
+        valid[:] = True
+    mask = key_mask(valid)
+    assert (mask.additive is None) == (kind == "all valid" or layers._FLASH_CPU is None)
+    assert (mask.dead is not None) == (kind == "a row with none" and layers._FLASH_CPU is not None)
+    out, lse = attention_with_lse(q, k, v, mask)
+    want_out, want_lse = attention_with_lse(q, k, v, valid)
+    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, naive_attention(q, k, v, valid).float(), rtol=1e-5, atol=1e-5)
+    assert bool(torch.isinf(lse[1]).all()) == (kind == "a row with none")
 
 
 def test_masked_entries_do_not_leak_even_when_huge(kernel):

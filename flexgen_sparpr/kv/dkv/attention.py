@@ -25,7 +25,8 @@ import math
 
 import torch
 
-from ...models.layers import attention_with_lse
+from ...models.layers import KeyMask, attention_with_lse
+from ...utils.threads import threads_back
 from .codec import DKVParts
 
 
@@ -44,10 +45,13 @@ def head_rows(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return out.view(b, h, hkv * d)
 
 
-def lowrank_blocks(q: torch.Tensor, p: DKVParts, usable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every encoded block attended on its own in low-rank space, one fused attention call.
+def lowrank_blocks(q: torch.Tensor, p: DKVParts, usable: torch.Tensor | KeyMask,
+                   threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every encoded block attended on its own in low-rank space, one fused attention call (run
+    on `threads` intra-op threads where given: utils/threads.threads_back).
 
-    q: [B, H, 1, D]; p: parts with leading [n]; usable: [n, B, bs] bool. Returns c: [n, B, H, r]
+    q: [B, H, 1, D]; p: parts with leading [n]; usable: [n, B, bs] bool, or a KeyMask of it (one
+    made when the blocks were encoded serves every step). Returns c: [n, B, H, r]
     float32, each head's softmax-weighted mean of the block's coefficients over its usable tokens,
     and lse: [B, n, H] float32, the log of the block's attention mass (its softmax denominator of
     the scaled scores q.k / sqrt(D)), -inf where it has no usable token. The anchor's score is the
@@ -64,7 +68,8 @@ def lowrank_blocks(q: torch.Tensor, p: DKVParts, usable: torch.Tensor) -> tuple[
         torch.mm(p.anchor[:, i, :hd].float(), qr[i].T, out=base[i])  # [n, H]
     # the attention's own 1/sqrt(r) undone: the scores stay q.k / sqrt(D)
     qc = (proj.transpose(0, 1) * math.sqrt(r)).reshape(n, b * h, 1, r)  # qc: [n, B*H, 1, r]
-    c, lse = attention_with_lse(qc, p.coeffs, p.coeffs, usable)  # the sequences as KV heads: c: [n, B*H, 1, r]
+    with threads_back(threads, q.device):  # the sequences as KV heads: c: [n, B*H, 1, r]
+        c, lse = attention_with_lse(qc, p.coeffs, p.coeffs, usable)
     return c.view(n, b, h, r), lse.view(n, b, h).transpose(0, 1) + base
 
 

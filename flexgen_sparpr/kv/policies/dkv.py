@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...models.layers import attention_with_lse, merge_attention
-from ...utils.threads import intra_op_threads
+from ...models.layers import KeyMask, attention_with_lse, key_mask, merge_attention
+from ...utils.threads import intra_op_threads, threads_back
 from ..block_table import BlockTable
 from ..dkv.attention import lowrank_blocks, lowrank_merge, residual_kv
 from ..dkv.codec import PICKS, DKVCodec, DKVParts
@@ -43,10 +43,11 @@ class _State:
     res_v: torch.Tensor | None = None  # [B, Hkv, n*m, D] ... values
     res_ok: torch.Tensor | None = None  # [B, n*m] valid (not left padding)
     usable: torch.Tensor | None = None  # [n, B, bs] valid tokens that are not residual rows
+    usable_mask: KeyMask | None = None  # of usable, for the low-rank attention
     res_pos: torch.Tensor | None = None  # [B, n*m] their positions
     # the exact rows a step reads that change only when a block seals, as one tensor: the residual
     # rows (res_k, res_v are views into it) and, where copies_window, a copy of the exact blocks
-    fixed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # k, v: [B, Hkv, T, D]; ok: [B, T]
+    fixed: tuple[torch.Tensor, torch.Tensor, KeyMask] | None = None  # k, v: [B, Hkv, T, D]; ok of [B, T]
     fixed_key: tuple | None = None  # what `fixed` was made for
     epoch: int = 0  # seals and prefills so far (either may rewrite what `fixed` holds)
 
@@ -97,8 +98,9 @@ class DKV(KVPolicy):
                               metavar="{" + ",".join(PICKS) + "}")
     pick_window: int = knob(WINDOW, "the prompt's last queries that score tokens for the attention pick")
     pick_follow: int = knob(FOLLOW, "a token inherits the attention pick's score of this many tokens before it")
-    decode_threads: int = knob(1, "CPU threads for the decode attention: its ~25 small operations a layer-step "
-                               "lose more to splitting across threads than they gain; 0 = torch's setting "
+    decode_threads: int = knob(1, "CPU threads for the decode attention's ~25 small operations a layer-step, "
+                               "which lose more to splitting across threads than they gain (its two large "
+                               "fused attention calls keep torch's setting); 0 = torch's setting for all "
                                "(no effect on a GPU)")
 
     attends = True  # the engine hands this policy the whole decode attention
@@ -194,15 +196,17 @@ class DKV(KVPolicy):
     def attend(self, table: BlockTable, layer: int, q, k, v, pads):
         """One decode step. q: [B, H, 1, D]; k, v: [B, Hkv, 1, D] the new token; pads: [B] or None.
         Returns (o: [B, H, 1, D], store jobs)."""
-        with intra_op_threads(self.decode_threads, q.device):
-            return self._attend(table, layer, q, k, v, pads)
+        with intra_op_threads(self.decode_threads, q.device) as outside:
+            return self._attend(table, layer, q, k, v, pads, outside)
 
-    def _attend(self, table: BlockTable, layer: int, q, k, v, pads):
+    def _attend(self, table: BlockTable, layer: int, q, k, v, pads, wide: int | None = None):
+        """attend's step; `wide`: the intra-op threads for its large fused attention calls."""
         if layer < self.dense_layers:
             jobs = table.append(k, v)
             kv, pos = table.gather()
             valid = pos[None, :] >= self._pads(table, pads)[:, None]  # valid: [B, T]
-            return merge_attention([attention_with_lse(q, kv[0], kv[1], valid)]).to(q.dtype), jobs
+            with threads_back(wide, q.device):
+                return merge_attention([attention_with_lse(q, kv[0], kv[1], valid)]).to(q.dtype), jobs
         if not isinstance(table.store.codec, DKVCodec):
             raise ValueError("the dkv policy attends tables the engine built with its codec "
                              "(it cannot take over a cache prefilled under another policy)")
@@ -228,7 +232,7 @@ class DKV(KVPolicy):
             p = codec.parts(table.rows(cold))  # leading [n]
             self._cache_cold(st, p, first, bs, q.shape[3], pads)
             kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
-            c, lse = lowrank_blocks(q, p, st.usable)  # c: [n, B, H, r]; lse: [B, n, H] every block on its own
+            c, lse = lowrank_blocks(q, p, st.usable_mask, wide)  # c: [n, B, H, r]; lse: [B, n, H] every block alone
             route = None if kk == len(cold) else self._route(q, lse, st.mean[first:], kk)  # route: [B, K]
             low = [lowrank_merge(q, p, c, lse, route)]  # the routed blocks merged
             self.counts["routed_blocks"] += kk
@@ -237,8 +241,9 @@ class DKV(KVPolicy):
         self.counts["steps"] += 1
         self.counts["window_tokens"] += len(copied) * bs + sum(pos.shape[0] for _, pos in views)
         fixed = self._fixed(st, table, copied, sealed, bool(cold), pads)
-        exact = ([attention_with_lse(q, *fixed)] if fixed else []) + \
-            [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None]) for kv, pos in views]
+        with threads_back(wide, q.device):
+            exact = [attention_with_lse(q, *fixed)] if fixed else []
+        exact += [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None]) for kv, pos in views]
         return merge_attention(exact + low).to(q.dtype), jobs
 
     @staticmethod
@@ -255,8 +260,8 @@ class DKV(KVPolicy):
         if cold:
             dt = ks[0].dtype if ks else st.res_k.dtype
             ks, vs, oks = ks + [st.res_k.to(dt)], vs + [st.res_v.to(dt)], oks + [st.res_ok]
-        st.fixed = None if not ks else (ks[0], vs[0], oks[0]) if len(ks) == 1 else \
-            (torch.cat(ks, dim=2), torch.cat(vs, dim=2), torch.cat(oks, dim=1))  # one piece: no copy
+        st.fixed = None if not ks else (ks[0], vs[0], key_mask(oks[0])) if len(ks) == 1 else \
+            (torch.cat(ks, dim=2), torch.cat(vs, dim=2), key_mask(torch.cat(oks, dim=1)))  # one piece: no copy
         if cold:  # the residual rows held once: in `fixed`, the last of it
             fk, fv, _ = st.fixed
             start = fk.shape[2] - st.res_k.shape[2]
@@ -286,6 +291,7 @@ class DKV(KVPolicy):
             rpos, usable = torch.cat([st.res_pos, rpos], dim=1), torch.cat([st.usable, usable], dim=0)
         st.res_k, st.res_v, st.res_pos, st.usable = rk.contiguous(), rv.contiguous(), rpos, usable
         st.res_ok = rpos >= pads[:, None]
+        st.usable_mask = key_mask(usable)
         st.cached = n
 
     def _route(self, q, lse: torch.Tensor, mean: torch.Tensor, kk: int) -> torch.Tensor:
