@@ -28,6 +28,26 @@ def test_bytes_match_the_formula(dtype, rank, res):
     assert c.nbytes == DKVCodec.formula(2, 3, 16, 8, rank, res, torch.empty((), dtype=dtype).element_size())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_row_is_one_sub_row_per_sequence(dtype):
+    """Each sequence's fields lie in its own sub-row, so over n rows a part's (block, sequence)
+    axes are one axis (a view: what the low-rank attention's batched matmuls read in place), and
+    each sequence decodes from its sub-row alone."""
+    c = DKVCodec(SHAPE, dtype, 4, 3)
+    kvs = [torch.randn(SHAPE).to(dtype) for _ in range(3)]
+    rows = torch.stack([c.encode(kv) for kv in kvs])  # rows: [n, nbytes]
+    p, b = c.parts(rows), SHAPE[1]
+    for name in ("anchor", "basis", "coeffs", "res_rows", "res_idx"):
+        x = getattr(p, name)  # [n, B, ...]
+        flat = x.view(x.shape[0] * b, *x.shape[2:])  # [n*B, ...] item j*B + i: block j, sequence i
+        assert flat.data_ptr() == x.data_ptr() and torch.equal(flat[2 * b + 1], x[2, 1])
+    want = c.decode(rows[1])  # [2, B, Hkv, bs, D]
+    for i in range(b):  # another row's bytes in every other sequence's sub-row: sequence i unchanged
+        mixed = rows[0].clone().view(b, c.seq_nbytes)
+        mixed[i] = rows[1].view(b, c.seq_nbytes)[i]
+        torch.testing.assert_close(c.decode(mixed.view(-1))[:, i], want[:, i], rtol=0, atol=0)
+
+
 def test_full_rank_is_lossless():
     """Up to float32 rounding: the basis comes from the block's Gram matrix, whose forming squares
     the condition number, so the weakest direction carries ~1e-5 error (an SVD's was ~1e-6;

@@ -12,13 +12,12 @@ every sequence on its own (the sequences as its KV heads), giving each block's m
 per head and its log mass; the anchor's score is added to that log mass afterwards. The routed
 blocks then merge by their log masses and map back through W[Vg] and a[Vg] (lowrank_merge).
 
-The parts are views into the encoded rows ([n, nbytes] uint8, one row per block holding every
-sequence): for one sequence b, a part over the n blocks is a 3-D view whose matrices are
-contiguous and whose block stride is the row size, which batched matmuls read in place (a
-matmul over both the block and the sequence axes would copy every part first: the two strides
-do not merge), so the projections and the value side run one sequence at a time, the value side
-copying only its K routed blocks' parts. A query is laid out as [H, Hkv*D] with zeros off its own
-KV head's columns, so one matmul serves every head of a group-query model."""
+The parts are views into the encoded rows ([n, nbytes] uint8, one row per block, each row one
+sub-row per sequence: kv/dkv/codec.py): a part's block and sequence axes merge into one axis of
+stride sub-row, so one batched matmul over every (block, sequence) reads the parts in place (the
+projections), and the value side copies only the routed (block, sequence) items' parts. A query
+is laid out as [H, Hkv*D] with zeros off its own KV head's columns, so one matmul serves every
+head of a group-query model."""
 from __future__ import annotations
 
 import math
@@ -45,6 +44,12 @@ def head_rows(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return out.view(b, h, hkv * d)
 
 
+def _per_block(x: torch.Tensor) -> torch.Tensor:
+    """A part [n, B, ...] as [n*B, ...], one item per (block, sequence), block-major: a view, as
+    the codec's row layout allows (kv/dkv/codec.py), so the batched matmuls read it in place."""
+    return x.view(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
 def lowrank_blocks(q: torch.Tensor, p: DKVParts, usable: torch.Tensor | KeyMask,
                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every encoded block attended on its own in low-rank space, one fused attention call (run
@@ -61,16 +66,14 @@ def lowrank_blocks(q: torch.Tensor, p: DKVParts, usable: torch.Tensor | KeyMask,
     n, _, bs, r = p.coeffs.shape
     hd = p.anchor.shape[-1] // 2  # Hkv * D: the K columns, then the V columns
     qr = head_rows(q / math.sqrt(d), hd // d)  # qr: [B, H, Hkv*D] scaled
-    proj = torch.empty(b, n, h, r, dtype=torch.float32, device=q.device)  # proj: [B, n, H, r]
-    base = torch.empty(b, n, h, dtype=torch.float32, device=q.device)  # base: [B, n, H] the anchors' scores
-    for i in range(b):  # one sequence at a time: its parts are 3-D views the matmuls read in place
-        torch.bmm(qr[i].expand(n, -1, -1), p.basis[:, i, :hd].float(), out=proj[i])  # [n, H, r]
-        torch.mm(p.anchor[:, i, :hd].float(), qr[i].T, out=base[i])  # [n, H]
+    qx = qr.expand(n, -1, -1, -1).reshape(n * b, h, hd)  # qx: [n*B, H, Hkv*D] a block's sequence's query
+    proj = torch.bmm(qx, _per_block(p.basis)[:, :hd].float())  # proj: [n*B, H, r]
+    base = torch.bmm(qx, _per_block(p.anchor)[:, :hd, None].float())  # base: [n*B, H, 1] the anchors' scores
     # the attention's own 1/sqrt(r) undone: the scores stay q.k / sqrt(D)
-    qc = (proj.transpose(0, 1) * math.sqrt(r)).reshape(n, b * h, 1, r)  # qc: [n, B*H, 1, r]
+    qc = (proj * math.sqrt(r)).view(n, b * h, 1, r)  # qc: [n, B*H, 1, r]
     with threads_back(threads, q.device):  # the sequences as KV heads: c: [n, B*H, 1, r]
         c, lse = attention_with_lse(qc, p.coeffs, p.coeffs, usable)
-    return c.view(n, b, h, r), lse.view(n, b, h).transpose(0, 1) + base
+    return c.view(n, b, h, r), (lse.view(n, b, h) + base.view(n, b, h)).transpose(0, 1)
 
 
 def lowrank_merge(q: torch.Tensor, p: DKVParts, c: torch.Tensor, lse: torch.Tensor,
@@ -81,18 +84,19 @@ def lowrank_merge(q: torch.Tensor, p: DKVParts, c: torch.Tensor, lse: torch.Tens
     q: [B, H, 1, D]; c: [n, B, H, r]; lse: [B, n, H]; route: [B, K] (None: all n). Returns out:
     [B, H, 1, D] float32 and lse: [B, H, 1] (-inf where nothing is attended)."""
     b, h, _, d = q.shape
+    n, _, _, r = c.shape
     hd = p.anchor.shape[-1] // 2
     if route is None:
-        route = torch.arange(lse.shape[1], device=q.device).expand(b, -1)  # route: [B, n]
+        route = torch.arange(n, device=q.device).expand(b, -1)  # route: [B, n]
+    kk = route.shape[1]
     lse = lse.gather(1, route[:, :, None].expand(-1, -1, h))  # lse: [B, K, H]
     total = lse.logsumexp(dim=1)  # total: [B, H]
     alpha = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)[:, None])  # alpha: [B, K, H] block weights
-    o = torch.empty(b, h, hd, dtype=torch.float32, device=q.device)  # o: [B, H, Hkv*D]
-    for i in range(b):  # one sequence at a time: index_select copies each routed block's part whole
-        idx = route[i]  # idx: [K]
-        ci = c[:, i].index_select(0, idx) * alpha[i][..., None]  # ci: [K, H, r] weighted mean coefficients
-        oi = torch.bmm(ci, p.basis[:, i, hd:].index_select(0, idx).float().mT).sum(0)  # oi: [H, Hkv*D]
-        o[i] = oi.addmm_(alpha[i].T, p.anchor[:, i, hd:].index_select(0, idx).float())  # + the anchors' share
+    flat = (route * b + torch.arange(b, device=q.device)[:, None]).view(-1)  # flat: [B*K] (block, sequence) items
+    ci = c.view(n * b, h, r).index_select(0, flat) * alpha.view(b * kk, h, 1)  # ci: [B*K, H, r] weighted means
+    o = torch.bmm(ci, _per_block(p.basis)[:, hd:].index_select(0, flat).float().mT)  # o: [B*K, H, Hkv*D]
+    anchors = _per_block(p.anchor)[:, hd:].index_select(0, flat).float().view(b, kk, hd)  # anchors: [B, K, Hkv*D]
+    o = o.view(b, kk, h, hd).sum(1).baddbmm_(alpha.transpose(1, 2), anchors)  # o: [B, H, Hkv*D] + the anchors' share
     out = o.view(b, h, hd // d, d)[(slice(None), *_own_kv_head(h, hd // d, q.device))]  # out: [B, H, D] own KV head
     return out[:, :, None], total[:, :, None]
 

@@ -13,7 +13,10 @@ token or the few tokens before it); "mixed", ceil(m/2) by importance, the rest b
 an importance (blocks sealed during decode) every pick is "error".
 
 Bytes of one encoded block (the `nbytes` formula; e = the dtype's size, 4-byte indices):
-    B * (F + F * r + bs * r + m * F) * e  [padded to 8]  +  B * (m + 1) * 4
+    B * [ (F + F * r + bs * r + m * F) * e  [padded to 8]  +  (m + 1) * 4 ]  [padded to 8]
+The row is B sub-rows, one per sequence, each holding that sequence's fields: over n rows, a
+field's (block, sequence) axes then merge into one axis of stride sub-row (kv/dkv/attention.py
+reads every block of every sequence with one batched matmul, in place).
 """
 from __future__ import annotations
 
@@ -72,23 +75,24 @@ class DKVCodec(Codec):
         self.rank = min(rank, bs, self.width)  # more directions than rows or columns adds nothing
         self.residuals = min(residuals, bs)
         f, r, m, e = self.width, self.rank, self.residuals, torch.empty((), dtype=dtype).element_size()
-        counts = [("anchor", (b, f)), ("basis", (b, f, r)), ("coeffs", (b, bs, r)), ("res_rows", (b, m, f))]
-        self._layout, off = [], 0
+        counts = [("anchor", (f,)), ("basis", (f, r)), ("coeffs", (bs, r)), ("res_rows", (m, f))]
+        self._layout, off = [], 0  # one sequence's sub-row: (field, its shape, dtype, byte offset)
         for name, shp in counts:
             self._layout.append((name, shp, dtype, off))
             off += torch.Size(shp).numel() * e
         off = _align(off)
-        for name, shp in (("res_idx", (b, m)), ("anchor_idx", (b,))):
+        for name, shp in (("res_idx", (m,)), ("anchor_idx", ())):
             self._layout.append((name, shp, torch.int32, off))
             off += torch.Size(shp).numel() * 4
-        self.nbytes = off
+        self.seq_nbytes = _align(off)
+        self.nbytes = b * self.seq_nbytes
 
     @staticmethod
     def formula(b: int, hkv: int, bs: int, d: int, rank: int, residuals: int, itemsize: int) -> int:
         """The module doc's byte count, for reports and tests."""
         f = 2 * hkv * d
         r, m = min(rank, bs, f), min(residuals, bs)
-        return _align(b * (f + f * r + bs * r + m * f) * itemsize) + b * (m + 1) * 4
+        return b * _align(_align((f + f * r + bs * r + m * f) * itemsize) + (m + 1) * 4)
 
     def dense_nbytes(self) -> int:
         return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
@@ -103,12 +107,13 @@ class DKVCodec(Codec):
         return x.view(self.batch, self.bs, 2, self.hkv, self.head_dim).permute(2, 0, 3, 1, 4)
 
     def parts(self, rows: torch.Tensor) -> DKVParts:
-        """rows: [..., nbytes] uint8 -> typed views (no copy)."""
+        """rows: [..., nbytes] uint8 -> typed views [..., B, ...] (no copy)."""
         lead = rows.shape[:-1]
+        seqs = rows.unflatten(-1, (self.batch, self.seq_nbytes))  # seqs: [..., B, sub-row]
         out = {}
         for name, shp, dt, off in self._layout:
             n = torch.Size(shp).numel() * torch.empty((), dtype=dt).element_size()
-            out[name] = rows[..., off:off + n].view(dt).view(*lead, *shp)
+            out[name] = seqs[..., off:off + n].view(dt).view(*lead, self.batch, *shp)
         return DKVParts(**out)
 
     # --- encode / decode ---
