@@ -33,6 +33,7 @@ class BlockTable:
             raise ValueError("fewer block homes than blocks")
         self.slot = [self.homes[:b].count(h) for b, h in enumerate(self.homes)]
         self.length = 0
+        self.rewinds = 0  # times rewound: what a policy's per-table copies of the cache key on
         self.on_seal: list[Callable[[int, torch.Tensor], None]] = []  # policy hooks: (block, kv)
         if codec is None:
             codec = Int4Codec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
@@ -149,6 +150,7 @@ class BlockTable:
     def rewind(self, mark) -> None:
         """Go back to a mark. Blocks sealed after it are overwritten when refilled."""
         self.length, tail, ck = mark
+        self.rewinds += 1
         self.store.rewind(tail)
         if ck is not None:
             self.checkpoints.rewind(ck)

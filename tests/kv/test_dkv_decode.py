@@ -1,5 +1,6 @@
 """DKV's decode state: the exact rows a step attends that change only when a block seals (the
-residual rows and, on the CPU, a copy of the sink and recent blocks) are made once per seal."""
+residual rows and, on the CPU, a copy of the sink and recent blocks with room for the open block,
+which each step writes its token into) are made once per seal."""
 from __future__ import annotations
 
 import pytest
@@ -37,9 +38,10 @@ def _decodes(model_dir, tmp_path, residuals):
 @pytest.mark.parametrize("residuals", [1, 0])
 def test_fixed_exact_rows_are_made_once_per_seal_and_equal_making_them_every_step(tiny_llama_dir, tmp_path,
                                                                                    monkeypatch, copies, residuals):
-    """The residual rows and (copies: the CPU's way) a copy of the sink and recent blocks are
-    attended as one tensor, made again only when a block seals or a prefill changes the blocks:
-    the same logits as making it every step."""
+    """The residual rows and (copies: the CPU's way) a copy of the sink and recent blocks and of
+    the open block (its token written each step) are attended as one tensor, made again only when
+    a block seals, a prefill changes the blocks or a restore rewinds the table: the same logits as
+    making it every step."""
     monkeypatch.setattr(dkv_mod, "copies_window", lambda device: copies)
     made, calls = DKV._fixed, {"made": 0, "steps": 0}
 

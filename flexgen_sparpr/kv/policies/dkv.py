@@ -22,9 +22,10 @@ from .base import masked_mean_keys
 
 
 def copies_window(device: torch.device) -> bool:
-    """Whether a step attends a copy of the exact sink and recent blocks together with the residual
-    rows (one attention call instead of three): on the CPU, where a call's fixed cost is that of
-    ~200 attended tokens; not on a GPU, where the call is cheap and the copy's memory is not."""
+    """Whether a step attends a copy of the exact sink and recent blocks, the residual rows and the
+    open block together (one attention call instead of three; each step writes its new token into
+    the copy): on the CPU, where a call's fixed cost is that of ~200 attended tokens; not on a GPU,
+    where the call is cheap and the copy's memory is not."""
     return device.type == "cpu"
 
 
@@ -45,10 +46,13 @@ class _State:
     usable: torch.Tensor | None = None  # [n, B, bs] valid tokens that are not residual rows
     usable_mask: KeyMask | None = None  # of usable, for the low-rank attention
     res_pos: torch.Tensor | None = None  # [B, n*m] their positions
-    # the exact rows a step reads that change only when a block seals, as one tensor: the residual
-    # rows (res_k, res_v are views into it) and, where copies_window, a copy of the exact blocks
+    # the exact rows a step reads, as one tensor made again when a block seals: the residual rows
+    # (res_k, res_v are views into it) and, where copies_window, a copy of the exact blocks and
+    # room for the open block's bs tokens at its end (`tail`), filled one token a step
     fixed: tuple[torch.Tensor, torch.Tensor, KeyMask] | None = None  # k, v: [B, Hkv, T, D]; ok of [B, T]
     fixed_key: tuple | None = None  # what `fixed` was made for
+    tail: int = 0  # where the open block's room starts in `fixed`
+    tail_at: int = -1  # the table's length when its open block was last written there
     epoch: int = 0  # seals and prefills so far (either may rewrite what `fixed` holds)
 
     def forget_from(self, block: int) -> None:
@@ -218,8 +222,9 @@ class DKV(KVPolicy):
         recent = list(range(max(0, sealed - self.recent_blocks), sealed))
         sinks = [b for b in range(min(self.sink_blocks, sealed)) if b not in recent]
         window = sinks + recent  # the exact sealed blocks
-        copied = window if copies_window(q.device) else []  # attended from `fixed`
-        live = [b for b in window if b not in copied] + ([table.num_blocks - 1] if table.length % bs else [])
+        fold = copies_window(q.device)  # the window blocks and the open block attended from `fixed`
+        copied = window if fold else []
+        live = [b for b in window if b not in copied] + ([table.num_blocks - 1] if table.length % bs and not fold else [])
         views = table.views(live)  # the other exact blocks where they live: kv: [2, B, Hkv, T, D]; pos: [T]
         first = len(sinks)
         cold = list(range(first, sealed - len(recent)))
@@ -239,33 +244,57 @@ class DKV(KVPolicy):
             self.counts["residual_tokens"] += st.res_k.shape[2]
             self.counts["cold_blocks"] += len(cold)
         self.counts["steps"] += 1
-        self.counts["window_tokens"] += len(copied) * bs + sum(pos.shape[0] for _, pos in views)
-        fixed = self._fixed(st, table, copied, sealed, bool(cold), pads)
+        self.counts["window_tokens"] += len(copied) * bs + sum(pos.shape[0] for _, pos in views) + \
+            (table.length % bs if fold else 0)
+        fixed = self._fixed(st, table, copied, sealed, bool(cold), pads, (k, v) if fold else None)
         with threads_back(wide, q.device):
             exact = [attention_with_lse(q, *fixed)] if fixed else []
         exact += [attention_with_lse(q, kv[0], kv[1], pos[None, :] >= pads[:, None]) for kv, pos in views]
         return merge_attention(exact + low).to(q.dtype), jobs
 
     @staticmethod
-    def _fixed(st: _State, table: BlockTable, window: list[int], sealed: int, cold: bool, pads: torch.Tensor):
-        """A copy of the exact sealed blocks `window` and (cold) the cold blocks' residual rows as
-        one k, v: [B, Hkv, T, D] and ok: [B, T] (not padding), made again only when a block seals or
-        the blocks change; None when there are none."""
-        key = (st.epoch, sealed, tuple(window), st.cached if cold else -1, st.first)
-        if st.fixed_key == key:
+    def _fixed(st: _State, table: BlockTable, window: list[int], sealed: int, cold: bool, pads: torch.Tensor,
+               new: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """A copy of the exact sealed blocks `window`, (cold) the cold blocks' residual rows and
+        (new given) room for the open block as one k, v: [B, Hkv, T, D] and a KeyMask of [B, T] (not
+        padding, written), made again only when a block seals, the blocks change or the table is
+        rewound; None when there is nothing. new: k, v [B, Hkv, 1, D], the token this step just
+        appended, written into the open block's room (one token a step)."""
+        bs = table.bs
+        key = (st.epoch, sealed, tuple(window), st.cached if cold else -1, st.first, table.rewinds, new is None)
+        if st.fixed_key == key and (new is None or st.tail_at == table.length - 1):
+            if new is not None:  # the step's token into its slot
+                fk, fv, mask = st.fixed
+                j = st.tail + (table.length - 1) % bs
+                fk[:, :, j:j + 1].copy_(new[0])
+                fv[:, :, j:j + 1].copy_(new[1])
+                mask.valid[:, j] = True
+                if mask.additive is not None:  # (None: no fused CPU kernel; the valid mask serves)
+                    mask.additive[..., j] = 0.0
+                st.tail_at = table.length
             return st.fixed
         runs = table.views(window)  # [(kv: [2, B, Hkv, T, D], pos: [T])]
         ks, vs = [kv[0] for kv, _ in runs], [kv[1] for kv, _ in runs]
         oks = [pos[None, :] >= pads[:, None] for _, pos in runs]  # each [B, T]
+        dt = ks[0].dtype if ks else table.store.raw.dtype
         if cold:
-            dt = ks[0].dtype if ks else st.res_k.dtype
             ks, vs, oks = ks + [st.res_k.to(dt)], vs + [st.res_v.to(dt)], oks + [st.res_ok]
+        st.tail = sum(x.shape[2] for x in ks)
+        if new is not None:  # the open block's room: its tokens so far, then unwritten (masked)
+            b, hkv, _, d = new[0].shape
+            tk, tv = (torch.zeros(b, hkv, bs, d, dtype=dt, device=pads.device) for _ in range(2))
+            tok = torch.zeros(b, bs, dtype=torch.bool, device=pads.device)
+            for kv, pos in table.views([table.num_blocks - 1] if table.length % bs else []):
+                tk[:, :, :pos.shape[0]], tv[:, :, :pos.shape[0]] = kv[0], kv[1]
+                tok[:, :pos.shape[0]] = pos[None, :] >= pads[:, None]
+            ks, vs, oks = ks + [tk], vs + [tv], oks + [tok]
+            st.tail_at = table.length
         st.fixed = None if not ks else (ks[0], vs[0], key_mask(oks[0])) if len(ks) == 1 else \
             (torch.cat(ks, dim=2), torch.cat(vs, dim=2), key_mask(torch.cat(oks, dim=1)))  # one piece: no copy
-        if cold:  # the residual rows held once: in `fixed`, the last of it
+        if cold:  # the residual rows held once: in `fixed`, just before the open block's room
             fk, fv, _ = st.fixed
-            start = fk.shape[2] - st.res_k.shape[2]
-            st.res_k, st.res_v = fk[:, :, start:], fv[:, :, start:]
+            start, end = st.tail - st.res_k.shape[2], st.tail
+            st.res_k, st.res_v = fk[:, :, start:end], fv[:, :, start:end]
         st.fixed_key = key
         return st.fixed
 
