@@ -75,3 +75,18 @@ def test_copied_exact_blocks_equal_attending_them_in_place(tiny_llama_dir, tmp_p
     for got, ref in zip(out[True], out[False]):
         assert got.tokens == ref.tokens
         torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_open_block_copy_from_the_first_token(tiny_llama_dir, tmp_path, monkeypatch):
+    """Prompts shorter than a block (nothing sealed, the copy only the open block's room) decoded
+    past the first seals: the CPU's copy gives the logits of attending the open block where it
+    lives."""
+    out = {}
+    for copies in (True, False):
+        monkeypatch.setattr(dkv_mod, "copies_window", lambda device: copies)
+        cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path), kv_policy="dkv",
+                           policy_args={"rank": 2, "residuals": 1, "topk": 1})
+        with Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=2), cfg) as eng:
+            out[copies] = eng.generate([[5, 6, 7], [9, 10, 11, 12, 13]], 20, keep_logits=True)
+    assert out[True].tokens == out[False].tokens
+    torch.testing.assert_close(out[True].logits, out[False].logits, rtol=1e-5, atol=1e-5)
