@@ -102,10 +102,10 @@ class DKV(KVPolicy):
                               metavar="{" + ",".join(PICKS) + "}")
     pick_window: int = knob(WINDOW, "the prompt's last queries that score tokens for the attention pick")
     pick_follow: int = knob(FOLLOW, "a token inherits the attention pick's score of this many tokens before it")
-    decode_threads: int = knob(1, "CPU threads for the decode attention's ~25 small operations a layer-step, "
-                               "which lose more to splitting across threads than they gain (its two large "
-                               "fused attention calls keep torch's setting); 0 = torch's setting for all "
-                               "(no effect on a GPU)")
+    decode_threads: int = knob(1, "CPU threads for the decode attention's small operations (~150 torch calls "
+                               "a layer-step), which lose more to splitting across threads than they gain "
+                               "(its two large fused attention calls keep torch's setting); 0 = torch's "
+                               "setting for all (no effect on a GPU)")
 
     attends = True  # the engine hands this policy the whole decode attention
 
