@@ -23,9 +23,10 @@ POLICIES = ("sparpr", "quest", "sparpr+dkv")
 PROMPT_KEYS = ("split", "texts", "depths", "seed", "tasks", "trials", "batch", "answer_prefix")
 
 
-def load(paths: list[Path]) -> tuple[dict, list[dict], list[str]]:
-    """(prompt plan, records joined by (trial, label), engine commits). Dies on files whose prompts differ."""
-    plan, recs, commits, prompts = None, {}, [], {}
+def load(paths: list[Path], drop: frozenset = frozenset()) -> tuple[dict, list[dict], list[str]]:
+    """(prompt plan, records joined by (trial, label), engine commits), without the labels in
+    `drop`. Dies on files whose prompts differ, and on a label in `drop` that no file has."""
+    plan, recs, commits, prompts, dropped = None, {}, [], {}, set()
     for p in paths:
         try:
             data = json.loads(Path(p).read_text())
@@ -47,6 +48,9 @@ def load(paths: list[Path]) -> tuple[dict, list[dict], list[str]]:
             elif dkv_args and r["policy"] == "sparpr+dkv":
                 die(f"{p}: sparpr+dkv over a DKV configuration other than the default ({dkv_args}): its keeps "
                     f"would mix with the default's; give its frontier on its own")
+            if r["label"] in drop:
+                dropped.add(r["label"])
+                continue
             recs[(r["trial"], r["label"])] = r
             # a trial id names the same prompt in every file only if its draws agree
             seen = prompts.setdefault(r["trial"], (r["expected"], r["depth"], r.get("text")))
@@ -54,6 +58,8 @@ def load(paths: list[Path]) -> tuple[dict, list[dict], list[str]]:
                 die(f"{p}: trial {r['trial']} is another prompt than in an earlier file (keys {seen[0]} vs "
                     f"{r['expected']}): runs whose task lists differ draw their prompts differently")
         commits.append(data["config"].get("engine_commit", "unknown"))
+    if drop - dropped:
+        die(f"--drop {','.join(sorted(drop - dropped))}: no such label in the inputs")
     return plan, list(recs.values()), commits
 
 
@@ -99,13 +105,17 @@ def main(argv=None) -> None:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("inputs", nargs="+", help="needle.json files of scripts/needle.py (same prompts)")
     ap.add_argument("--threshold", type=float, default=0.95, help="agreement with dense needed")
+    ap.add_argument("--drop", default="", help="comma list of labels (policy@keep, e.g. sparpr@0.02) left out: "
+                    "a keep run only under an older default, which no newer input replaces")
     ap.add_argument("--out", default=str(REPO / "results/fidelity"))
     args = ap.parse_args(argv)
     if not 0 < args.threshold <= 1:
         die("--threshold must be in (0, 1]")
-    plan, recs, commits = load([Path(p) for p in args.inputs])
+    plan, recs, commits = load([Path(p) for p in args.inputs], frozenset(x for x in args.drop.split(",") if x))
     rows = summarize(recs)
     cells = sorted({(r["task"], r["length"]) for r in rows if r["label"] != "dense"})
+    if not cells:
+        die("the inputs hold no policy's answers besides dense's: there is no frontier to find")
     every = (*POLICIES, "dkv")
     fr = {p: frontier(rows, p, args.threshold) for p in every}  # dkv: over its bytes shares
     keeps = {p: sorted({r["keep"] for r in rows if r["policy"] == p}, reverse=True) for p in every}
@@ -126,6 +136,7 @@ def main(argv=None) -> None:
     png = Path(args.out) / "frontier.png"
     plot(fr, cells, png)
     payload = {"config": {"inputs": [str(p) for p in args.inputs], "threshold": args.threshold, "prompts": plan,
+                          "dropped": sorted(x for x in args.drop.split(",") if x),
                           "engine_commits": commits, "keeps": keeps},
                "frontier": {p: [{"task": t, "length": n_, "keep": k} for (t, n_), k in sorted(fr[p].items())]
                             for p in every},

@@ -52,6 +52,18 @@ def test_frontier_refuses_files_of_other_prompts(tmp_path):
     data = json.loads((tmp_path / "res" / "frontier.json").read_text())
     assert data["frontier"]["sparpr"] == [{"task": "passkey", "length": 2048, "keep": 0.1}]
     assert (tmp_path / "res" / "frontier.png").stat().st_size > 0
+    # --drop leaves a label out (an older default's keep): the frontier is then what remains
+    ok.write_text(json.dumps({"plan": plan, "config": {}, "records": [
+        rec, *(rec | {"label": f"sparpr@{k}", "policy": "sparpr", "keep": k} for k in (0.5, 0.1))]}))
+    r = run_script("frontier.py", str(ok), "--drop", "sparpr@0.1", "--out", str(tmp_path / "res3"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "res3" / "frontier.json").read_text())
+    assert data["frontier"]["sparpr"] == [{"task": "passkey", "length": 2048, "keep": 0.5}]
+    assert data["config"]["dropped"] == ["sparpr@0.1"]
+    for drop, msg in (("sparpr@0.2", "sparpr@0.2"), ("sparpr@0.1,sparpr@0.5", "no frontier")):
+        r = run_script("frontier.py", str(ok), "--drop", drop, "--out", str(tmp_path / "res4"))
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "res4").exists()
 
 
 def test_batches_run_short_lengths_first_with_stable_ids():
