@@ -126,9 +126,11 @@ def render(payload, png: Path) -> str:
             lines.append("SparPR keep 0.1 vs dense (target ≥ 0.9×): " + ", ".join(
                 f"{r['length']}: {r['hits']}/{r['dense_hits']}" + (f" = {r['vs_dense']:.2f}" if r["vs_dense"] else "")
                 for r in sp) + "\n")
-    plot(rows, lengths, png)
+    drawn = plot(rows, lengths, png)
+    shown = f"Plot: {png.name}" if drawn else \
+        "No plot: no dense answers in this run (--no-dense; scripts/frontier.py joins them from another)"
     return "\n".join([
-        *lines, f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {cfg['engine_commit']}.", "",
+        *lines, f"Wall time: {payload['wall_s']} s. {shown}. Engine: {cfg['engine_commit']}.", "",
         *([f"Not run (time limit; the same command resumes): {len(payload['skipped'])} batches: "
            f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
         "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
@@ -136,9 +138,12 @@ def render(payload, png: Path) -> str:
         "Machine: " + json.dumps(cfg.get("machine"), default=str), ""])
 
 
-def plot(rows, lengths, png: Path) -> None:
-    if not rows:
-        return
+def plot(rows, lengths, png: Path) -> bool:
+    """Each policy's agreement with dense against its keep, a panel per task and length; False
+    (nothing drawn, an older plot removed) when no row has dense's answers to agree with."""
+    if not any(r["agree_rate"] is not None and r["policy"] != "dense" for r in rows):
+        png.unlink(missing_ok=True)
+        return False
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -162,6 +167,7 @@ def plot(rows, lengths, png: Path) -> None:
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
     plt.close(fig)
+    return True
 
 
 def main(argv=None) -> None:
@@ -243,7 +249,7 @@ def main(argv=None) -> None:
     finally:
         sweep.close()
     paths = write_results(out, "needle", payload, render(payload, out / "needle.png"))
-    print(f"wrote {', '.join(str(p) for p in paths)}, {out / 'needle.png'}")
+    print(f"wrote {', '.join(str(p) for p in [*paths, out / 'needle.png'] if p.exists())}")
 
 
 if __name__ == "__main__":

@@ -106,3 +106,17 @@ def test_frontier_reads_dkv_budget_as_its_bytes_per_configuration(tmp_path):
         dkv64[0] | {"label": "sparpr+dkv@0.1", "policy": "sparpr+dkv", "keep": 0.1}]}))
     r = run_script("frontier.py", *map(str, files), "--out", str(tmp_path / "res2"))
     assert r.returncode == 2 and "sparpr+dkv" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_needle_plot_only_with_dense_answers_to_agree_with(tmp_path):
+    """A --no-dense run has no agreement to draw: no plot (an older one removed), and the md says
+    why; with dense's answers the plot is drawn."""
+    import sys
+    from tests.scripts.runner import REPO
+    sys.path.insert(0, str(REPO / "scripts"))
+    from needle import plot
+    png = tmp_path / "needle.png"
+    png.write_bytes(b"old")
+    row = {"task": "passkey", "length": 2048, "policy": "sparpr", "keep": 0.1, "agree_rate": None}
+    assert plot([row], [2048], png) is False and not png.exists()
+    assert plot([row | {"agree_rate": 0.9}], [2048], png) is True and png.stat().st_size > 0
