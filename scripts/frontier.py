@@ -111,7 +111,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not 0 < args.threshold <= 1:
         die("--threshold must be in (0, 1]")
-    plan, recs, commits = load([Path(p) for p in args.inputs], frozenset(x for x in args.drop.split(",") if x))
+    drop = sorted({x for x in args.drop.split(",") if x})
+    plan, recs, commits = load([Path(p) for p in args.inputs], frozenset(drop))
     rows = summarize(recs)
     cells = sorted({(r["task"], r["length"]) for r in rows if r["label"] != "dense"})
     if not cells:
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
     png = Path(args.out) / "frontier.png"
     plot(fr, cells, png)
     payload = {"config": {"inputs": [str(p) for p in args.inputs], "threshold": args.threshold, "prompts": plan,
-                          "dropped": sorted(x for x in args.drop.split(",") if x),
+                          "dropped": drop,
                           "engine_commits": commits, "keeps": keeps},
                "frontier": {p: [{"task": t, "length": n_, "keep": k} for (t, n_), k in sorted(fr[p].items())]
                             for p in every},

@@ -224,8 +224,8 @@ class DKV(KVPolicy):
         window = sinks + recent  # the exact sealed blocks
         fold = copies_window(q.device)  # the window blocks and the open block attended from `fixed`
         copied = window if fold else []
-        live = [b for b in window if b not in copied] + ([table.num_blocks - 1] if table.length % bs and not fold else [])
-        views = table.views(live)  # the other exact blocks where they live: kv: [2, B, Hkv, T, D]; pos: [T]
+        live = [] if fold else window + ([table.num_blocks - 1] if table.length % bs else [])
+        views = table.views(live)  # the exact blocks attended where they live: kv: [2, B, Hkv, T, D]; pos: [T]
         first = len(sinks)
         cold = list(range(first, sealed - len(recent)))
         low = []
