@@ -3,6 +3,7 @@ made inside the window, the process's RSS before it (psutil) and the kernel's li
 (ru_maxrss). A report that returned a constant, or missed the peak, fails here."""
 from __future__ import annotations
 
+import mmap
 import resource
 import time
 
@@ -17,10 +18,14 @@ MB = 1 << 20
 
 
 def _hold(nbytes: int, seconds: float) -> None:
-    t = torch.empty(nbytes, dtype=torch.uint8)
+    # Fresh anonymous pages of our own: a torch.empty this large can be served from a free chunk
+    # the allocator kept resident after earlier tests, so RSS would not grow (CI saw that once).
+    region = mmap.mmap(-1, nbytes)
+    t = torch.frombuffer(region, dtype=torch.uint8)  # t: [nbytes], a view of the mapping
     t.fill_(1)  # touch every page: untouched pages are not resident
     time.sleep(seconds)  # longer than the sampler's interval
     del t
+    region.close()  # unmapped: the pages leave RSS
 
 
 def test_peak_rss_sees_an_allocation_that_is_gone_by_the_end():
