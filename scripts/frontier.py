@@ -72,6 +72,7 @@ def plot(fr: dict, cells: list[tuple[str, int]], png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     tasks = sorted({t for t, _ in cells})
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks), 3.6), squeeze=False, sharey=True)
     for ax, task in zip(axes[0], tasks):
@@ -83,8 +84,9 @@ def plot(fr: dict, cells: list[tuple[str, int]], png: Path) -> None:
             ax.plot([n for n, _ in pts], [y if y is not None else 1.05 for _, y in pts], **style)
         ax.axhline(1.05, color="0.8", lw=0.8)
         ax.set(title=task, xlabel="context tokens", xscale="log", yscale="log", ylim=(0.015, 1.2))
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # under a decade: minor labels overlap
         ax.set_xticks(lengths)
-        ax.set_xticklabels([f"{n // 1024}k" for n in lengths])
+        ax.set_xticklabels([str(n) for n in lengths])
     axes[0][0].set_ylabel("smallest keep (dkv: bytes) with >= 95 %\nagreement (top line: none measured)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
