@@ -23,9 +23,21 @@ POLICIES = ("sparpr", "quest", "sparpr+dkv")
 PROMPT_KEYS = ("split", "texts", "depths", "seed", "tasks", "trials", "batch", "answer_prefix")
 
 
+def parse_drop(text: str) -> frozenset[str]:
+    """--drop's entries: LABEL (every length) or LABEL:LENGTH (that context length only)."""
+    out = set()
+    for x in filter(None, text.split(",")):
+        label, _, length = x.partition(":")
+        if not label or "@" not in label or (length and not length.isdigit()):
+            die(f"--drop {x!r}: expected policy@keep or policy@keep:length (e.g. sparpr@0.02 or sparpr@0.5:4096)")
+        out.add(x)
+    return frozenset(out)
+
+
 def load(paths: list[Path], drop: frozenset = frozenset()) -> tuple[dict, list[dict], list[str]]:
-    """(prompt plan, records joined by (trial, label), engine commits), without the labels in
-    `drop`. Dies on files whose prompts differ, and on a label in `drop` that no file has."""
+    """(prompt plan, records joined by (trial, label), engine commits), without the records `drop`
+    names (LABEL, or LABEL:LENGTH for one length). Dies on files whose prompts differ, and on an
+    entry of `drop` that matches no record."""
     plan, recs, commits, prompts, dropped = None, {}, [], {}, set()
     for p in paths:
         try:
@@ -48,8 +60,9 @@ def load(paths: list[Path], drop: frozenset = frozenset()) -> tuple[dict, list[d
             elif dkv_args and r["policy"] == "sparpr+dkv":
                 die(f"{p}: sparpr+dkv over a DKV configuration other than the default ({dkv_args}): its keeps "
                     f"would mix with the default's; give its frontier on its own")
-            if r["label"] in drop:
-                dropped.add(r["label"])
+            hit = drop & {r["label"], f"{r['label']}:{r['length']}"}
+            if hit:
+                dropped |= hit
                 continue
             recs[(r["trial"], r["label"])] = r
             # a trial id names the same prompt in every file only if its draws agree
@@ -107,13 +120,14 @@ def main(argv=None) -> None:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("inputs", nargs="+", help="needle.json files of scripts/needle.py (same prompts)")
     ap.add_argument("--threshold", type=float, default=0.95, help="agreement with dense needed")
-    ap.add_argument("--drop", default="", help="comma list of labels (policy@keep, e.g. sparpr@0.02) left out: "
-                    "a keep run only under an older default, which no newer input replaces")
+    ap.add_argument("--drop", default="", help="comma list of labels (policy@keep, e.g. sparpr@0.02) left out, or "
+                    "policy@keep:length for one context length: a keep run only under an older default, "
+                    "which no newer input replaces")
     ap.add_argument("--out", default=str(REPO / "results/fidelity"))
     args = ap.parse_args(argv)
     if not 0 < args.threshold <= 1:
         die("--threshold must be in (0, 1]")
-    drop = sorted({x for x in args.drop.split(",") if x})
+    drop = sorted(parse_drop(args.drop))
     plan, recs, commits = load([Path(p) for p in args.inputs], frozenset(drop))
     rows = summarize(recs)
     cells = sorted({(r["task"], r["length"]) for r in rows if r["label"] != "dense"})

@@ -60,7 +60,18 @@ def test_frontier_refuses_files_of_other_prompts(tmp_path):
     data = json.loads((tmp_path / "res3" / "frontier.json").read_text())
     assert data["frontier"]["sparpr"] == [{"task": "passkey", "length": 2048, "keep": 0.5}]
     assert data["config"]["dropped"] == ["sparpr@0.1"]
-    for drop, msg in (("sparpr@0.2", "sparpr@0.2"), ("sparpr@0.1,sparpr@0.5", "no frontier")):
+    # LABEL:LENGTH leaves a label out at one context length only
+    long = {"trial": "passkey:4096:0:0", "length": 4096}
+    ok.write_text(json.dumps({"plan": plan, "config": {}, "records": [
+        rec, rec | long, *(rec | x | {"label": f"sparpr@{k}", "policy": "sparpr", "keep": k}
+                           for k in (0.5, 0.1) for x in ({}, long))]}))
+    r = run_script("frontier.py", str(ok), "--drop", "sparpr@0.1:4096", "--out", str(tmp_path / "res5"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "res5" / "frontier.json").read_text())
+    assert data["frontier"]["sparpr"] == [{"task": "passkey", "length": 2048, "keep": 0.1},
+                                          {"task": "passkey", "length": 4096, "keep": 0.5}]
+    for drop, msg in (("sparpr@0.2", "sparpr@0.2"), ("sparpr@0.1,sparpr@0.5", "no frontier"),
+                      ("sparpr@0.1:8192", "sparpr@0.1:8192"), ("sparpr@0.1:4k", "policy@keep:length")):
         r = run_script("frontier.py", str(ok), "--drop", drop, "--out", str(tmp_path / "res4"))
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not (tmp_path / "res4").exists()
