@@ -1,5 +1,6 @@
 """What the fidelity scripts (ppl.py, needle.py, frontier.py) share: the split flags, the engine
-commit for the config, and cutting a plan into batches with stable ids (for resuming)."""
+commit for the config and for each batch, and cutting a plan into batches with stable ids (for
+resuming)."""
 from __future__ import annotations
 
 
@@ -60,3 +61,24 @@ def plan_batches(items: dict, batch: int) -> list[tuple[str, object, list]]:
         for j, i in enumerate(range(0, len(xs), batch)):
             out.append((length(k), j, name(k), (f"{name(k)}:{i}", k, xs[i:i + batch])))
     return [b for *_, b in sorted(out, key=lambda o: o[:3])]
+
+
+def resumed_batches(old: dict | None) -> list[dict]:
+    """A partial results file's batches, each naming the engine commit it ran under ("engine"):
+    a file written before batches named theirs gets its config's commit, the only one it kept
+    (the last run's: a resumed run rewrites the config)."""
+    if not old:
+        return []
+    commit = old.get("config", {}).get("engine_commit", "unknown")
+    return [dict(b, engine=b.get("engine", commit)) for b in old["batches"]]
+
+
+def engines(batches: list[dict], current: str) -> str:
+    """Which engine commits ran the batches, for a report: "a7e49b6" or "a7e49b6 (6 batches),
+    5973f20 (6 batches)" in the order they first ran; `current` where no batch ran yet."""
+    count: dict[str, int] = {}
+    for b in batches:
+        count[b.get("engine", current)] = count.get(b.get("engine", current), 0) + 1
+    if len(count) <= 1:
+        return next(iter(count), current)
+    return ", ".join(f"{c} ({n} batch{'es' if n != 1 else ''})" for c, n in count.items())

@@ -70,7 +70,8 @@ def load(paths: list[Path], drop: frozenset = frozenset()) -> tuple[dict, list[d
             if seen != (r["expected"], r["depth"], r.get("text")):
                 die(f"{p}: trial {r['trial']} is another prompt than in an earlier file (keys {seen[0]} vs "
                     f"{r['expected']}): runs whose task lists differ draw their prompts differently")
-        commits.append(data["config"].get("engine_commit", "unknown"))
+        ran = sorted({b["engine"] for b in data.get("batches", []) if "engine" in b})  # each batch's, where named
+        commits.extend(ran or [data["config"].get("engine_commit", "unknown")])
     if drop - dropped:
         die(f"--drop {','.join(sorted(drop - dropped))}: no such label in the inputs")
     return plan, list(recs.values()), commits

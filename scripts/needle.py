@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
-from _fidelity import COMPOSED, engine_commit, float_list, plan_batches, resolve_split, split_args  # noqa: E402
+from _fidelity import (COMPOSED, engine_commit, engines, float_list, plan_batches, resolve_split,  # noqa: E402
+                       resumed_batches, split_args)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -130,7 +131,7 @@ def render(payload, png: Path) -> str:
     shown = f"Plot: {png.name}" if drawn else \
         "No plot: no dense answers in this run (--no-dense; scripts/frontier.py joins them from another)"
     return "\n".join([
-        *lines, f"Wall time: {payload['wall_s']} s. {shown}. Engine: {cfg['engine_commit']}.", "",
+        *lines, f"Wall time: {payload['wall_s']} s. {shown}. Engine: {engines(payload['batches'], cfg['engine_commit'])}.", "",
         *([f"Not run (time limit; the same command resumes): {len(payload['skipped'])} batches: "
            f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
         "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
@@ -201,7 +202,7 @@ def main(argv=None) -> None:
         die(str(e))
     config = dict(plan, keep=args.keep, frontier_keep=args.frontier_keep, policies=args.policy_names,
                   device=args.device, engine_commit=engine_commit(), machine=machine_info())
-    payload = {"plan": plan, "config": config, "batches": old["batches"] if old else [],
+    payload = {"plan": plan, "config": config, "batches": resumed_batches(old),
                "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
     done = done_ids(old)
     todo = [b for b in plan_batches(plans, args.batch) if b[0] not in done]
@@ -240,7 +241,7 @@ def main(argv=None) -> None:
                                 stop=None if nf else eos, on_done=done_one)
                 payload["records"] += recs
                 payload["batches"].append({"id": bid, "task": task, "length": n, "trials": len(trials), **pre,
-                                           "decode_s": times})
+                                           "decode_s": times, "engine": config["engine_commit"]})
                 payload["wall_s"] = round(base + wall(), 1)
                 dh = sum(r["hit"] for r in recs if r["label"] == "dense")
                 print(f"{bid}: dense {dh}/{len(trials)}, prefill {pre['prefill_s']}, elapsed {wall():.0f}s", flush=True)

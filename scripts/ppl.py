@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
-from _fidelity import COMPOSED, engine_commit, float_list, plan_batches, resolve_split, split_args  # noqa: E402
+from _fidelity import (COMPOSED, engine_commit, engines, float_list, plan_batches, resolve_split,  # noqa: E402
+                       resumed_batches, split_args)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -92,7 +93,7 @@ def render(payload, png: Path) -> str:
         f"length: {json_compact(n_win)}.", "",
         md_table(["config", *[f"P = {n}" for n in lengths]], table),
         f"Target (SparPR keep {keep:g} within +{100 * (lim - 1):.0f} % of dense): {verdict}.", "",
-        f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {cfg['engine_commit']}.", "",
+        f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {engines(payload['batches'], cfg['engine_commit'])}.", "",
         *([f"Not run (time limit; run the same command again to resume): {len(payload['skipped'])} batches: "
            f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
         "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
@@ -160,7 +161,7 @@ def main(argv=None) -> None:
     config = dict(plan, keep=args.keep, policies=args.policy_names, device=args.device,
                   engine_commit=engine_commit(), machine=machine_info(),
                   texts_detail={t.name: {"title": t.title, "file": t.file} for t in args.text_objs})
-    payload = {"plan": plan, "config": config, "batches": old["batches"] if old else [],
+    payload = {"plan": plan, "config": config, "batches": resumed_batches(old),
                "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
     done = done_ids(old)
     sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block)
@@ -188,7 +189,8 @@ def main(argv=None) -> None:
                                 lambda cfg, ws=ws: ForcedTokens([w.forced[0 if cfg is None else 1:] for w in ws]),
                                 on_done=done_one)
                 payload["records"] += recs
-                payload["batches"].append({"id": bid, "length": n, "windows": len(ws), **pre, "decode_s": times})
+                payload["batches"].append({"id": bid, "length": n, "windows": len(ws), **pre, "decode_s": times,
+                                           "engine": config["engine_commit"]})
                 payload["wall_s"] = round(base + wall(), 1)
                 dense = [r for r in recs if r["label"] == "dense"]
                 print(f"{bid}: dense ppl {math.exp(sum(r['nll_sum'] for r in dense) / sum(r['n'] for r in dense)):.2f}"
