@@ -78,7 +78,8 @@ def engines(batches: list[dict], current: str) -> str:
     5973f20 (6 batches)" in the order they first ran; `current` where no batch ran yet."""
     count: dict[str, int] = {}
     for b in batches:
-        count[b.get("engine", current)] = count.get(b.get("engine", current), 0) + 1
+        c = b.get("engine", current)
+        count[c] = count.get(c, 0) + 1
     if len(count) <= 1:
         return next(iter(count), current)
     return ", ".join(f"{c} ({n} batch{'es' if n != 1 else ''})" for c, n in count.items())
