@@ -73,7 +73,8 @@ class Engine:
                               f"({', '.join(policies.codec_names())}) and --cold-codec each choose how blocks "
                               "are stored")
         self.layers = self._layers()
-        needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0
+        needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0 or \
+            any(self.kv_policy.raw_copies(i) == Tier.DISK for i in range(self.spec.num_layers))  # DKV's raw copies
         self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None
         self.io = IOPool(self.devices, cfg.io_threads, policy.overlap)
         self.act_home = self.devices.effective(Tier.COMPUTE if policy.act_gpu_percent == 100 else Tier.CPU)

@@ -1,5 +1,5 @@
 """Making the KV block tables of one generation: one per (layer, GPU batch), with the codec the
-KV policy or the cold codec asks for, and hidden-state checkpoint tables when a policy needs them."""
+KV policy or the cold codec asks for, and hidden-state checkpoint tables when a policy needs them, and raw copies when it reads blocks both encoded and exact."""
 from __future__ import annotations
 
 import torch
@@ -38,5 +38,9 @@ def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: 
                 # on the same tiers as the blocks they rebuild (before any block is appended)
                 t.checkpoints = BlockTable(name=f"{name}-l{i}-b{k}-ckpt", num_kv_heads=1, head_dim=spec.hidden,
                                            planes=1, **common)
+            raw_home = kv_policy.raw_copies(i)
+            if raw_home is not None:  # every block also raw, homed on the tier the policy names
+                t.raw_copies = BlockTable(name=f"{name}-l{i}-b{k}-raw", num_kv_heads=spec.num_kv_heads,
+                                          head_dim=spec.head_dim, **{**common, "homes": [raw_home] * len(homes)})
             tables[(i, k)] = t
     return tables

@@ -27,6 +27,9 @@ class BlockTable:
         self.bs, self.devices, self.dtype = block_size, devices, dtype
         self.block_shape = (planes, batch, num_kv_heads, block_size, head_dim)
         self.checkpoints: "BlockTable | None" = None  # hidden-state checkpoints, when kept
+        # a raw copy of every block on a tier of its own, when the policy reads some blocks both
+        # encoded and exact (DKV's exact routed blocks: kv_tables.build_tables); appended with this one
+        self.raw_copies: "BlockTable | None" = None
         self.capacity = -(-max_len // block_size) * block_size
         self.homes = [devices.effective(t) for t in homes]
         if len(self.homes) * block_size < max_len:
@@ -85,7 +88,10 @@ class BlockTable:
                 for hook in self.on_seal:
                     hook(b, dst)
                 jobs.append(self.store.seal(b, dst))
-        return [j for j in jobs if j is not None]
+        jobs = [j for j in jobs if j is not None]
+        if self.raw_copies is not None:
+            jobs += self.raw_copies.append(*planes)
+        return jobs
 
     # --- reading (the store moves the bytes) ---
     def gather(self, blocks: list[int] | None = None, out: torch.Tensor | None = None,
@@ -145,21 +151,25 @@ class BlockTable:
         """Remember the current length; the open block's buffer is copied since later appends
         reuse it."""
         ck = self.checkpoints.mark() if self.checkpoints is not None else None
-        return self.length, self.store.mark(), ck
+        raw = self.raw_copies.mark() if self.raw_copies is not None else None
+        return self.length, self.store.mark(), ck, raw
 
     def rewind(self, mark) -> None:
         """Go back to a mark. Blocks sealed after it are overwritten when refilled."""
-        self.length, tail, ck = mark
+        self.length, tail, ck, raw = mark
         self.rewinds += 1
         self.store.rewind(tail)
         if ck is not None:
             self.checkpoints.rewind(ck)
+        if raw is not None:
+            self.raw_copies.rewind(raw)
 
     def nbytes_on(self, tier: Tier) -> int:
         """Bytes of the sealed blocks homed on a tier (for reports)."""
         return self.store.nbytes_on(tier, self.sealed)
 
     def close(self) -> None:
-        if self.checkpoints is not None:
-            self.checkpoints.close()
+        for side in (self.checkpoints, self.raw_copies):
+            if side is not None:
+                side.close()
         self.store.close()

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from ..storage.tiers import Tier
 from .block_table import BlockTable
 
 
@@ -100,6 +101,11 @@ class KVPolicy:
         """Whether the engine should keep this table's hidden-state checkpoints (hidden: their
         width); asked once per table, after `attach`."""
         return self.needs_checkpoints
+
+    def raw_copies(self, layer: int) -> "Tier | None":
+        """The tier on which the engine also keeps every block of a layer raw, besides the form
+        `codec` stores (BlockTable.raw_copies: DKV's exact routed blocks), or None: no copies."""
+        return None
 
     def codec(self, block_shape: tuple[int, ...], dtype: torch.dtype, layer: int):
         """How the engine stores this policy's sealed blocks of a layer on every tier; None: the

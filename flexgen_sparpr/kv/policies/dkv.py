@@ -10,10 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from ...models.layers import KeyMask, attention_with_lse, key_mask, merge_attention
+from ...storage.tiers import Tier
 from ...utils.threads import intra_op_threads, threads_back
 from ..block_table import BlockTable
 from ..dkv.attention import lowrank_blocks, lowrank_merge, residual_kv
 from ..dkv.codec import PICKS, DKVCodec, DKVParts
+from ..dkv.exact_routed import exact_blocks, split_route
 from ..dkv.importance import FOLLOW, WINDOW, hint_sealed_blocks
 from ..dkv.prefill import block_sparse_prefill
 from ..knobs import KnobError, at_least, knob, knobs, one_of
@@ -73,7 +75,9 @@ class DKV(KVPolicy):
       low-rank:  the `topk` cold blocks (per sequence) whose exact mean key scores highest,
                  scored and summed in low-rank space (kv/dkv/attention.py), residual rows masked,
 
-    and merges the three by log-sum-exp. `topk` = 0 routes every cold block. With
+    and merges the three by log-sum-exp. `topk` = 0 routes every cold block. With `exact_routed`
+    E > 0 the E routed blocks of most mass are read raw from copies the engine keeps on
+    `exact_home` and attended exactly instead (kv/dkv/exact_routed.py). With
     `sparse_prefill` the prefill is block-sparse (kv/dkv/prefill.py). `residual_pick` says which
     rows a block keeps exact: the worst-reconstructed ("error"), the ones the prompt's last
     `pick_window` queries attend most, or follow within `pick_follow` tokens what they attend
@@ -102,6 +106,11 @@ class DKV(KVPolicy):
                               metavar="{" + ",".join(PICKS) + "}")
     pick_window: int = knob(WINDOW, "the prompt's last queries that score tokens for the attention pick")
     pick_follow: int = knob(FOLLOW, "a token inherits the attention pick's score of this many tokens before it")
+    exact_routed: int = knob(0, "of the routed blocks, the ones with the most attention mass that a step reads "
+                             "raw and attends exactly (per sequence; the engine keeps a raw copy of every block "
+                             "on --dkv-exact-home); 0 = none, the paper's DKV")
+    exact_home: str = knob("cpu", "where the raw copies for --dkv-exact-routed live (disk needs --offload-dir)",
+                           choices=("cpu", "disk"))
     decode_threads: int = knob(1, "CPU threads for the decode attention's small operations (~150 torch calls "
                                "a layer-step), which lose more to splitting across threads than they gain "
                                "(its two large fused attention calls keep torch's setting); 0 = torch's "
@@ -111,13 +120,14 @@ class DKV(KVPolicy):
 
     def __post_init__(self):
         for name in ("block", "rank", "residuals", "topk", "recent_blocks", "sink_blocks", "prefill_topk",
-                     "dense_layers", "pick_window", "pick_follow", "decode_threads"):
+                     "dense_layers", "pick_window", "pick_follow", "decode_threads", "exact_routed"):
             at_least(self, name, 1 if name in ("block", "rank", "pick_window") else 0)
         one_of(self, "route", ("lowrank", "mean"))
         one_of(self, "residual_pick", PICKS)
+        one_of(self, "exact_home", ("cpu", "disk"))
         self._state: weakref.WeakKeyDictionary[BlockTable, _State] = weakref.WeakKeyDictionary()
         self.counts = {"steps": 0, "cold_blocks": 0, "routed_blocks": 0, "residual_tokens": 0,
-                       "window_tokens": 0}
+                       "window_tokens": 0, "exact_routed_blocks": 0}
         self._bytes: tuple[int, int] | None = None  # (dense, encoded) bytes of one block
 
     @classmethod
@@ -148,6 +158,14 @@ class DKV(KVPolicy):
                                                                residual_pick=self.residual_pick,
                                                                exact_recent=self.recent_blocks,
                                                                exact_first=self.sink_blocks)
+
+    def raw_copies(self, layer: int) -> Tier | None:
+        """With exact_routed: every block of an encoded layer also raw on exact_home."""
+        return Tier(self.exact_home) if self.exact_routed and layer >= self.dense_layers else None
+
+    def host_share(self, block_size: int, dtype_bytes: int) -> float:
+        """The raw copies, when they live in host memory: the whole raw K+V."""
+        return 1.0 if self.exact_routed and self.exact_home == "cpu" else 0.0
 
     # --- state ---
     def attach(self, table: BlockTable, layer: int) -> None:
@@ -239,7 +257,13 @@ class DKV(KVPolicy):
             kk = len(cold) if self.topk == 0 else min(self.topk, len(cold))
             c, lse = lowrank_blocks(q, p, st.usable_mask, wide)  # c: [n, B, H, r]; lse: [B, n, H] every block alone
             route = None if kk == len(cold) else self._route(q, lse, st.mean[first:], kk)  # route: [B, K]
-            low = [lowrank_merge(q, p, c, lse, route)]  # the routed blocks merged
+            if self.exact_routed and table.raw_copies is not None:  # the top routed blocks read raw
+                top, rest = split_route(lse, route, self.exact_routed)  # top: [B, E]; rest: [B, K-E]
+                low = [exact_blocks(q, table.raw_copies, top, first, st.usable)]
+                low += [lowrank_merge(q, p, c, lse, rest)] if rest.shape[1] else []
+                self.counts["exact_routed_blocks"] += top.shape[1]
+            else:
+                low = [lowrank_merge(q, p, c, lse, route)]  # the routed blocks merged
             self.counts["routed_blocks"] += kk
             self.counts["residual_tokens"] += st.res_k.shape[2]
             self.counts["cold_blocks"] += len(cold)
