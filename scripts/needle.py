@@ -61,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--dkv-rank", type=int, default=DKV_RANK, help="rank of the dkv family's joint K|V delta")
     ap.add_argument("--dkv-residuals", type=int, default=DKV_RESIDUALS,
                     help="exact rows per block of the dkv family (frontier.py reads DKV's bytes from these)")
+    ap.add_argument("--dkv-exact-routed", type=int, default=0,
+                    help="the dkv family's routed blocks read raw and attended exactly (raw copies in host memory)")
     ap.add_argument("--answer-prefix", default="The secret passkey is", help="opens the passkey tasks' answer")
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/needle.json")
@@ -87,9 +89,11 @@ def parse_args(argv=None):
         die("keep ratios must be in (0, 1]")
     if not (1 <= args.dkv_rank <= args.dkv_block and 0 <= args.dkv_residuals <= args.dkv_block):
         die(f"--dkv-rank must be in 1..{args.dkv_block} and --dkv-residuals in 0..{args.dkv_block} (--dkv-block)")
-    defaults = {"rank": DKV_RANK, "residuals": DKV_RESIDUALS}
-    args.dkv_args = {k: v for k, v in (("rank", args.dkv_rank), ("residuals", args.dkv_residuals))
-                     if v != defaults[k]}  # only what differs from the defaults: older plans still resume
+    if args.dkv_exact_routed < 0:
+        die("--dkv-exact-routed must be >= 0")
+    defaults = {"rank": DKV_RANK, "residuals": DKV_RESIDUALS, "exact_routed": 0}
+    args.dkv_args = {k: v for k, v in (("rank", args.dkv_rank), ("residuals", args.dkv_residuals),
+                                       ("exact_routed", args.dkv_exact_routed)) if v != defaults[k]}  # only what differs from the defaults: older plans still resume
     return args
 
 
@@ -112,7 +116,9 @@ def render(payload, png: Path) -> str:
              "recent window inside it). Raw policies: KV blocks of "
              f"{cfg['block_size']} tokens; dkv and sparpr+dkv: {cfg['dkv_block']} (rank "
              f"{cfg.get('dkv_args', {}).get('rank', DKV_RANK)}, "
-             f"{cfg.get('dkv_args', {}).get('residuals', DKV_RESIDUALS)} exact rows).", ""]
+             f"{cfg.get('dkv_args', {}).get('residuals', DKV_RESIDUALS)} exact rows"
+             + (f", the top {cfg['dkv_args']['exact_routed']} routed blocks read raw"
+                if cfg.get("dkv_args", {}).get("exact_routed") else "") + ").", ""]
     for task in [t for t in TASKS if any(r["task"] == t for r in rows)]:
         by = {(r["label"], r["length"]): r for r in rows if r["task"] == task}
         labels = sorted({lab for lab, _ in by}, key=lambda s: (s != "dense", s.split("@")[0],
