@@ -190,6 +190,8 @@ FLAGS = [
     ("dkv-rank-above-width", ["--kv-policy", "dkv", "--dkv-rank", "100"], "--dkv-rank 100 is above"),
     ("dkv-res-above-block", ["--cold-codec", "dkv", "--dkv-residuals", "300"], "--dkv-residuals 300 is above"),
     ("dkv-block-0", ["--kv-policy", "dkv", "--dkv-block", "0"], "--dkv-block must be >= 1"),
+    ("dkv-exact-neg", ["--kv-policy", "dkv", "--dkv-exact-routed", "-1"], "--dkv-exact-routed must be >= 0"),
+    ("dkv-exact-home", ["--kv-policy", "dkv", "--dkv-exact-home", "gpu"], "invalid choice"),
     ("dkv-pick", ["--kv-policy", "dkv", "--dkv-residual-pick", "foo"], "--dkv-residual-pick"),
     ("dkv-block-disagree", ["--kv-policy", "dkv", "--block-size", "32", "--dkv-block", "64"], "disagree"),
     ("auto-with-percent", ["--policy", "auto", "--percent", "100", "0", "100", "0", "100", "0"], "drop --percent"),
