@@ -52,11 +52,13 @@ def load(paths: list[Path], drop: frozenset = frozenset()) -> tuple[dict, list[d
         elif mine["split"] != plan["split"] or any(mine[k] != plan[k] for k in PROMPT_KEYS if k != "tasks"):
             die(f"{p} was made from other prompts than {paths[0]} (plans differ in "
                 f"{', '.join(k for k in PROMPT_KEYS if mine[k] != plan[k])})")
-        dkv_args = data["plan"].get("dkv_args", {})  # a needle.py run's DKV rank and rows, where not the defaults
+        dkv_args = dict(data["plan"].get("dkv_args", {}))  # a needle.py run's DKV knobs, where not the defaults
+        exact = dkv_args.pop("exact_routed", 0)  # routed blocks read raw: another column, the same bytes stored
         share = dkv_bytes(data["plan"].get("dkv_block", 256), **dkv_args)  # the file's one DKV configuration
         for r in data["records"]:
             if r["policy"] == "dkv":  # its budget is its bytes: one label per DKV configuration
-                r = dict(r, keep=round(share, 4), label=f"dkv@{share:.4f}")
+                pol = f"dkv-exact{exact}" if exact else "dkv"
+                r = dict(r, policy=pol, keep=round(share, 4), label=f"{pol}@{share:.4f}")
             elif dkv_args and r["policy"] == "sparpr+dkv":
                 die(f"{p}: sparpr+dkv over a DKV configuration other than the default ({dkv_args}): its keeps "
                     f"would mix with the default's; give its frontier on its own")
@@ -91,10 +93,11 @@ def plot(fr: dict, cells: list[tuple[str, int]], png: Path) -> None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks), 3.6), squeeze=False, sharey=True)
     for ax, task in zip(axes[0], tasks):
         lengths = sorted(n for t, n in cells if t == task)
-        for i, pol in enumerate((*POLICIES, "dkv")):  # measured cells only; 1.05: measured, never agreed enough
+        for i, pol in enumerate(fr):  # measured cells only; 1.05: measured, never agreed enough
             pts = [(n, fr[pol][(task, n)]) for n in lengths if (task, n) in fr[pol]]
-            style = dict(ls=":", color="k", marker="x", label="dkv (bytes)") if pol == "dkv" else \
-                dict(marker="os^"[i], label=pol)
+            style = dict(marker="os^"[i], label=pol) if i < len(POLICIES) else \
+                dict(ls=":", color="k" if pol == "dkv" else "tab:red", marker="x" if pol == "dkv" else "+",
+                     label=f"{pol} (bytes)")
             ax.plot([n for n, _ in pts], [y if y is not None else 1.05 for _, y in pts], **style)
         ax.axhline(1.05, color="0.8", lw=0.8)
         ax.set(title=task, xlabel="context tokens", xscale="log", yscale="log", ylim=(0.015, 1.2))
@@ -134,13 +137,14 @@ def main(argv=None) -> None:
     cells = sorted({(r["task"], r["length"]) for r in rows if r["label"] != "dense"})
     if not cells:
         die("the inputs hold no policy's answers besides dense's: there is no frontier to find")
-    every = (*POLICIES, "dkv")
+    dkvs = ["dkv"] + sorted({r["policy"] for r in rows if r["policy"].startswith("dkv-exact")})
+    every = (*POLICIES, *dkvs)
     fr = {p: frontier(rows, p, args.threshold) for p in every}  # dkv: over its bytes shares
     keeps = {p: sorted({r["keep"] for r in rows if r["policy"] == p}, reverse=True) for p in every}
-    dkv_rows = {}
+    dkv_rows = {p: {} for p in dkvs}
     for r in rows:
-        if r["policy"] == "dkv":
-            dkv_rows.setdefault((r["task"], r["length"]), []).append(r)
+        if r["policy"] in dkv_rows:
+            dkv_rows[r["policy"]].setdefault((r["task"], r["length"]), []).append(r)
     n = {(r["task"], r["length"]): r["n"] for r in rows if r["label"] == "dense"}
 
     def cell(pol, c):
@@ -149,7 +153,7 @@ def main(argv=None) -> None:
         k = fr[pol][c]
         return f"{k:g}" if k is not None else f"> {max(keeps[pol]):g}"
     table = [[t, n_, n.get((t, n_), "?"), *[cell(p, (t, n_)) for p in POLICIES],
-              "–" if (t, n_) not in dkv_rows else dkv_cell(fr["dkv"][(t, n_)], dkv_rows[(t, n_)])]
+              *["–" if (t, n_) not in dkv_rows[p] else dkv_cell(fr[p][(t, n_)], dkv_rows[p][(t, n_)]) for p in dkvs]]
              for t, n_ in cells]
     png = Path(args.out) / "frontier.png"
     plot(fr, cells, png)
@@ -168,9 +172,12 @@ def main(argv=None) -> None:
         f"column is the smallest such share measured that meets the same bar, then each configuration's trials "
         f"equal to dense's and how many of dense's right answers it also gives (agreeing on dense's wrong answers "
         f"counts in the first); shares measured: {keeps['dkv']}. "
+        + ("A `dkv-exactE` column is DKV with its E routed blocks of most attention mass read raw and attended "
+           "exactly (`--dkv-exact-routed E`): the same bytes stored encoded, a raw copy of every block on a "
+           "slower tier, E blocks a sequence read from it a step. " if len(dkvs) > 1 else "") +
         f"With n trials a cell needs ⌈{args.threshold:g}·n⌉ agreements (all 10 of 10). Split "
         f"**{plan['split']}**: texts {', '.join(plan['texts'])}, depths {plan['depths']}, seed {plan['seed']}.", "",
-        md_table(["task", "context", "trials", *[f"{p} keep" for p in POLICIES], "dkv bytes"], table),
+        md_table(["task", "context", "trials", *[f"{p} keep" for p in POLICIES], *[f"{p} bytes" for p in dkvs]], table),
         f"Inputs: {', '.join(args.inputs)}; engine commits {', '.join(sorted(set(commits)))}. Plot: {png.name}.", ""])
     paths = write_results(Path(args.out), "frontier", payload, md)
     print(md)

@@ -131,6 +131,14 @@ def test_frontier_reads_dkv_budget_as_its_bytes_per_configuration(tmp_path):
         dkv64[0] | {"label": "sparpr+dkv@0.1", "policy": "sparpr+dkv", "keep": 0.1}]}))
     r = run_script("frontier.py", *map(str, files), "--out", str(tmp_path / "res2"))
     assert r.returncode == 2 and "sparpr+dkv" in r.stderr and "Traceback" not in r.stderr
+    # a run with --dkv-exact-routed 2 stores the default bytes but is its own column, apart from dkv's
+    files[1].write_text(json.dumps({"plan": plan | {"dkv_args": {"exact_routed": 2}}, "config": {}, "records": dkv64}))
+    r = run_script("frontier.py", *map(str, files), "--out", str(tmp_path / "res3"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "res3" / "frontier.json").read_text())
+    assert data["frontier"]["dkv"] == [{"task": "passkey", "length": 2048, "keep": None}]  # 1/2 at 16 rows
+    assert data["frontier"]["dkv-exact2"] == [{"task": "passkey", "length": 2048, "keep": round(dkv_bytes(), 4)}]
+    assert "dkv-exact2 bytes" in (tmp_path / "res3" / "frontier.md").read_text()
 
 
 def test_needle_plot_only_with_dense_answers_to_agree_with(tmp_path):
