@@ -38,11 +38,13 @@ def parse_args(argv=None):
     ap.add_argument("--gen-len", type=int, default=16, help="tokens per timed decode")
     ap.add_argument("--rounds", type=int, default=3, help="dense/dkv decode pairs per length")
     ap.add_argument("--block", type=int, default=256, help="KV block tokens (both engines)")
+    ap.add_argument("--dkv-exact-routed", type=int, default=0,
+                    help="the dkv engine's routed blocks read raw and attended exactly (--dkv-exact-routed)")
     ap.add_argument("--out", default=str(REPO / "results/dkv/speed-interleaved"))
     args = ap.parse_args(argv)
     resolve_split(args)
-    if min(args.batch, args.rounds) < 1 or args.gen_len < 2:
-        die("--batch and --rounds must be >= 1 and --gen-len >= 2")
+    if min(args.batch, args.rounds) < 1 or args.gen_len < 2 or args.dkv_exact_routed < 0:
+        die("--batch and --rounds must be >= 1, --gen-len >= 2 and --dkv-exact-routed >= 0")
     return args
 
 
@@ -83,7 +85,8 @@ def main(argv=None) -> None:
                       for i in range(args.batch)]
             engines = {name: Engine(src, Policy(gpu_batch_size=args.batch),
                                     EngineConfig(device="cpu", block_size=args.block, **kw))
-                       for name, kw in (("dense", {}), ("dkv", {"kv_policy": "dkv"}))}
+                       for name, kw in (("dense", {}), ("dkv", {"kv_policy": "dkv", "policy_args": {
+                           "exact_routed": args.dkv_exact_routed}}))}
             try:
                 snaps, answers = {}, {}
                 for name, eng in engines.items():
