@@ -36,15 +36,16 @@ def exact_blocks(q: torch.Tensor, raw: BlockTable, top: torch.Tensor, first: int
     bs = raw.bs
     picks = top.tolist()  # a host sync: which blocks to read follows from this step's query
     union = sorted({first + i for row in picks for i in row})
-    at = {blk: j for j, blk in enumerate(union)}
-    need = torch.zeros(b, len(union), dtype=torch.bool)  # need: [B, U] (host: BlockTable.gather)
-    for s, row in enumerate(picks):
-        need[s, [at[first + i] for i in row]] = True
-    kv, _ = raw.gather(union, seqs=need)  # kv: [2, B, Hkv, U*bs, D], rows no sequence needs zeroed
-    slot = torch.tensor([[at[first + i] for i in row] for row in picks], device=q.device)  # slot: [B, E]
-    tok = (slot[:, :, None] * bs + torch.arange(bs, device=q.device)).view(b, e * bs)  # tok: [B, E*bs]
-    _, _, hkv, _, d = kv.shape
-    idx = tok[None, :, None, :, None].expand(2, b, hkv, e * bs, d)
-    sel = kv.gather(3, idx)  # sel: [2, B, Hkv, E*bs, D] each sequence's own blocks
+    src = {blk: raw.store.view(blk, bs, raw.sealed) for blk in union}  # in place where they live on compute
+    away = [blk for blk in union if src[blk] is None]
+    if away:  # from their tier, each block for the sequences that picked it only
+        need = torch.tensor([[blk - first in row for blk in away] for row in picks])  # need: [B, U] (host)
+        kv, _ = raw.gather(away, seqs=need)  # kv: [2, B, Hkv, U*bs, D], rows no sequence needs zeroed
+        src |= {blk: kv[:, :, :, j * bs:(j + 1) * bs] for j, blk in enumerate(away)}
+    _, _, hkv, _, d = raw.block_shape
+    sel = torch.empty(2, b, hkv, e * bs, d, dtype=raw.dtype, device=q.device)  # sel: [2, B, Hkv, E*bs, D]
+    for s, row in enumerate(picks):  # each sequence's own blocks, one copy a (sequence, block)
+        for j, i in enumerate(row):
+            sel[:, s, :, j * bs:(j + 1) * bs].copy_(src[first + i][:, s])
     ok = usable.permute(1, 0, 2).gather(1, top[:, :, None].expand(-1, -1, bs)).reshape(b, e * bs)  # ok: [B, E*bs]
     return attention_with_lse(q, sel[0].to(q.dtype), sel[1].to(q.dtype), ok)
