@@ -1,5 +1,6 @@
 """Making the KV block tables of one generation: one per (layer, GPU batch), with the codec the
-KV policy or the cold codec asks for, and hidden-state checkpoint tables when a policy needs them, and raw copies when it reads blocks both encoded and exact."""
+KV policy or the cold codec asks for, hidden-state checkpoint tables when a policy needs them,
+and raw copies of every block when it reads blocks both encoded and exact (DKV's exact routed)."""
 from __future__ import annotations
 
 import torch

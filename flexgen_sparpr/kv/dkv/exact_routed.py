@@ -16,9 +16,10 @@ from ..block_table import BlockTable
 
 
 def split_route(lse: torch.Tensor, route: torch.Tensor | None, exact: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top: [B, E], rest: [B, K-E]) of the routed blocks, top the E with the most mass summed
-    over heads, largest first. lse: [B, n, H] every cold block's log mass; route: [B, K] (sorted by
-    mass, largest first, as DKV._route's topk gives it) or None (all n routed)."""
+    """(top: [B, E], rest: [B, K-E]) of the routed blocks, top the E the router ranks highest.
+    lse: [B, n, H] every cold block's log mass; route: [B, K], sorted by the router's score,
+    largest first (DKV._route's topk: the low-rank mass, or the mean key's score), or None (all n
+    routed: ranked here by their mass summed over heads)."""
     if route is None:  # every cold block routed: rank them all
         route = lse.logsumexp(dim=2).topk(lse.shape[1], dim=1).indices  # route: [B, n]
     e = min(exact, route.shape[1])
