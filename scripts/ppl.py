@@ -44,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
     ap.add_argument("--dkv-block", type=int, default=256, help="KV block of the dkv family")
+    ap.add_argument("--dkv-exact-routed", type=int, default=0,
+                    help="the dkv family's routed blocks read raw and attended exactly (raw copies in host memory)")
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/ppl.json")
     ap.add_argument("--device", default="cpu")
@@ -57,6 +59,8 @@ def parse_args(argv=None):
         args.configs = configs(args.policy_names, args.keep)
     except ValueError as e:
         die(str(e))
+    if args.dkv_exact_routed < 0:
+        die("--dkv-exact-routed must be >= 0")
     if args.score_tokens < 1 or args.windows < 1 or args.batch < 1:
         die("--score-tokens, --windows and --batch must be >= 1")
     if not all(0 < k <= 1 for k in args.keep):
@@ -152,6 +156,8 @@ def main(argv=None) -> None:
             "lengths": args.lengths, "score_tokens": args.score_tokens, "windows": args.windows,
             "configs": [c.label for c in args.configs], "batch": args.batch, "block_size": args.block_size,
             "dkv_block": args.dkv_block}
+    dkv_args = {"exact_routed": args.dkv_exact_routed} if args.dkv_exact_routed else {}
+    plan |= {"dkv_args": dkv_args} if dkv_args else {}  # older plans (no such key) still resume
     out = Path(args.out)
     try:
         old = None if args.fresh else load_partial(out / "ppl.json", plan)
@@ -164,7 +170,8 @@ def main(argv=None) -> None:
     payload = {"plan": plan, "config": config, "batches": resumed_batches(old),
                "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
     done = done_ids(old)
-    sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block)
+    sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block,
+                        dkv_args=dkv_args)
     todo = [(bid, n, ws) for bid, n, ws in batches if bid not in done]
     print(f"{len(batches) - len(todo)} of {len(batches)} batches already in {out / 'ppl.json'}", flush=True)
     base = payload["wall_s"]
