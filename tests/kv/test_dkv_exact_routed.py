@@ -21,10 +21,10 @@ from flexgen_sparpr.weights.resolve import resolve_source
 PROMPTS = [list(range(3, 59)), list(range(70, 115))]  # 56 and 45 tokens: 8-token blocks, several cold
 
 
-def _run(model_dir, tmp_path, **knobs):
+def _run(model_dir, tmp_path, device="cpu", **knobs):
     """A prefill, then two decodes from its snapshot: (first, second, the DKV policy, link bytes)."""
     args = {"rank": 2, "residuals": 1, "topk": 2, **knobs}
-    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path), kv_policy="dkv", policy_args=args)
+    cfg = EngineConfig(device=device, block_size=8, offload_dir=str(tmp_path), kv_policy="dkv", policy_args=args)
     with Engine(resolve_source(str(model_dir), ""), Policy(gpu_batch_size=2), cfg) as eng:
         snap = eng.snapshot(eng.prefill(PROMPTS, 12, keep_logits=True))
         first = eng.decode(eng.restore(snap))
@@ -33,31 +33,35 @@ def _run(model_dir, tmp_path, **knobs):
         return first, second, eng.kv_policy, files, eng.devices.counters.snapshot()
 
 
-def test_every_block_exact_is_dense_attention(tiny_llama_dir, tmp_path):
+def test_every_block_exact_is_dense_attention(tiny_llama_dir, tmp_path, device):
     """Every cold block routed and read raw: the decode attends every token exactly, so its
-    logits are dense attention's (the lossy rank-2 form alone is not)."""
-    cfg = EngineConfig(device="cpu", block_size=8)
+    logits are dense attention's (the lossy rank-2 form alone is not). On CUDA the raw copies
+    live in pinned host memory and cross the link."""
+    cfg = EngineConfig(device=device, block_size=8)
     with Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=2), cfg) as eng:
         dense = eng.generate(PROMPTS, 12, keep_logits=True)
-    exact, again, pol, _, _ = _run(tiny_llama_dir, tmp_path / "a", topk=0, exact_routed=100)
-    lossy, _, _, _, _ = _run(tiny_llama_dir, tmp_path / "b", topk=0)
+    exact, again, pol, _, moved = _run(tiny_llama_dir, tmp_path / "a", device, topk=0, exact_routed=100)
+    lossy, _, _, _, _ = _run(tiny_llama_dir, tmp_path / "b", device, topk=0)
     assert pol.counts["exact_routed_blocks"] > 0
     assert exact.tokens == dense.tokens == again.tokens  # the snapshot rewinds the raw copies too
-    exact, dense, lossy = (torch.stack(r.logits) for r in (exact, dense, lossy))  # [steps, B, V]
+    exact, dense, lossy = (torch.stack(r.logits).float() for r in (exact, dense, lossy))  # [steps, B, V]
     assert exact.shape[0] == 12
-    torch.testing.assert_close(exact, dense, rtol=1e-4, atol=1e-4)
-    assert (lossy - dense).abs().max() > 1e-3
+    tol = 1e-4 if device == "cpu" else 3e-2  # float16 on CUDA: the partial attentions merge in another order
+    torch.testing.assert_close(exact, dense, rtol=tol, atol=tol)
+    assert (lossy - dense).abs().max() > 10 * tol
+    if device != "cpu":
+        assert moved.get("cpu->compute", 0) > 0  # the raw blocks came over the link
 
 
 @pytest.mark.parametrize("home", ["cpu", "disk"])
-def test_raw_copies_live_on_their_home_and_are_gone_after_close(tiny_llama_dir, tmp_path, home):
+def test_raw_copies_live_on_their_home_and_are_gone_after_close(tiny_llama_dir, tmp_path, home, device):
     """On disk the raw copies are files of their own in --offload-dir, removed when the engine
     closes; the decode is the same wherever they live."""
-    got, _, pol, files, _ = _run(tiny_llama_dir, tmp_path / home, exact_routed=1, exact_home=home)
+    got, _, pol, files, _ = _run(tiny_llama_dir, tmp_path / home, device, exact_routed=1, exact_home=home)
     assert pol.counts["exact_routed_blocks"] > 0
     assert any("-raw" in f for f in files) == (home == "disk")
     assert not (tmp_path / home).exists() or not any(os.scandir(tmp_path / home))
-    ref, _, _, _, _ = _run(tiny_llama_dir, tmp_path / "ref", exact_routed=1)
+    ref, _, _, _, _ = _run(tiny_llama_dir, tmp_path / "ref", device, exact_routed=1)
     assert got.tokens == ref.tokens
 
 
