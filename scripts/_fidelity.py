@@ -1,6 +1,6 @@
-"""What the fidelity scripts (ppl.py, needle.py, frontier.py) share: the split flags, the engine
-commit for the config and for each batch, and cutting a plan into batches with stable ids (for
-resuming)."""
+"""What the fidelity scripts (ppl.py, needle.py, frontier.py, dkv_speed.py) share: the split
+flags, --dkv-exact-routed, the engine commit for the config and for each batch, and cutting a
+plan into batches with stable ids (for resuming)."""
 from __future__ import annotations
 
 
@@ -30,6 +30,18 @@ def split_args(ap, depths: bool = False) -> None:
     if depths:
         ap.add_argument("--depths", type=float_list, default=None,
                         help="needle depths, trial i uses depths[i %% n] (default: the split's)")
+
+
+def exact_routed_arg(ap) -> None:
+    """--dkv-exact-routed E (>= 0): the dkv engine's E routed blocks read raw and attended exactly
+    (the policy's --dkv-exact-routed; its raw copies in host memory)."""
+    def count(text: str) -> int:
+        if not text.isdigit():
+            raise ValueError(text)  # argparse: "invalid count value", one line
+        return int(text)
+    count.__name__ = "count"
+    ap.add_argument("--dkv-exact-routed", type=count, default=0, metavar="E",
+                    help="the dkv engine's E routed blocks of most mass read raw and attended exactly (0: none)")
 
 
 def resolve_split(args) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
-from _fidelity import engine_commit, resolve_split, split_args  # noqa: E402
+from _fidelity import engine_commit, exact_routed_arg, resolve_split, split_args  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -38,13 +38,12 @@ def parse_args(argv=None):
     ap.add_argument("--gen-len", type=int, default=16, help="tokens per timed decode")
     ap.add_argument("--rounds", type=int, default=3, help="dense/dkv decode pairs per length")
     ap.add_argument("--block", type=int, default=256, help="KV block tokens (both engines)")
-    ap.add_argument("--dkv-exact-routed", type=int, default=0,
-                    help="the dkv engine's routed blocks read raw and attended exactly (--dkv-exact-routed)")
+    exact_routed_arg(ap)
     ap.add_argument("--out", default=str(REPO / "results/dkv/speed-interleaved"))
     args = ap.parse_args(argv)
     resolve_split(args)
-    if min(args.batch, args.rounds) < 1 or args.gen_len < 2 or args.dkv_exact_routed < 0:
-        die("--batch and --rounds must be >= 1, --gen-len >= 2 and --dkv-exact-routed >= 0")
+    if min(args.batch, args.rounds) < 1 or args.gen_len < 2:
+        die("--batch and --rounds must be >= 1 and --gen-len >= 2")
     return args
 
 

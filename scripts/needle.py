@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
-from _fidelity import (COMPOSED, engine_commit, engines, float_list, plan_batches, resolve_split,  # noqa: E402
-                       resumed_batches, split_args)
+from _fidelity import (COMPOSED, engine_commit, engines, exact_routed_arg, float_list,  # noqa: E402
+                       plan_batches, resolve_split, resumed_batches, split_args)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -61,8 +61,7 @@ def parse_args(argv=None):
     ap.add_argument("--dkv-rank", type=int, default=DKV_RANK, help="rank of the dkv family's joint K|V delta")
     ap.add_argument("--dkv-residuals", type=int, default=DKV_RESIDUALS,
                     help="exact rows per block of the dkv family (frontier.py reads DKV's bytes from these)")
-    ap.add_argument("--dkv-exact-routed", type=int, default=0,
-                    help="the dkv family's routed blocks read raw and attended exactly (raw copies in host memory)")
+    exact_routed_arg(ap)
     ap.add_argument("--answer-prefix", default="The secret passkey is", help="opens the passkey tasks' answer")
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/needle.json")
@@ -89,11 +88,9 @@ def parse_args(argv=None):
         die("keep ratios must be in (0, 1]")
     if not (1 <= args.dkv_rank <= args.dkv_block and 0 <= args.dkv_residuals <= args.dkv_block):
         die(f"--dkv-rank must be in 1..{args.dkv_block} and --dkv-residuals in 0..{args.dkv_block} (--dkv-block)")
-    if args.dkv_exact_routed < 0:
-        die("--dkv-exact-routed must be >= 0")
     defaults = {"rank": DKV_RANK, "residuals": DKV_RESIDUALS, "exact_routed": 0}
-    args.dkv_args = {k: v for k, v in (("rank", args.dkv_rank), ("residuals", args.dkv_residuals),
-                                       ("exact_routed", args.dkv_exact_routed)) if v != defaults[k]}  # only what differs from the defaults: older plans still resume
+    given = {"rank": args.dkv_rank, "residuals": args.dkv_residuals, "exact_routed": args.dkv_exact_routed}
+    args.dkv_args = {k: v for k, v in given.items() if v != defaults[k]}  # only what differs: older plans still resume
     return args
 
 

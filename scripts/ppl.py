@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
-from _fidelity import (COMPOSED, engine_commit, engines, float_list, plan_batches, resolve_split,  # noqa: E402
-                       resumed_batches, split_args)
+from _fidelity import (COMPOSED, engine_commit, engines, exact_routed_arg, float_list,  # noqa: E402
+                       plan_batches, resolve_split, resumed_batches, split_args)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -44,8 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
     ap.add_argument("--dkv-block", type=int, default=256, help="KV block of the dkv family")
-    ap.add_argument("--dkv-exact-routed", type=int, default=0,
-                    help="the dkv family's routed blocks read raw and attended exactly (raw copies in host memory)")
+    exact_routed_arg(ap)
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/ppl.json")
     ap.add_argument("--device", default="cpu")
@@ -59,8 +58,6 @@ def parse_args(argv=None):
         args.configs = configs(args.policy_names, args.keep)
     except ValueError as e:
         die(str(e))
-    if args.dkv_exact_routed < 0:
-        die("--dkv-exact-routed must be >= 0")
     if args.score_tokens < 1 or args.windows < 1 or args.batch < 1:
         die("--score-tokens, --windows and --batch must be >= 1")
     if not all(0 < k <= 1 for k in args.keep):
