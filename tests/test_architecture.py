@@ -115,7 +115,7 @@ def test_the_checks_catch_what_they_look_for():
     g = graph()
     assert "flexgen_sparpr.kv.block_table" in g["flexgen_sparpr.engine.executor"]
     assert "flexgen_sparpr.kv.policies" in g["flexgen_sparpr.engine.config"]  # `from ..kv import policies`
-    assert "flexgen_sparpr.utils.paths" in g["flexgen_sparpr.kv.policies.sparpr"]  # a function-level import
+    assert "flexgen_sparpr.utils.paths" in g["flexgen_sparpr.kv.policies.sparpr_plan"]  # a function-level import
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
     src = 'if p == "sparpr":\n    pass\nok = p.name in ("x", "dense")\nmatch p:\n    case "h2o":\n        pass\n'
     assert policy_branches(ast.parse(src), {"sparpr", "dense", "h2o"}) == [1, 3, 5]

@@ -66,10 +66,11 @@ def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: 
     shape = (2, b, hkv, total + 1 + room, d)
     buf = ring.take(shape, dtype, device) if ring is not None else torch.empty(shape, dtype=dtype, device=device)
     out = buf[:, :, :, :total + 1]  # out: [2, B, Hkv, T+1, D]
-    pos = torch.cat([t.positions(sel.blocks, device), torch.zeros(1, dtype=torch.long, device=device)])
     if not rebuild:
-        t.gather(sel.blocks, out, seqs=sel.seqs, zero_unread=ring is None)
+        _, pos = t.gather(sel.blocks, out, seqs=sel.seqs, zero_unread=ring is None)
+        pos = torch.cat([pos, pos.new_zeros(1)])  # pos: [T+1], the last slot the step's new token's
         return Fetched(out, pos, sel, room=buf if room and ring is not None else None)
+    pos = torch.cat([t.positions(sel.blocks, device), torch.zeros(1, dtype=torch.long, device=device)])
     copy = [blk for blk in sel.blocks if blk not in set(rebuild)]
     seqs = None if sel.seqs is None else sel.seqs[:, [i for i, blk in enumerate(sel.blocks) if blk in copy]]
     starts = _offsets(t, sel.blocks)

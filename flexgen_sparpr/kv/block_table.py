@@ -110,6 +110,14 @@ class BlockTable:
         dev = self.devices.compute
         if out is None and self.store.resident and blocks == list(range(nb)):
             return self.store.resident_view(self.length), torch.arange(self.length, device=dev)
+        if self.store.resident:  # every token in one compute arena: one indexed copy, whatever the blocks
+            pos = self.positions(blocks, dev)  # pos: [T]
+            src = self.store.resident_view(self.length)  # src: [planes, B, Hkv, L, D]
+            if out is None or out.shape[3] < pos.shape[0]:
+                return src.index_select(3, pos), pos
+            kv = out[:, :, :, :pos.shape[0]]
+            torch.index_select(src, 3, pos, out=kv)
+            return kv, pos
         need = seqs.T.tolist() if seqs is not None else None  # need: [n][B] (no sync: seqs is a host tensor)
         kv = self.store.gather(blocks, [self.block_len(b) for b in blocks], self.sealed, out, need, zero_unread)
         return kv, self.positions(blocks, dev)

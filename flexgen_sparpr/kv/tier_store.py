@@ -310,6 +310,10 @@ class TierStore:
         if dev.is_cuda:  # counted here, on the calling thread (LinkCounters.tag is per thread)
             dev.counters.add("cpu", "compute", nbytes, requests=len(jobs))
 
+    def holds_exact_rows(self) -> bool:
+        """Whether any encoded block's exact rows are held on compute (`hold_exact_rows`)."""
+        return bool(self._exact_rows)
+
     def exact_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Encoded block b's exact rows held on compute (`hold_exact_rows`): (idx: [B, m] token
         index within the block, kv: [2, B, Hkv, m, D]), or None."""

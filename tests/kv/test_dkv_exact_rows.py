@@ -71,8 +71,15 @@ def test_selection_gains_the_exact_rows_of_the_blocks_it_leaves_out():
                 want |= mask[b, 0]  # ...and, where chosen, what the selection chose
             want &= valid[b, blk * 8:blk * 8 + 8]
             assert torch.equal(sel.mask[b, :, j * 8:j * 8 + 8], want[None].expand(2, -1))
-    whole = Selection([0, 1])
-    assert with_exact_rows(t, whole, valid) is whole  # no mask: every token of its blocks, as asked
+    whole = Selection([0, 1, 2])
+    assert with_exact_rows(t, whole, valid) is whole  # no mask over every block: nothing to add
+    part = with_exact_rows(t, Selection([0, 2]), valid)  # no mask (one sequence's pick): blocks 0, 2 whole
+    assert part.blocks == [0, 1, 2] and part.seqs.tolist() == [[True, False, True]] * 2
+    idx, _ = t.exact_rows(1)
+    for b in range(2):
+        want = torch.zeros(8, dtype=torch.bool).index_fill_(0, idx[b], True)  # block 1: its exact rows only
+        assert torch.equal(part.mask[b, 0, 8:16], want)
+        assert torch.equal(part.mask[b, 0, :8], valid[b, :8]) and bool(part.mask[b, 0, 16:].all())
 
 
 def test_sparpr_over_exact_cold_rows_equals_dense_at_any_keep(tiny_llama_dir, tmp_path):

@@ -99,7 +99,9 @@ def test_block_scores_are_attention_on_the_decoded_keys(head_score):
     q = torch.randn(b, hkv * g, 1, d, generator=gen)
     valid = torch.ones(b, nb * bs, dtype=torch.bool)
     valid[1, :5] = False  # sequence 1's left padding: its block 0 holds none (never scores), block 1 three
-    got = lowrank_block_scores(q, codes, basis, valid, bs, head_score)
+    pad_bias = torch.zeros(b, nb * bs).masked_fill(~valid, -math.inf)  # pad_bias: [B, T]
+    live = valid.view(b, nb, bs).any(dim=-1)  # live: [B, nb]
+    got = lowrank_block_scores(q, codes, basis, bs, head_score, pad_bias, live)
     approx = torch.einsum("bktr,kdr->bktd", decode(codes, basis), basis.u.float())  # keys as the codes say
     want = torch.empty(b, nb)
     for s in range(b):

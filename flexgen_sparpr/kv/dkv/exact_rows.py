@@ -21,17 +21,19 @@ def with_exact_rows(table: BlockTable, sel: Selection, valid: torch.Tensor) -> S
     """sel plus the exact rows the table holds on compute of every sealed block, for each sequence
     that does not read the block whole (a block no sequence chose joins with no reader: nothing moves).
     valid: [B, L] the cached tokens that may be attended (False: left padding). A selection
-    without a mask (every token of its blocks) is returned as is, as is one with nothing to add."""
+    without a mask reads every token of its blocks; one with nothing to add is returned as is."""
+    if not table.store.holds_exact_rows():
+        return sel
     sealed = table.length // table.bs
     chosen = set(sel.blocks)
     held = [b for b in range(sealed) if table.exact_rows(b) is not None]
     extra = [b for b in held if b not in chosen]
-    if not held or sel.mask is None:
+    if not held or (sel.mask is None and not extra):  # every held block read whole already
         return sel
-    b_, hkv, _ = sel.mask.shape
-    dev = sel.mask.device
+    _, b_, hkv, _, _ = table.block_shape
+    dev = valid.device
     full = torch.zeros(b_, hkv, table.num_blocks * table.bs, dtype=torch.bool, device=dev)  # full: [B, Hkv, L']
-    full[..., table.positions(sel.blocks, dev)] = sel.mask
+    full[..., table.positions(sel.blocks, dev)] = True if sel.mask is None else sel.mask
     for blk in held:  # a chosen block too: a sequence that did not choose it reads its exact rows
         idx, _ = table.exact_rows(blk)  # idx: [B, m]
         full[:, :, :sealed * table.bs].scatter_(2, (blk * table.bs + idx.to(dev))[:, None].expand(-1, hkv, -1), True)

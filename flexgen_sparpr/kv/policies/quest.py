@@ -9,8 +9,7 @@ import torch
 from ..block_table import BlockTable
 from ..knobs import at_least, knob
 from ..policy import Selection
-from .base import selection_from_tokens
-from .scoring import BlockScoringPolicy, budgeted_pick, picked_tokens
+from .selection import BlockSelectionPolicy, StepView
 
 
 def block_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -21,7 +20,7 @@ def block_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -
 
 
 @dataclass(eq=False)
-class Quest(BlockScoringPolicy):
+class Quest(BlockSelectionPolicy):
     """Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"
     (ICML 2024).
 
@@ -76,18 +75,13 @@ class Quest(BlockScoringPolicy):
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
         return Selection.all(table) if self.is_dense_layer(layer) else None  # else: needs the query
 
-    def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
-        if self.is_dense_layer(layer):
-            return Selection.all(table)
+    def block_scores(self, table: BlockTable, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
+        """Per KV head, the max bound over its query heads: [B, Hkv, nb] (-inf: an all-pad block)."""
         kmin, kmax = self.summaries(table, layer)  # kmin, kmax: [nb, B, Hkv, D]
         b, h, _, d = q.shape
-        hkv, sealed = table.block_shape[2], table.length // table.bs
+        hkv = table.block_shape[2]
         qg = q.float().view(b, hkv, h // hkv, 1, d)  # qg: [B, Hkv, G, 1, D]
         kmin = kmin.permute(1, 2, 0, 3)[:, :, None]  # kmin: [B, Hkv, 1, nb, D]
         kmax = kmax.permute(1, 2, 0, 3)[:, :, None]
         bound = block_upper_bound(qg, kmin, kmax).amax(dim=2)  # bound: [B, Hkv, nb]
-        valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
-        bound = bound.masked_fill((counts == 0)[:, None, :], -math.inf)  # all-pad blocks
-        room = torch.tensor(self.budgets(table), device=q.device) - valid[:, sealed * table.bs:].sum(dim=1)
-        pick = budgeted_pick(bound, counts[:, None, :], room[:, None])  # pick: [B, Hkv, nb]
-        return selection_from_tokens(table, picked_tokens(pick, table) & valid[:, None, :])
+        return bound if view.live is None else bound.masked_fill(~view.live[:, None, :], -math.inf)

@@ -11,22 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ...runtime.costs import (CostModel, cost_ratio, dtype_name, keep_target, kv_rebuild_flops,
-                              merge_spans, plan_recovery, should_fall_back)
-from ...storage.tiers import Tier
-from ..dkv.codec import DKVCodec
-from ..dkv.exact_rows import with_exact_rows
+from ...runtime.costs import CostModel
 from ..dkv.importance import hint_sealed_blocks
 from ..block_table import BlockTable
 from ..knobs import KnobError, at_least, in_unit, knob, knobs, one_of
 from ..policy import Selection
-from .base import masked_mean_keys, selection_from_tokens, token_budget
-from .scoring import BlockScoringPolicy, budgeted_pick, picked_tokens
+from .base import masked_mean_keys
+from .selection import BlockSelectionPolicy, StepView
 from .sparpr_lowrank import KeyBasis, encode, fit_basis, lowrank_block_scores, rank_for, summary_share
-from .sparpr_stats import StepStats, readers
-
-
-CKPT_MARGIN = 2.0  # keep checkpoints while a rebuild costs < this x a copy (at start-up costs)
+from .sparpr_plan import CostPlan
+from .sparpr_stats import StepStats
 
 
 HEAD_SCORES = ("sum", "softmax")
@@ -58,7 +52,7 @@ def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_s
 
 
 @dataclass(eq=False)
-class SparPR(BlockScoringPolicy):
+class SparPR(CostPlan, BlockSelectionPolicy):
     """SparPR, "Runtime KV-Cache Recovery for Resource-Constrained LLM Inference on Consumer
     Hardware" (arXiv 2610.18140, 2026). docs/sparpr.md has the design and its reasoning.
 
@@ -148,9 +142,8 @@ class SparPR(BlockScoringPolicy):
         if self.quest_only:  # the selection stage alone: the three runtime decisions are off
             self.dynamic_budget = self.recompute = self.fallback = False
         self.needs_checkpoints = self.recompute
-        self._probed = False
+        self._init_plan()
         self.step_stats = StepStats()
-        self.ckpt_tables = [0, 0]  # auto: tables that kept checkpoints, tables asked
         self._basis: weakref.WeakKeyDictionary[BlockTable, KeyBasis] = weakref.WeakKeyDictionary()
 
     @property
@@ -203,39 +196,6 @@ class SparPR(BlockScoringPolicy):
         last = min(self.recent_blocks * bs + length % bs, min(length - p for p in pads))
         return first, last
 
-    # --- costs ---
-    def cost_model(self, table: BlockTable) -> CostModel:
-        """The given cost model, else the start-up probe's (measured once per machine, cached)."""
-        if self.costs is None or (self._probed and dtype_name(table.dtype) not in self.costs.matmul_flops):
-            from ...runtime.probe import probe
-            from ...utils.paths import default_cache_dir
-            disk_dir = self.probe_dir or default_cache_dir()
-            data = probe(table.devices.compute, [table.dtype], disk_dir)
-            self.costs, self._probed = CostModel.from_probe(data, disk_dir), True
-        return self.costs
-
-    def block_costs(self, table: BlockTable, hidden: int) -> dict[Tier, tuple[float, float]]:
-        """Per home tier: (copy seconds, recompute seconds) of one sealed block."""
-        cm, ck = self.cost_model(table), table.checkpoints
-        _, b, hkv, bs, d = table.block_shape
-        ckpt_bytes = ck.store.codec.nbytes if ck is not None else b * bs * hidden * table.dtype.itemsize
-        flops = kv_rebuild_flops(b, bs, hidden, hkv * d)
-        return {t: (cm.copy_s(table.store.codec.nbytes, t, table.devices),
-                    cm.recompute_s(ckpt_bytes, flops, t, table.devices, table.dtype)) for t in set(table.homes)}
-
-    def wants_checkpoints(self, table: BlockTable, hidden: int) -> bool:
-        """Keep this table's checkpoints only if, for some offloaded home tier, a rebuild costs less
-        than CKPT_MARGIN x a copy at the start-up costs (room for the live bandwidth to fall below
-        the probe's); else every prefill would write them (+50 % writes for OPT) for nothing."""
-        if not self.needs_checkpoints:
-            return False
-        self.ckpt_tables[1] += 1
-        keep = self.checkpoints == "always" or any(
-            rec < CKPT_MARGIN * copy for tier, (copy, rec) in self.block_costs(table, hidden).items()
-            if tier != Tier.COMPUTE)
-        self.ckpt_tables[0] += keep
-        return keep
-
     # --- summaries, sequence-major (scoring a prefix of blocks reads a view). lowrank: codes [B, Hkv,
     # num_blocks, bs, r / 2] uint8 (+ the table's KeyBasis); mean: the mean key of each run of summary_tokens
     # valid tokens [B, Hkv, num_blocks, P, D] in the cache dtype, and which runs hold one, live [B, num_blocks, P]
@@ -287,39 +247,25 @@ class SparPR(BlockScoringPolicy):
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
         return None  # the selection needs the query
 
-    def target_keep(self, table: BlockTable, costs: dict[Tier, tuple[float, float]] | None) -> tuple[float, float]:
-        """(keep ratio of this step, rho) from the sealed offloaded blocks' costs."""
-        if costs is None:
-            return self.keep_ratio, math.nan
-        off = [costs[table.homes[i]] for i in range(table.length // table.bs) if table.homes[i] != Tier.COMPUTE]
-        rho = cost_ratio(sum(c for c, _ in off), sum(r for _, r in off))
-        return keep_target(rho, self.keep_ratio, self.min_keep), rho
-
-    def always_read(self, table: BlockTable):
-        """(valid [B, L], counts [B, nb], own [B, nb]: each sequence's sink and recent blocks, used
-        [B]: the tokens they and the open block take from the budget)."""
-        bs, sealed = table.bs, table.length // table.bs
-        valid, counts = self.block_counts(table)
+    def own_blocks(self, table: BlockTable, counts: torch.Tensor) -> torch.Tensor:
+        """[B, nb]: each sequence's sink block (the first holding a valid token) and the recent ones."""
+        sealed = counts.shape[1]
         ids = torch.arange(sealed, device=counts.device)
-        sink = ids[None, :] == (self.pads(table) // bs)[:, None]  # sink: [B, nb]
-        own = sink | (ids >= sealed - self.recent_blocks)[None, :]  # own: [B, nb]
-        return valid, counts, own, (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
+        sink = ids[None, :] == (self.pads(table) // table.bs)[:, None]  # sink: [B, nb]
+        return sink | (ids >= sealed - self.recent_blocks)[None, :]
 
-    def top_k(self, table: BlockTable, layer: int, q: torch.Tensor, budgets: list[int]) -> torch.Tensor:
-        """[B, L] bool: the cached tokens each sequence reads (the same for all its KV heads): its
-        sink, the recent window, the open block and (per_sequence) its own best blocks while they
-        fit its budget. per_sequence=False: one set for the batch, the sequences taking turns (by
-        rank) while every one's budget holds. With one sequence the two are plain top-k."""
-        valid, counts, own, used = self.always_read(table)
-        score = self.scores(table, layer, q, valid)  # score: [B, nb]
-        if self.per_sequence:  # each its own best blocks while they fit (Quest's rule, one set per sequence)
-            room = torch.tensor(budgets).to(q.device, non_blocking=True) - used  # no sync: staged at once
-            pick = budgeted_pick(score, counts, room, own)
-            return picked_tokens(pick, table) & valid
+    def pick(self, table: BlockTable, score: torch.Tensor, view: StepView, room: torch.Tensor) -> torch.Tensor:
+        """per_sequence: each sequence its own best blocks while they fit (Quest's rule). Else one
+        set for the batch, the sequences taking turns by rank while every one's budget holds (a
+        rare ablation: its loop runs on the host)."""
+        if self.per_sequence:
+            return super().pick(table, score, view, room)
+        counts, own = view.counts, view.own
+        budgets = (room + view.used).tolist()
         cand = ~own.all(dim=0) & (counts > 0).any(dim=0)  # cand: [nb] (another's sink may be one)
         ranked = score.masked_fill(~cand[None, :], -math.inf).argsort(dim=-1, descending=True)
         ranked = ranked[:, :int(cand.sum())].T.tolist()  # [rank][sequence] -> block id
-        used = used.tolist()
+        used = view.used.tolist()
         cnt, picked = (counts * ~own).T.tolist(), {}  # what a block adds to each sequence's reads
         for blk in (blk for row in ranked for blk in row):  # rank 0 of every sequence, then rank 1...
             if blk not in picked and all(u + c <= m for u, c, m in zip(used, cnt[blk], budgets)):
@@ -327,10 +273,10 @@ class SparPR(BlockScoringPolicy):
                 used = [u + c for u, c in zip(used, cnt[blk])]
         pick = own.clone()
         pick[:, list(picked)] = True
-        return picked_tokens(pick, table) & valid
+        return pick
 
-    def scores(self, table: BlockTable, layer: int, q: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """[B, nb]: each sealed block's score for each sequence (valid: [B, L] not padding)."""
+    def block_scores(self, table: BlockTable, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
+        """[B, nb]: each sealed block's score for each sequence."""
         summ = self.summaries(table, layer)
         if not self.lowrank:
             if summ[0].device == q.device:
@@ -342,7 +288,7 @@ class SparPR(BlockScoringPolicy):
             return score
         b, hkv, sealed, bs, half = summ[0].shape
         codes = summ[0].reshape(b, hkv, sealed * bs, half)  # codes: [B, Hkv, T, r / 2]
-        return lowrank_block_scores(q, codes, self._basis[table], valid[:, :sealed * bs], bs, self.head_score)
+        return lowrank_block_scores(q, codes, self._basis[table], bs, self.head_score, view.pad_bias, view.live)
 
     def summary_bytes(self, table: BlockTable) -> int:
         """Bytes this policy holds on the compute device for the table's summaries (every block's,
@@ -357,35 +303,6 @@ class SparPR(BlockScoringPolicy):
         if table not in self._sums or self.summaries_on == "compute":
             return 0
         return sum(t.numel() * t.element_size() for t in self._sums[table].parts)
-
-    def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
-        sealed, hkv = table.length // table.bs, table.block_shape[2]
-        hidden = table.checkpoints.block_shape[4] if table.checkpoints is not None else q.shape[1] * q.shape[3]
-        costs = None if self.quest_only else self.block_costs(table, hidden)
-        target, rho = self.target_keep(table, costs if self.dynamic_budget else None)
-        n_valid = [table.length - p for p in self.host_pads(table)]  # valid tokens, on the host
-        budgets = [token_budget(target, n, self.floor(table)) for n in n_valid]
-        keep = self.top_k(table, layer, q, budgets)  # keep: [B, L]
-        sel = selection_from_tokens(table, keep[:, None, :].expand(-1, hkv, -1))  # mask: [B, Hkv, T]
-        rebuild, spans, sparse_s, dense_s, fell_back, nseq = [], [], math.nan, math.nan, False, None
-        if costs is not None:
-            copy = [costs[table.homes[i]][0] for i in range(sealed)]
-            nseq, b = readers(table, sel), table.block_shape[1]
-            store = table.store  # a block read for some sequences costs their share of a whole copy
-            part = [c * store.read_bytes(i, nseq.get(i, b)) / store.read_bytes(i, b) for i, c in enumerate(copy)]
-            can = self.recompute and table.checkpoints is not None
-            rec = [costs[t][1] if can and t != Tier.COMPUTE else math.inf for t in table.homes[:sealed]]
-            spans = merge_spans([i for i in sel.blocks if i < sealed], table.homes)
-            rebuild, sparse_s = plan_recovery(spans, part, rec, self.cost_model(table).span_overhead_s(table.dtype))
-            dense_s = sum(copy)
-            if self.fallback and should_fall_back(sparse_s, dense_s, self.gamma):
-                sel, rebuild, fell_back = Selection.all(table), [], True
-        self.step_stats.add(table, sel, rebuild, spans=len(spans), n_valid=n_valid, target=target, rho=rho,
-                            sparse_s=sparse_s, dense_s=dense_s, fell_back=fell_back,
-                            nseq=None if fell_back else nseq)
-        sel = Selection(sel.blocks, sel.mask, recompute=tuple(rebuild), seqs=sel.seqs)
-        # DKV cold blocks left out are still attended on their exact rows, held on compute (nothing moves)
-        return sel if fell_back else with_exact_rows(table, sel, self.valid_tokens(table))
 
     def speculate(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         """select, leaving the per-step statistics to the exact selection that follows."""

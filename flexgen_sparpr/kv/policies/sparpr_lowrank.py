@@ -19,7 +19,7 @@ Why this form, against the 4-token mean keys it replaced: docs/sparpr.md, "Summa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,10 +45,21 @@ def summary_share(share: float, dtype_bytes: int) -> float:
 class KeyBasis:
     u: torch.Tensor  # [Hkv, D, r] float16 (stored; used in float32): orthonormal directions per KV head
     step: torch.Tensor  # [Hkv, r] float32: the quantisation step of each direction
+    # the directions as a query meets them (made once, at the first step): float32 [Hkv, D, r / 2] of the
+    # even and of the odd directions, each scaled by its step and 1 / sqrt(D)
+    _query: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
-        return self.u.numel() * self.u.element_size() + self.step.numel() * self.step.element_size()
+        extra = 0 if self._query is None else sum(t.numel() * t.element_size() for t in self._query)
+        return self.u.numel() * self.u.element_size() + self.step.numel() * self.step.element_size() + extra
+
+    def query_basis(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(even, odd) directions scaled for scoring: [Hkv, D, r / 2] float32 each, contiguous."""
+        if self._query is None:
+            scaled = self.u.float() * (self.step[:, None, :] / math.sqrt(self.u.shape[1]))  # scaled: [Hkv, D, r]
+            self._query = (scaled[..., 0::2].contiguous(), scaled[..., 1::2].contiguous())
+        return self._query
 
 
 def fit_basis(keys: torch.Tensor, valid: torch.Tensor, rank: int) -> KeyBasis:
@@ -86,24 +97,27 @@ def decode(codes: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
     return c * basis.step[None, :, None, :]
 
 
-def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, valid: torch.Tensor,
-                         bs: int, head_score: str) -> torch.Tensor:
-    """q: [B, H, 1, D]; codes: [B, Hkv, T, r / 2] of T = nb * bs sealed tokens; valid: [B, T] ->
-    [B, nb] (-inf: a block with no valid token)."""
+def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, bs: int, head_score: str,
+                         pad_bias: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, 1, D]; codes: [B, Hkv, T, r / 2] of T = nb * bs sealed tokens; pad_bias: [B, T] 0 or
+    -inf (None: no left padding); live: [B, nb] blocks holding a valid token (None: all) -> [B, nb]
+    (-inf: a block with no valid token)."""
     b, h, _, d = q.shape
-    hkv = codes.shape[1]
-    qr = torch.einsum("bkgd,kdr->bkgr", q.float().view(b, hkv, h // hkv, d), basis.u.float())  # qr: [B, Hkv, G, r]
-    qs = qr * (basis.step[None, :, None, :] / math.sqrt(d))  # qs: [B, Hkv, G, r] the steps and 1/sqrt(D) folded in
+    hkv, t = codes.shape[1], codes.shape[2]
+    even, odd = basis.query_basis()  # [Hkv, D, r / 2] each, steps and 1/sqrt(D) folded in
+    qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+    qe, qo = torch.matmul(qg, even), torch.matmul(qg, odd)  # qe, qo: [B, Hkv, G, r / 2]
     # the codes are read as stored, low and high nibbles apart (no decoded [B, Hkv, T, r] copy):
     # q . k~ = sum_j qs_j (c_j - 8) with c_j the nibble of direction j (even j low, odd j high)
     lo, hi = nibbles(codes)  # each [B, Hkv, T, r / 2]
-    logit = torch.matmul(qs[..., 0::2], lo.mT)  # logit: [B, Hkv, G, T]
-    logit += torch.matmul(qs[..., 1::2], hi.mT)
-    logit -= (LEVELS + 1) * qs.sum(dim=-1, keepdim=True)
-    logit = logit.masked_fill(~valid[:, None, None], -math.inf)
-    t = logit.shape[-1]
+    logit = torch.matmul(qe, lo.mT)  # logit: [B, Hkv, G, T]
+    logit += torch.matmul(qo, hi.mT)
+    if head_score == "sum":  # the -8 offset is one constant per head: softmax does not see it
+        logit -= (LEVELS + 1) * (qe.sum(dim=-1, keepdim=True) + qo.sum(dim=-1, keepdim=True))
+    if pad_bias is not None:
+        logit += pad_bias[:, None, None]
     if head_score == "softmax":  # each query head's estimated attention mass per block, summed
         score = logit.softmax(dim=-1).sum(dim=(1, 2)).view(b, t // bs, bs).sum(dim=-1)  # [B, nb]
     else:  # the block's best token, its logits summed over the query heads
         score = logit.sum(dim=(1, 2)).view(b, t // bs, bs).amax(dim=-1)  # [B, nb]
-    return score.masked_fill(~valid.view(b, t // bs, bs).any(dim=-1), -math.inf)
+    return score if live is None else score.masked_fill(~live, -math.inf)

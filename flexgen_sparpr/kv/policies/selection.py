@@ -1,0 +1,151 @@
+"""The block selection the query-aware block policies share (Quest, SparPR): budget -> scores ->
+one budgeted top-k -> the Selection, then a policy's plan for how the chosen blocks arrive.
+
+A decode step calls `select` once per layer, so its cost is paid num_layers times a step. It is
+built to issue a constant, small number of tensor calls per layer whatever the batch, heads or
+block count, with no Python loop over blocks or sequences:
+- What depends only on the step's context length and left padding (each sealed block's valid
+  tokens, the blocks every step reads, the tokens they take, the budgets) is the same for every
+  layer's table of a GPU batch: it is computed once per step (`StepView`) and shared.
+- A policy supplies its block scores (`block_scores`: a fused op over its summaries).
+- `budgeted_pick` ranks and takes blocks with tensor ops; `selection_from_pick` turns the pick
+  into the blocks to move, their readers and the token mask with one host sync.
+- `finish` is the policy's plan (SparPR: copy or rebuild each span, dense fallback).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..block_table import BlockTable
+from ..policy import Selection
+from .base import token_budget
+from .scoring import BlockScoringPolicy, budgeted_pick
+
+_VIEWS = 16  # step views kept per policy (a few GPU batches' worth of the current step)
+
+
+@dataclass(eq=False)
+class StepView:
+    """What a step's selection needs that depends only on the context length and left padding."""
+
+    length: int
+    sealed: int
+    valid: torch.Tensor  # [B, L] cached tokens that are not left padding
+    counts: torch.Tensor  # [B, nb] valid tokens of each sealed block
+    own: torch.Tensor | None  # [B, nb] blocks every step reads (None: none)
+    used: torch.Tensor  # [B] tokens the own blocks and the open block take from the budget
+    open_tokens: torch.Tensor  # [] valid tokens of the open block, summed over the batch
+    n_valid: list[int]  # [B] valid cached tokens, on the host
+    pad_bias: torch.Tensor | None  # [B, sealed * bs] 0 or -inf (None: no left padding)
+    live: torch.Tensor | None  # [B, nb] blocks holding a valid token (None: all of them)
+    rooms: dict = field(default_factory=dict)  # keep target -> room [B]: tokens the pick may add
+
+
+def selection_from_pick(table: BlockTable, pick: torch.Tensor, view: StepView) -> Selection:
+    """pick: [B, nb] (every KV head alike) or [B, Hkv, nb] bool over the sealed blocks -> the
+    Selection moving every block some sequence picked (and the open block), each only for the
+    sequences that picked it, with a mask keeping each (sequence, head) to its own blocks. One
+    sequence reading the same blocks on every head needs no mask."""
+    b, hkv, bs = table.block_shape[1], table.block_shape[2], table.bs
+    per_seq = pick if pick.dim() == 2 else pick.any(dim=1)  # per_seq: [B, nb]
+    chosen = per_seq.any(dim=0).nonzero().flatten()  # chosen: [n] block ids, ascending
+    blocks = chosen.tolist()  # the one host sync
+    open_len = view.length - view.sealed * bs
+    if open_len:
+        blocks.append(view.sealed)
+    if b == 1 and pick.dim() == 2:
+        return Selection(blocks)
+    m = pick.index_select(-1, chosen)  # m: [B, (Hkv,) n]
+    mask = m.repeat_interleave(bs, dim=-1)  # mask: [B, (Hkv,) n * bs]
+    seqs = per_seq.index_select(1, chosen)  # seqs: [B, n]
+    if open_len:
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], open_len)], dim=-1)  # + the open block
+        seqs = torch.cat([seqs, seqs.new_ones(b, 1)], dim=1)
+    if pick.dim() == 2:
+        mask = mask[:, None].expand(b, hkv, mask.shape[-1])  # mask: [B, Hkv, T]
+    return Selection(blocks, mask, seqs=table.devices.streams.on_host(seqs))
+
+
+@dataclass(eq=False)
+class BlockSelectionPolicy(BlockScoringPolicy):
+    """Base of the policies that pick sealed blocks by a query-aware score under a token budget."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._views: dict[tuple, StepView] = {}
+
+    # --- what a subclass supplies ---
+    def block_scores(self, table: BlockTable, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
+        """q: [B, H, 1, D] -> [B, nb] (one choice for all KV heads) or [B, Hkv, nb] scores of the
+        sealed blocks; -inf: never picked."""
+        raise NotImplementedError
+
+    def own_blocks(self, table: BlockTable, counts: torch.Tensor) -> torch.Tensor | None:
+        """[B, nb] bool: sealed blocks every step reads besides the open block (None: none)."""
+        return None
+
+    def keep_target(self, table: BlockTable, q: torch.Tensor) -> tuple[float, float]:
+        """(the keep ratio this step's budget uses, rho: the cost ratio that set it, or nan)."""
+        return self.keep_ratio, math.nan
+
+    def pick(self, table: BlockTable, score: torch.Tensor, view: StepView, room: torch.Tensor) -> torch.Tensor:
+        """The budgeted top-k: [B, nb] or [B, Hkv, nb] bool, like score."""
+        if score.dim() == 3:
+            own = None if view.own is None else view.own[:, None]
+            return budgeted_pick(score, view.counts[:, None], room[:, None], own)
+        return budgeted_pick(score, view.counts, room, view.own)
+
+    def finish(self, table: BlockTable, layer: int, sel: Selection, pick: torch.Tensor, view: StepView,
+               target: float, rho: float, q: torch.Tensor) -> Selection:
+        """The policy's plan for the chosen blocks (default: copy them all)."""
+        return sel
+
+    # --- the step ---
+    def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
+        if self.is_dense_layer(layer):
+            return Selection.all(table)
+        view = self.step_view(table)
+        target, rho = self.keep_target(table, q)
+        score = self.block_scores(table, layer, q, view)  # score: [B, (Hkv,) nb]
+        pick = self.pick(table, score, view, self.room(table, view, target))
+        return self.finish(table, layer, selection_from_pick(table, pick, view), pick, view, target, rho, q)
+
+    def room(self, table: BlockTable, view: StepView, target: float) -> torch.Tensor:
+        """[B]: tokens the picked blocks may add at keep `target` (the budget less what the own
+        blocks and the open block take); once per step and target."""
+        room = view.rooms.get(target)
+        if room is None:
+            floor = self.floor(table)
+            budgets = torch.tensor([token_budget(target, n, floor) for n in view.n_valid])
+            if len(view.rooms) >= _VIEWS:  # a live cost model moves the target a little every step
+                view.rooms.clear()
+            room = view.rooms[target] = budgets.to(view.used.device) - view.used
+        return room
+
+    def step_view(self, table: BlockTable) -> StepView:
+        """The step's StepView for this table's context and padding (shared by the layers)."""
+        pads = self.host_pads(table)
+        key = (table.length, table.bs, self.floor(table), tuple(pads))
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _VIEWS:
+                self._views.pop(next(iter(self._views)))
+            view = self._views[key] = self._make_view(table, pads)
+        return view
+
+    def _make_view(self, table: BlockTable, pads: list[int]) -> StepView:
+        bs, length, sealed = table.bs, table.length, table.length // table.bs
+        valid, counts = self.block_counts(table)  # valid: [B, L]; counts: [B, nb]
+        own = self.own_blocks(table, counts)
+        open_tokens = valid[:, sealed * bs:].sum(dim=1)  # open_tokens: [B]
+        used = open_tokens + (0 if own is None else (counts * own).sum(dim=1))  # used: [B]
+        padded = any(pads)
+        bias = None
+        if padded:
+            bias = torch.zeros(valid.shape[0], sealed * bs, device=valid.device)  # bias: [B, sealed * bs]
+            bias.masked_fill_(~valid[:, :sealed * bs], -math.inf)
+        return StepView(length, sealed, valid, counts, own, used, open_tokens.sum(), [length - p for p in pads], bias,
+                        counts > 0 if padded else None)

@@ -1,0 +1,147 @@
+"""SparPR's runtime decisions from measured costs (docs/sparpr.md): the keep target a step's budget
+uses (from rho, copy over recompute cost of the offloaded blocks), and, for the blocks the
+selection chose, which spans are copied and which rebuilt from hidden-state checkpoints, or a
+dense fallback when the sparse path costs more than gamma x the dense one.
+
+A mixin of SparPR (whose dataclass owns the knobs it reads: keep_ratio, min_keep, gamma,
+dynamic_budget, recompute, fallback, quest_only, checkpoints, costs, probe_dir). Per step and
+layer it costs O(home tiers) for the budget and O(chosen offloaded blocks) for the plan; a table
+that lives wholly on the compute device skips the plan (nothing moves)."""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from ...runtime.costs import (CostModel, cost_ratio, dtype_name, keep_target, kv_rebuild_flops, merge_spans,
+                              plan_recovery, should_fall_back)
+from ...storage.tiers import Tier
+from ..block_table import BlockTable
+from ..dkv.exact_rows import with_exact_rows
+from ..policy import Selection
+from .selection import StepView
+
+CKPT_MARGIN = 2.0  # keep checkpoints while a rebuild costs < this x a copy (at start-up costs)
+
+
+class CostPlan:
+    """The cost-driven half of SparPR (see the module docstring)."""
+
+    def _init_plan(self) -> None:
+        self._probed = False
+        self.ckpt_tables = [0, 0]  # auto: tables that kept checkpoints, tables asked
+        # per table: cumulative count of blocks homed on each tier ({tier: [count of the first n]})
+        self._home_counts: weakref.WeakKeyDictionary[BlockTable, dict] = weakref.WeakKeyDictionary()
+
+    # --- costs ---
+    def cost_model(self, table: BlockTable) -> CostModel:
+        """The given cost model, else the start-up probe's (measured once per machine, cached)."""
+        if self.costs is None or (self._probed and dtype_name(table.dtype) not in self.costs.matmul_flops):
+            from ...runtime.probe import probe
+            from ...utils.paths import default_cache_dir
+            disk_dir = self.probe_dir or default_cache_dir()
+            data = probe(table.devices.compute, [table.dtype], disk_dir)
+            self.costs, self._probed = CostModel.from_probe(data, disk_dir), True
+        return self.costs
+
+    def block_costs(self, table: BlockTable, hidden: int) -> dict[Tier, tuple[float, float]]:
+        """Per home tier: (copy seconds, recompute seconds) of one sealed block."""
+        cm, ck = self.cost_model(table), table.checkpoints
+        _, b, hkv, bs, d = table.block_shape
+        ckpt_bytes = ck.store.codec.nbytes if ck is not None else b * bs * hidden * table.dtype.itemsize
+        flops = kv_rebuild_flops(b, bs, hidden, hkv * d)
+        return {t: (cm.copy_s(table.store.codec.nbytes, t, table.devices),
+                    cm.recompute_s(ckpt_bytes, flops, t, table.devices, table.dtype)) for t in set(table.homes)}
+
+    def wants_checkpoints(self, table: BlockTable, hidden: int) -> bool:
+        """Keep this table's checkpoints only if, for some offloaded home tier, a rebuild costs less
+        than CKPT_MARGIN x a copy at the start-up costs (room for the live bandwidth to fall below
+        the probe's); else every prefill would write them (+50 % writes for OPT) for nothing."""
+        if not self.needs_checkpoints:
+            return False
+        self.ckpt_tables[1] += 1
+        keep = self.checkpoints == "always" or any(
+            rec < CKPT_MARGIN * copy for tier, (copy, rec) in self.block_costs(table, hidden).items()
+            if tier != Tier.COMPUTE)
+        self.ckpt_tables[0] += keep
+        return keep
+
+    def offloaded(self, table: BlockTable, sealed: int) -> dict[Tier, int]:
+        """Sealed blocks homed off the compute device, per tier (from counts kept per table)."""
+        cum = self._home_counts.get(table)
+        if cum is None:
+            cum = {}
+            for tier in set(table.homes) - {Tier.COMPUTE}:
+                flags = torch.tensor([h == tier for h in table.homes], dtype=torch.long)
+                cum[tier] = [0, *flags.cumsum(0).tolist()]
+            self._home_counts[table] = cum
+        return {tier: c[sealed] for tier, c in cum.items() if c[sealed]}
+
+    @staticmethod
+    def hidden_of(table: BlockTable, q: torch.Tensor) -> int:
+        return table.checkpoints.block_shape[4] if table.checkpoints is not None else q.shape[1] * q.shape[3]
+
+    # --- the budget ---
+    def target_keep(self, table: BlockTable, costs: dict[Tier, tuple[float, float]] | None) -> tuple[float, float]:
+        """(keep ratio of this step, rho) from the sealed offloaded blocks' costs."""
+        if costs is None:
+            return self.keep_ratio, math.nan
+        off = self.offloaded(table, table.length // table.bs)
+        rho = cost_ratio(sum(n * costs[t][0] for t, n in off.items()), sum(n * costs[t][1] for t, n in off.items()))
+        return keep_target(rho, self.keep_ratio, self.min_keep), rho
+
+    def keep_target(self, table: BlockTable, q: torch.Tensor) -> tuple[float, float]:
+        if self.quest_only or not self.dynamic_budget:
+            return self.keep_ratio, math.nan
+        return self.target_keep(table, self.block_costs(table, self.hidden_of(table, q)))
+
+    # --- the plan for the chosen blocks ---
+    def finish(self, table: BlockTable, layer: int, sel: Selection, pick: torch.Tensor, view: StepView,
+               target: float, rho: float, q: torch.Tensor) -> Selection:
+        sealed, b = view.sealed, table.block_shape[1]
+        per_seq = pick if pick.dim() == 2 else pick.any(dim=1)  # per_seq: [B, nb]
+        rebuild, nspans, sparse_s, dense_s, fell_back, est, moved = [], None, math.nan, math.nan, False, {}, 0
+        if not self.quest_only and self.offloaded(table, sealed):
+            costs = self.block_costs(table, self.hidden_of(table, q))
+            chosen = [i for i in sel.blocks if i < sealed]
+            nseq = dict(zip(chosen, per_seq.sum(dim=0).index_select(0, torch.tensor(chosen, dtype=torch.long,
+                        device=per_seq.device)).tolist())) if b > 1 and chosen else dict.fromkeys(chosen, b)
+            store, homes = table.store, table.homes
+            moved = sum(homes[i] != Tier.COMPUTE for i in chosen)
+            copy = {i: costs[homes[i]][0] * store.read_bytes(i, nseq[i]) / store.read_bytes(i, b) for i in chosen}
+            can = self.recompute and table.checkpoints is not None
+            rec = {i: costs[homes[i]][1] if can and homes[i] != Tier.COMPUTE else math.inf for i in chosen}
+            spans = merge_spans(chosen, homes)
+            nspans = len(spans)
+            rebuild, sparse_s = plan_recovery(spans, copy, rec, self.cost_model(table).span_overhead_s(table.dtype))
+            dense_s = sum(n * costs[t][0] for t, n in self.offloaded(table, sealed).items())
+            if self.fallback and should_fall_back(sparse_s, dense_s, self.gamma):
+                sel, rebuild, fell_back = Selection.all(table), [], True
+                moved = sum(self.offloaded(table, sealed).values())
+            else:
+                est = self._est_bytes(table, chosen, rebuild, nseq)
+        if nspans is None:  # nothing offloaded: spans of adjacent chosen blocks, counted on the device
+            col = per_seq.any(dim=0)  # col: [nb]
+            nspans = (col[1:] & ~col[:-1]).sum() + col[:1].sum() if sealed else 0
+        read = sum(view.n_valid) if fell_back else (view.counts * per_seq).sum() + view.open_tokens
+        self.step_stats.add(table, blocks_selected=len(sel.blocks), copied=moved - len(rebuild),
+                            rebuilt=len(rebuild), spans=nspans,
+                            n_valid=view.n_valid, tokens_read=read, target=target, rho=rho, sparse_s=sparse_s,
+                            dense_s=dense_s, fell_back=fell_back, est_bytes=est)
+        sel = Selection(sel.blocks, sel.mask, recompute=tuple(rebuild), seqs=sel.seqs)
+        # DKV cold blocks left out are still attended on their exact rows, held on compute (nothing moves)
+        return sel if fell_back else with_exact_rows(table, sel, view.valid)
+
+    @staticmethod
+    def _est_bytes(table: BlockTable, chosen: list[int], rebuild: list[int], nseq: dict[int, int]) -> dict:
+        """Estimated bytes per link of the chosen offloaded blocks (copied, or their checkpoints)."""
+        out, rebuilt = {}, set(rebuild)
+        for i in chosen:
+            home = table.homes[i]
+            if home == Tier.COMPUTE:
+                continue
+            n = table.checkpoints.store.codec.nbytes if i in rebuilt else table.store.read_bytes(i, nseq[i])
+            for link in (["disk->cpu"] if home == Tier.DISK else []) + (["cpu->compute"] if table.devices.is_cuda else []):
+                out[link] = out.get(link, 0) + n
+        return out
