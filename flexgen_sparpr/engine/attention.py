@@ -19,12 +19,13 @@ def pads_valid(pos, pads) -> torch.Tensor | None:
 
 def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0) -> torch.Tensor:
     """One new token. q: [B, H, 1, D]; kv: [2, B, Hkv, T+1, D] the tokens read, the new one last;
-    pos: [T+1] their cache positions; mask: [B, Hkv, T] the tokens of the selection each sequence
-    and KV head attends (None: all); pads: [B] left-pad counts or None. Returns o: [B, H, 1, D]."""
-    valid = None if pads is None else pos[None, :] >= pads[:, None]  # valid: [B, T+1]
+    pos: [T+1] their cache positions, or [B, T+1] each sequence's own; mask: [B, Hkv, T] the tokens
+    each sequence and KV head attends (None: all); pads: [B] left-pad counts or None. Returns o:
+    [B, H, 1, D]."""
+    valid = None if pads is None else (pos if pos.dim() == 2 else pos[None, :]) >= pads[:, None]  # [B, T+1]
     if mask is not None:
         if valid is None:
-            valid = torch.ones(mask.shape[0], pos.shape[0], dtype=torch.bool, device=pos.device)
+            valid = torch.ones(mask.shape[0], pos.shape[-1], dtype=torch.bool, device=pos.device)
         keep = torch.cat([mask, mask.new_ones(*mask.shape[:2], 1)], dim=-1)  # keep: [B, Hkv, T+1]
         valid = valid[:, None, :] & keep  # valid: [B, Hkv, T+1]
     if sparsity < 1:

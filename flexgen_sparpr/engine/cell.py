@@ -83,7 +83,7 @@ class KVReader:
     def add_token(self, t: BlockTable, fetched: Fetched | None, k: torch.Tensor, v: torch.Tensor):
         """The step's new token k, v: [B, Hkv, 1, D] joins the table and what attention reads:
         fetched's spare last slot (fetched was gathered before this token), or, read in place, the
-        whole cache after the append. Returns (kv: [2, B, Hkv, T+1, D], pos: [T+1], mask: [B, Hkv, T]
+        whole cache after the append. Returns (kv: [2, B, Hkv, T+1, D], pos: [T+1] or [B, T+1], mask: [B, Hkv, T]
         or None, store jobs)."""
         if fetched is None:
             jobs = t.append(k, v)
@@ -92,5 +92,5 @@ class KVReader:
         kv, pos = fetched.kv, fetched.pos
         kv[0, :, :, -1:].copy_(k)
         kv[1, :, :, -1:].copy_(v)
-        pos[-1] = t.length
+        pos[..., -1] = t.length
         return kv, pos, fetched.sel.mask, t.append(k, v)

@@ -17,7 +17,7 @@ class Fetched:
     """A decode step's gathered KV with one spare last slot for the step's new token."""
 
     kv: torch.Tensor  # [2, B, Hkv, T+1, D]
-    pos: torch.Tensor  # [T+1] cache positions (last: filled in by the step)
+    pos: torch.Tensor  # [T+1] cache positions, or [B, T+1] per sequence (sel.rows); last: the step's token
     sel: Selection
     hidden: torch.Tensor | None = None  # [B, Tr, hidden] checkpoints of the blocks to rebuild
     slots: torch.Tensor | None = None  # [Tr] where the rebuilt tokens go in kv
@@ -60,9 +60,15 @@ def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: 
                      ring: GatherRing | None = None, room: int = 0) -> Fetched:
     """I/O half: copy the blocks to copy, and the checkpoints of the blocks to rebuild (into the
     ring's next buffer when given, else a new tensor; `room` more tokens of it for a top_up)."""
+    _, b, hkv, _, d = t.block_shape
+    if sel.rows is not None and t.store.resident and not room:  # each sequence its own tokens
+        n = sel.rows.shape[1]
+        shape = (2, b, hkv, n + 1, d)
+        buf = ring.take(shape, dtype, device) if ring is not None else torch.empty(shape, dtype=dtype, device=device)
+        pos = torch.cat([sel.rows, sel.rows.new_zeros(b, 1)], dim=1)  # pos: [B, T+1]
+        return Fetched(t.gather_rows(sel.rows, buf), pos, sel)
     rebuild = sorted(set(sel.recompute) & set(sel.blocks)) if t.checkpoints is not None else []
     total = sum(t.block_len(x) for x in sel.blocks)
-    _, b, hkv, _, d = t.block_shape
     shape = (2, b, hkv, total + 1 + room, d)
     buf = ring.take(shape, dtype, device) if ring is not None else torch.empty(shape, dtype=dtype, device=device)
     out = buf[:, :, :, :total + 1]  # out: [2, B, Hkv, T+1, D]

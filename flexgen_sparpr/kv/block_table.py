@@ -122,6 +122,20 @@ class BlockTable:
         kv = self.store.gather(blocks, [self.block_len(b) for b in blocks], self.sealed, out, need, zero_unread)
         return kv, self.positions(blocks, dev)
 
+    def gather_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A resident cache's tokens per sequence: rows: [B, T] cache positions of each sequence ->
+        out: [planes, B, Hkv, T + 1, D] (given, contiguous) with each sequence's tokens in its own row
+        and one spare last slot (filled with a copy of position 0: the step's new token goes there).
+        One indexed copy over the arena seen as rows of D values."""
+        planes, b, hkv, _, d = self.block_shape
+        arena = self.store.resident_arena()  # arena: [planes, B, Hkv, cap, D]
+        cap = arena.shape[3]
+        base = torch.arange(b * hkv, device=rows.device).view(b, hkv, 1) * cap  # base: [B, Hkv, 1]
+        spare = rows.new_zeros(b, 1)
+        idx = base + torch.cat([rows, spare], dim=1)[:, None, :]  # idx: [B, Hkv, T + 1]
+        torch.index_select(arena.view(planes, -1, d), 1, idx.flatten(), out=out.view(planes, -1, d))
+        return out
+
     def views(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The blocks' KV on compute, one (kv: [planes, B, Hkv, T, D], pos: [T]) per run of blocks:
         a block that lives on compute exact (raw, the open block, or an encoded block's exact copy)

@@ -28,6 +28,10 @@ class Selection:
     # [B, len(blocks)] bool, a host tensor (the store branches on it): sequences that read each block; None = all
     seqs: torch.Tensor | None = None
     guess: bool = False  # chosen one layer early from the previous layer's input (engine/prefetch.py)
+    # [B, T] cache positions each sequence reads, in its own row (a resident cache's batch: attention
+    # then costs each sequence its own tokens, not the union's); mask is then aligned to rows, and
+    # blocks / seqs still name the union (what the statistics count). None: the union layout.
+    rows: torch.Tensor | None = None
 
     @staticmethod
     def all(table: BlockTable) -> "Selection":

@@ -176,6 +176,10 @@ class TierStore:
             dev.counters.add("compute", "cpu", data.nbytes)
 
     # --- reading ---
+    def resident_arena(self) -> torch.Tensor:
+        """A wholly resident cache's arena, every slot: [planes, B, Hkv, capacity, D], contiguous."""
+        return self._arena[Tier.COMPUTE]
+
     def resident_view(self, length: int) -> torch.Tensor:
         """A wholly resident cache's first `length` tokens, as a view: [planes, B, Hkv, length, D]."""
         return self._arena[Tier.COMPUTE][:, :, :, :length]

@@ -73,13 +73,14 @@ class Recorder:
         # recorded on the CPU whatever the engine's device (its tensors may be on CUDA)
         if fetched is None:
             blocks, pos, mask = list(range(t.num_blocks)), torch.arange(t.length), None
-        else:
-            blocks, pos = fetched.sel.blocks, fetched.pos[:-1].cpu()
+        else:  # pos: [T+1], or [B, T+1] when each sequence reads its own row (Selection.rows)
+            blocks, pos = fetched.sel.blocks, fetched.pos[..., :-1].cpu()
             mask = None if fetched.sel.mask is None else fetched.sel.mask.cpu()
+        pos = pos.expand(b, -1)  # pos: [B, T]
         pad = torch.zeros(b, dtype=torch.long) if pads is None else pads.cpu()  # None: no left padding
-        see = (pos[None, None, :] >= pad[:, None, None]).expand(b, hkv, -1)  # see: [B, Hkv, T]
+        see = (pos[:, None, :] >= pad[:, None, None]).expand(b, hkv, -1)  # see: [B, Hkv, T]
         see = see & mask if mask is not None else see
-        chosen = [[set(pos[see[i, h]].tolist()) for h in range(hkv)] for i in range(b)]
+        chosen = [[set(pos[i][see[i, h]].tolist()) for h in range(hkv)] for i in range(b)]
         sparse = hasattr(pol, "keep_ratio") and not pol.is_dense_layer(layer)
         budget, missing = [], []
         for i, p in enumerate(pad.tolist()):

@@ -52,9 +52,9 @@ def prefilled(pol, batch: int, pads: list[int], n: int, seed: int, hkv=2, g=2, d
 def attended(t: BlockTable, sel, pads: list[int]) -> list[list[set[int]]]:
     """[B][Hkv] the cached positions each sequence and KV head attends under sel."""
     _, b, hkv, _, _ = t.block_shape
-    pos = t.positions(sel.blocks)
-    mask = sel.mask if sel.mask is not None else torch.ones(b, hkv, len(pos), dtype=torch.bool)
-    return [[set(pos[mask[i, h] & (pos >= pads[i])].tolist()) for h in range(hkv)] for i in range(b)]
+    pos = sel.rows if sel.rows is not None else t.positions(sel.blocks).expand(b, -1)  # pos: [B, T]
+    mask = sel.mask if sel.mask is not None else torch.ones(b, hkv, pos.shape[1], dtype=torch.bool)
+    return [[set(pos[i][mask[i, h] & (pos[i] >= pads[i])].tolist()) for h in range(hkv)] for i in range(b)]
 
 
 def reference_keep(pol, t: BlockTable, q: torch.Tensor) -> torch.Tensor:

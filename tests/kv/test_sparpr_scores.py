@@ -90,9 +90,9 @@ def test_per_sequence_top_k_moves_the_union_and_masks_each_sequence_to_its_own()
     for s in range(3):
         best = sorted(range(1, 11), key=lambda blk: -scores[s][blk])[:(budget - 8) // 4]
         mine.append({0, 11, *best})
-        reads = sel.mask[s].view(2, -1, 4).all(dim=2)  # reads: [Hkv, moved blocks]
-        assert {sel.blocks[i] for i in reads[0].nonzero().flatten().tolist()} == mine[s]
-        assert torch.equal(reads[0], reads[1]) and int(sel.mask[s, 0].sum()) == 4 * len(mine[s]) <= budget
+        pos = sel.rows[s] if sel.rows is not None else t.positions(sel.blocks)  # a resident batch: its own row
+        assert {p // 4 for p in pos[sel.mask[s, 0]].tolist()} == mine[s]
+        assert torch.equal(sel.mask[s, 0], sel.mask[s, 1]) and int(sel.mask[s, 0].sum()) == 4 * len(mine[s]) <= budget
     assert sel.blocks == sorted(set().union(*mine))  # the union moves; nobody's block is left behind
 
 

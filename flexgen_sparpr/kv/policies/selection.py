@@ -52,12 +52,16 @@ def selection_from_pick(table: BlockTable, pick: torch.Tensor, view: StepView) -
     b, hkv, bs = table.block_shape[1], table.block_shape[2], table.bs
     per_seq = pick if pick.dim() == 2 else pick.any(dim=1)  # per_seq: [B, nb]
     chosen = per_seq.any(dim=0).nonzero().flatten()  # chosen: [n] block ids, ascending
-    blocks = chosen.tolist()  # the one host sync
+    rows = b > 1 and table.store.resident
+    most, *blocks = torch.cat([per_seq.sum(dim=1).amax()[None], chosen]).tolist() if rows else \
+        [0, *chosen.tolist()]  # the one host sync
     open_len = view.length - view.sealed * bs
     if open_len:
         blocks.append(view.sealed)
     if b == 1 and pick.dim() == 2:
         return Selection(blocks)
+    if rows:
+        return _rows_selection(table, pick, per_seq, chosen, blocks, most, view)
     m = pick.index_select(-1, chosen)  # m: [B, (Hkv,) n]
     mask = m.repeat_interleave(bs, dim=-1)  # mask: [B, (Hkv,) n * bs]
     seqs = per_seq.index_select(1, chosen)  # seqs: [B, n]
@@ -67,6 +71,29 @@ def selection_from_pick(table: BlockTable, pick: torch.Tensor, view: StepView) -
     if pick.dim() == 2:
         mask = mask[:, None].expand(b, hkv, mask.shape[-1])  # mask: [B, Hkv, T]
     return Selection(blocks, mask, seqs=table.devices.streams.on_host(seqs))
+
+
+def _rows_selection(table: BlockTable, pick: torch.Tensor, per_seq: torch.Tensor, chosen: torch.Tensor,
+                    blocks: list[int], most: int, view: StepView) -> Selection:
+    """selection_from_pick for a resident cache's batch: each sequence's picked blocks in its own
+    row (ascending, padded to the longest row with blocks it did not pick, masked out)."""
+    b, hkv, bs = table.block_shape[1], table.block_shape[2], table.bs
+    dev = pick.device
+    order = torch.argsort((~per_seq).to(torch.uint8), dim=1, stable=True)[:, :most]  # order: [B, k] picked first
+    tok = torch.arange(bs, device=dev)
+    rows = (order[:, :, None] * bs + tok).flatten(1)  # rows: [B, k * bs]
+    if pick.dim() == 2:
+        mask = per_seq.gather(1, order).repeat_interleave(bs, dim=1)[:, None]  # mask: [B, 1, k * bs]
+    else:
+        mask = pick.gather(2, order[:, None].expand(b, hkv, most)).repeat_interleave(bs, dim=2)  # [B, Hkv, k * bs]
+    open_len = view.length - view.sealed * bs
+    if open_len:
+        rows = torch.cat([rows, torch.arange(view.sealed * bs, view.length, device=dev).expand(b, open_len)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], open_len)], dim=2)
+    seqs = per_seq.index_select(1, chosen)  # seqs: [B, n] (the union, as the statistics count it)
+    if open_len:
+        seqs = torch.cat([seqs, seqs.new_ones(b, 1)], dim=1)
+    return Selection(blocks, mask.expand(b, hkv, mask.shape[2]), seqs=table.devices.streams.on_host(seqs), rows=rows)
 
 
 @dataclass(eq=False)

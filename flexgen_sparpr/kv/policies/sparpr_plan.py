@@ -9,6 +9,7 @@ layer it costs O(home tiers) for the budget and O(chosen offloaded blocks) for t
 that lives wholly on the compute device skips the plan (nothing moves)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 
@@ -129,7 +130,7 @@ class CostPlan:
                             rebuilt=len(rebuild), spans=nspans,
                             n_valid=view.n_valid, tokens_read=read, target=target, rho=rho, sparse_s=sparse_s,
                             dense_s=dense_s, fell_back=fell_back, est_bytes=est)
-        sel = Selection(sel.blocks, sel.mask, recompute=tuple(rebuild), seqs=sel.seqs)
+        sel = dataclasses.replace(sel, recompute=tuple(rebuild))
         # DKV cold blocks left out are still attended on their exact rows, held on compute (nothing moves)
         return sel if fell_back else with_exact_rows(table, sel, view.valid)
 
