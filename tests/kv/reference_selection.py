@@ -71,8 +71,7 @@ def sparpr_keep(pol: SparPR, table: BlockTable, layer: int, q: torch.Tensor, tar
     used = (counts * own).sum(dim=1) + valid[:, sealed * bs:].sum(dim=1)
     summ = pol.summaries(table, layer)
     if pol.lowrank:
-        b, hkv, _, _, half = summ[0].shape
-        codes = summ[0].reshape(b, hkv, sealed * bs, half)
+        codes = summ[0].flatten(3).mT  # codes: [B, Hkv, T, r / 2] (stored [B, Hkv, r / 2, nb, bs])
         score = lowrank_scores(q, codes, pol._basis[table], valid[:, :sealed * bs], bs, pol.head_score)
     else:
         score = block_scores(q, *summ, pol.head_score)

@@ -101,7 +101,7 @@ def test_block_scores_are_attention_on_the_decoded_keys(head_score):
     valid[1, :5] = False  # sequence 1's left padding: its block 0 holds none (never scores), block 1 three
     pad_bias = torch.zeros(b, nb * bs).masked_fill(~valid, -math.inf)  # pad_bias: [B, T]
     live = valid.view(b, nb, bs).any(dim=-1)  # live: [B, nb]
-    got = lowrank_block_scores(q, codes, basis, bs, head_score, pad_bias, live)
+    got = lowrank_block_scores(q, codes.mT, basis, bs, head_score, pad_bias, live)  # stored tokens innermost
     approx = torch.einsum("bktr,kdr->bktd", decode(codes, basis), basis.u.float())  # keys as the codes say
     want = torch.empty(b, nb)
     for s in range(b):
@@ -143,6 +143,6 @@ def test_blocks_sealed_at_decode_use_the_prefills_basis():
         for job in t.append(torch.randn(2, 3, 1, 64, generator=gen), torch.randn(2, 3, 1, 64, generator=gen)):
             job()
     assert pol._basis[t] is basis
-    codes = pol.summaries(t, 0)[0]  # codes: [B, Hkv, 9, bs, r / 2]
+    codes = pol.summaries(t, 0)[0]  # codes: [B, Hkv, r / 2, 9, bs]
     keys = t.gather([8])[0][0].float()  # keys: [B, Hkv, bs, D]
-    assert torch.equal(codes[:, :, 8], encode(keys, basis))
+    assert torch.equal(codes[:, :, :, 8].mT, encode(keys, basis))

@@ -50,6 +50,7 @@ def picked_tokens(pick: torch.Tensor, table: BlockTable) -> torch.Tensor:
 class _Summaries:
     parts: tuple[torch.Tensor, ...]  # each with the block axis at its policy's summary_axes
     known: list[bool]
+    checked: int = 0  # blocks below this were all known when last looked at (known only ever turns True)
 
 
 @dataclass(eq=False)
@@ -124,7 +125,8 @@ class BlockScoringPolicy(BudgetPolicy):
         if table not in self._sums:
             self.attach(table, layer)
         s, bs, sealed = self._sums[table], table.bs, table.length // table.bs
-        missing = [i for i in range(sealed) if not s.known[i]]
+        missing = [i for i in range(s.checked, sealed) if not s.known[i]]
+        s.checked = max(s.checked, sealed)
         if missing:
             kv, pos = table.gather(missing)
             keys = kv[0].float().unflatten(2, (len(missing), bs))  # keys: [B, Hkv, m, bs, D]

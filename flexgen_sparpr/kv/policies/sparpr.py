@@ -152,7 +152,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
 
     @property
     def summary_axes(self) -> tuple[int, ...]:  # where each summary tensor keeps its block axis (empty_summaries)
-        return (2,) if self.lowrank else (2, 1)
+        return (3,) if self.lowrank else (2, 1)
 
     # --- facts ---
     def check_block_size(self, block_size: int) -> None:
@@ -197,7 +197,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         return first, last
 
     # --- summaries, sequence-major (scoring a prefix of blocks reads a view). lowrank: codes [B, Hkv,
-    # num_blocks, bs, r / 2] uint8 (+ the table's KeyBasis); mean: the mean key of each run of summary_tokens
+    # r / 2, num_blocks, bs] uint8, tokens innermost (+ the table's KeyBasis); mean: the mean key of each run of summary_tokens
     # valid tokens [B, Hkv, num_blocks, P, D] in the cache dtype, and which runs hold one, live [B, num_blocks, P]
 
     def attach(self, table: BlockTable, layer: int) -> None:
@@ -211,7 +211,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         _, b, hkv, bs, d = table.block_shape
         parts, nb, dev = self.parts(table), table.capacity // bs, self.summary_device(table)
         if self.lowrank:
-            return (torch.zeros(b, hkv, nb, bs, rank_for(d, self.summary_rank) // 2, dtype=torch.uint8, device=dev),)
+            return (torch.zeros(b, hkv, rank_for(d, self.summary_rank) // 2, nb, bs, dtype=torch.uint8, device=dev),)
         mean = torch.zeros(b, hkv, nb, parts, d, dtype=table.dtype, device=dev)  # the cache's dtype: half the bytes
         return mean, torch.zeros(b, nb, parts, dtype=torch.bool, device=dev)
 
@@ -222,7 +222,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
                 basis = self._basis[table] = fit_basis(keys.flatten(2, 3), valid.flatten(1, 2),
                                                        rank_for(keys.shape[-1], self.summary_rank))
             codes = encode(keys.flatten(2, 3), basis).unflatten(2, keys.shape[2:4])  # [B, Hkv, n, bs, r / 2]
-            return (codes.movedim(2, 0),)  # codes: [n, B, Hkv, bs, r / 2]
+            return (codes.permute(2, 0, 1, 4, 3),)  # codes: [n, B, Hkv, r / 2, bs] (tokens innermost)
         return masked_mean_keys(keys, valid, self.parts(table))  # mean: [n, B, Hkv, P, D]; live: [n, B, P]
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
@@ -286,8 +286,8 @@ class SparPR(CostPlan, BlockSelectionPolicy):
             table.devices.counters.add("compute", "cpu", qh.nbytes)
             table.devices.counters.add("cpu", "compute", score.nbytes)
             return score
-        b, hkv, sealed, bs, half = summ[0].shape
-        codes = summ[0].reshape(b, hkv, sealed * bs, half)  # codes: [B, Hkv, T, r / 2]
+        b, hkv, half, sealed, bs = summ[0].shape
+        codes = summ[0].flatten(3)  # codes: [B, Hkv, r / 2, T], a view
         return lowrank_block_scores(q, codes, self._basis[table], bs, self.head_score, view.pad_bias, view.live)
 
     def summary_bytes(self, table: BlockTable) -> int:

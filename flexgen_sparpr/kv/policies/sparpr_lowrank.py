@@ -99,19 +99,19 @@ def decode(codes: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
 
 def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, bs: int, head_score: str,
                          pad_bias: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, H, 1, D]; codes: [B, Hkv, T, r / 2] of T = nb * bs sealed tokens; pad_bias: [B, T] 0 or
-    -inf (None: no left padding); live: [B, nb] blocks holding a valid token (None: all) -> [B, nb]
-    (-inf: a block with no valid token)."""
+    """q: [B, H, 1, D]; codes: [B, Hkv, r / 2, T] (tokens innermost) of T = nb * bs sealed tokens;
+    pad_bias: [B, T] 0 or -inf (None: no left padding); live: [B, nb] blocks holding a valid token
+    (None: all) -> [B, nb] (-inf: a block with no valid token)."""
     b, h, _, d = q.shape
-    hkv, t = codes.shape[1], codes.shape[2]
+    hkv, t = codes.shape[1], codes.shape[3]
     even, odd = basis.query_basis()  # [Hkv, D, r / 2] each, steps and 1/sqrt(D) folded in
     qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
     qe, qo = torch.matmul(qg, even), torch.matmul(qg, odd)  # qe, qo: [B, Hkv, G, r / 2]
-    # the codes are read as stored, low and high nibbles apart (no decoded [B, Hkv, T, r] copy):
-    # q . k~ = sum_j qs_j (c_j - 8) with c_j the nibble of direction j (even j low, odd j high)
-    lo, hi = nibbles(codes)  # each [B, Hkv, T, r / 2]
-    logit = torch.matmul(qe, lo.mT)  # logit: [B, Hkv, G, T]
-    logit += torch.matmul(qo, hi.mT)
+    # q . k~ = sum_j qs_j (c_j - 8), c_j the nibble of direction j (even j low, odd j high). With the
+    # byte v = lo + 16 hi: qe . lo + qo . hi = qe . v + (qo - 16 qe) . hi, read from the stored bytes
+    # (two conversions, two products; no decoded [B, Hkv, T, r] copy)
+    logit = torch.matmul(qe, codes.float())  # logit: [B, Hkv, G, T]
+    logit += torch.matmul(qo - 16 * qe, (codes >> 4).float())
     if head_score == "sum":  # the -8 offset is one constant per head: softmax does not see it
         logit -= (LEVELS + 1) * (qe.sum(dim=-1, keepdim=True) + qo.sum(dim=-1, keepdim=True))
     if pad_bias is not None:
