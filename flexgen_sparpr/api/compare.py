@@ -57,6 +57,7 @@ def compare(llm, prompts, kv_policies: dict[str, dict], max_new_tokens: int, sto
                 num_prompts=len(ids), num_batches=1, prompt_tokens=sum(map(len, ids)),
                 generated_tokens=sum(len(o.token_ids) for o in outs), prefill_s=res.step_times[0],
                 decode_s=sum(res.step_times[1:]), wall_s=time.perf_counter() - t0, step_times=[res.step_times],
+                step_parts=[res.step_parts],
                 bytes_moved={k: v - before.get(k, 0) for k, v in now.items() if v > before.get(k, 0)},
                 peak_memory=mem.report(), kv_policy_stats=pol.stats(),
                 disk_io_mode=sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else None,

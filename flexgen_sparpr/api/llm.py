@@ -213,6 +213,7 @@ class LLM:
                         yield Step(rows, st)
                     res = st.result()
                     stats.step_times.append(res.step_times)
+                    stats.step_parts.append(res.step_parts)
                     stats.generated_tokens += sum(len(finish(res.tokens[r], params.max_new, params.stop)[0])
                                                   for r in range(len(rows)))
                     yield Step(rows, st, res)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.step_clock import median_parts
+
 
 @dataclass(frozen=True)
 class Output:
@@ -41,12 +43,19 @@ class Stats:
     decode_s: float = 0.0
     wall_s: float = 0.0  # the whole call, batching and detokenising included
     step_times: list[list[float]] = field(default_factory=list)  # per batch: [prefill, decode steps...]
+    # per batch, per step (prefill first): seconds per part (select, read, rebuild, io_wait, compute)
+    step_parts: list[list[dict]] = field(default_factory=list)
     bytes_moved: dict[str, int] = field(default_factory=dict)  # per link ("disk->cpu", ...)
     peak_memory: dict = field(default_factory=dict)  # engine/memory.py PeakMemory.report()
     kv_policy_stats: dict | None = None
     disk_io_mode: list[str] | None = None
     device: str = ""
     dtype: str = ""
+
+    @property
+    def decode_step_parts(self) -> dict[str, float]:
+        """Where a decode step's time goes: per part, the median over every batch's decode steps."""
+        return median_parts([p for batch in self.step_parts for p in batch[1:]])
 
     @property
     def tokens_per_s(self) -> float:

@@ -16,6 +16,7 @@ import torch
 from ..api.llm import LLM, Params
 from ..engine.config import EngineConfig, Policy
 from ..engine.state import GenerationResult
+from ..engine.step_clock import median_parts
 from ..runtime.stages import stage_spec
 from ..utils.progress import bars_wanted
 from ..weights.resolve import DUMMY, resolve_source
@@ -123,7 +124,7 @@ def generate(s: Setup, link=None) -> Generated:
         if printer is not None:
             printer.close()
         st = llm.last_stats
-    res = GenerationResult(tokens=rows, step_times=st.step_times[0])
+    res = GenerationResult(tokens=rows, step_times=st.step_times[0], step_parts=st.step_parts[0])
     return Generated(res, st.bytes_moved, st.peak_memory, st.disk_io_mode, st.device, st.dtype, st.kv_policy_stats)
 
 
@@ -163,6 +164,7 @@ def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
         "output_ids": g.result.tokens, "texts": texts,
         "timings": {"prefill_s": prefill_lat, "decode_s": decode_lat, "total_s": total_lat,
                     "per_token_s": times, "projected": projected,
+                    "step_parts": g.result.step_parts, "decode_step_median_parts": median_parts(g.result.step_parts[1:]),
                     "decode_tokens_per_s": n * (steps_done - 1) / max(decode_lat, 1e-10)},
         "peak_memory": g.memory, "bytes_moved": g.bytes_moved, "disk_io_mode": g.disk_modes,
         "policy": dataclasses.asdict(s.policy), "engine": engine_report(s.engine), "torch": torch.__version__,

@@ -18,6 +18,7 @@ from ..storage.tiers import Devices, Tier
 from .io import Done, IOPool
 from .prefetch import Ahead, early_selection
 from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
+from .step_clock import StepClock
 
 
 class KVReader:
@@ -26,9 +27,10 @@ class KVReader:
     two switches: FlexGen's --cpu-cache-compute and speculative prefetch."""
 
     def __init__(self, policy: KVPolicy, arch, io: IOPool, devices: Devices, dtype: torch.dtype, *,
-                 cpu_cache_compute: bool = False, speculate: bool = False):
+                 cpu_cache_compute: bool = False, speculate: bool = False, clock: StepClock | None = None):
         self.policy, self.arch, self.io, self.devices, self.dtype = policy, arch, io, devices, dtype
         self.cpu_cache_compute, self.speculate = cpu_cache_compute, speculate
+        self.clock = clock or StepClock()  # the engine's: select / read / rebuild seconds of its steps
         self.ring = GatherRing()  # the decode cells' gather buffers, reused
 
     def in_place(self, t: BlockTable) -> bool:
@@ -49,8 +51,9 @@ class KVReader:
             return Done(None)
         sel = self.policy.plan(t, layer)
         if sel is None:
-            sel = early_selection(self.policy, self.arch, t, layer, kind, ahead, self.io, self.devices,
-                                  speculate=self.speculate)
+            with self.clock.timed("select"):  # the early query's projection counts here too
+                sel = early_selection(self.policy, self.arch, t, layer, kind, ahead, self.io, self.devices,
+                                      speculate=self.speculate)
         if sel is None:
             return Done(None)
         return self.io.submit(self._gather_guess if sel.guess else self._gather, t, sel)
@@ -69,15 +72,22 @@ class KVReader:
         """What cell (layer, t) attends for query q: [B, H, 1, D]: what was prefetched, else read
         now; a guess topped up to the exact selection; rebuilt blocks filled in (w: the layer's
         weights). None: the cache is read in place."""
+        clock = self.clock
         if fetched is None and not self.in_place(t):
             sel = self.policy.plan(t, layer)
-            with self.devices.counters.tag("serial"):  # read inside the cell: no compute hides it
-                fetched = self._gather(t, sel if sel is not None else self.policy.select(t, layer, q))
+            if sel is None:
+                with clock.timed("select"):
+                    sel = self.policy.select(t, layer, q)
+            with self.devices.counters.tag("serial"), clock.timed("read"):  # inside the cell: nothing hides it
+                fetched = self._gather(t, sel)
         elif fetched is not None and fetched.sel.guess:  # speculative prefetch: keep what the guess read
-            with self.devices.counters.tag("serial"):
-                fetched = top_up(t, fetched, self.policy.select(t, layer, q), self.dtype, self.devices.compute)
-        if fetched is not None:
-            rebuild_kv(fetched, self.arch, w, pads)
+            with clock.timed("select"):
+                sel = self.policy.select(t, layer, q)
+            with self.devices.counters.tag("serial"), clock.timed("read"):
+                fetched = top_up(t, fetched, sel, self.dtype, self.devices.compute)
+        if fetched is not None and fetched.hidden is not None:
+            with clock.timed("rebuild"):
+                rebuild_kv(fetched, self.arch, w, pads)
         return fetched
 
     def add_token(self, t: BlockTable, fetched: Fetched | None, k: torch.Tensor, v: torch.Tensor):

@@ -34,6 +34,7 @@ from .pipeline import StageLink, schedule
 from .prefetch import Ahead
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
+from .step_clock import StepClock
 from .weights import WeightStore, sub_weights
 
 
@@ -94,8 +95,10 @@ class Engine:
                 bar.close()
         self.tables: dict[tuple[int, int], BlockTable] = {}
         self._observers: tuple[KVPolicy, ...] = ()
+        self.clock = StepClock()  # where each step's time goes (select, read, rebuild, io_wait, compute)
         self.reader = KVReader(self.kv_policy, self.arch, self.io, self.devices, self.dtype,
-                               cpu_cache_compute=policy.cpu_cache_compute, speculate=cfg.speculative_prefetch)
+                               cpu_cache_compute=policy.cpu_cache_compute, speculate=cfg.speculative_prefetch,
+                               clock=self.clock)
         self._generation = 0
         self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
 
@@ -304,6 +307,7 @@ class Engine:
         if self.devices.is_cuda:
             torch.cuda.synchronize(self.devices.compute)
         st.step_times.append(time.perf_counter() - t0)
+        st.step_parts.append(self.clock.close(st.step_times[-1]))
         for hook in self.on_step:
             hook(prefill, st)
 
@@ -348,7 +352,8 @@ class Engine:
             layer = self.layers[j]
             nj, nk = order[n + 1] if n + 1 < len(order) else (None, None)
             if n == 0 or order[n - 1][0] != j:  # a layer's first cell: start loading the next layer
-                w = self.io.adopt(w_next.result())
+                with self.clock.timed("io_wait"):
+                    w = self.io.adopt(w_next.result())
                 later = next((jj for jj, _ in order[n:] if jj != j), None)
                 if later is not None:
                     w_next = self._load_weights(later)
@@ -365,8 +370,9 @@ class Engine:
                               pos[nk], ready)
                 cache_next = self._prefetch_cache(self.layers[nj], nk, ahead)
             x = to_compute(self.devices, hidden[k])
-            y, jobs = self._compute(layer, w, x, ids[sl], k, pos[k], pads[k],
-                                    self.io.adopt(fetched.result()) if fetched is not None else None, prefill)
+            with self.clock.timed("io_wait"):
+                got = self.io.adopt(fetched.result()) if fetched is not None else None
+            y, jobs = self._compute(layer, w, x, ids[sl], k, pos[k], pads[k], got, prefill)
             stores += [self.io.submit(job) for job in jobs]
             if layer.kind == "head":
                 logits[k] = y
@@ -374,8 +380,9 @@ class Engine:
                 hidden[k] = self._park(y)
             fetched = cache_next
             if nj != j:  # a layer's last cell: its sealed blocks are home before it runs again
-                for f in stores:
-                    f.result()
+                with self.clock.timed("io_wait"):
+                    for f in stores:
+                        f.result()
                 stores = []
                 if bar is not None:
                     bar.update()

@@ -14,6 +14,7 @@ class GenerationResult:
     tokens: list[list[int]]  # generated ids per sequence (prompt excluded)
     step_times: list[float]  # wall seconds per generated token; [0] is prefill
     logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V], if kept
+    step_parts: list[dict] = field(default_factory=list)  # per step: seconds per part (engine/step_clock.py)
 
 
 @dataclass
@@ -29,10 +30,11 @@ class GenState:
     tokens: list[torch.Tensor] = field(default_factory=list)  # per step [B]
     step_times: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    step_parts: list[dict] = field(default_factory=list)
 
     def result(self) -> GenerationResult:
         return GenerationResult(tokens=torch.stack(self.tokens, dim=1).tolist(), step_times=list(self.step_times),
-                                logits=list(self.logits))
+                                logits=list(self.logits), step_parts=list(self.step_parts))
 
 
 @dataclass
