@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 from ..cli.options import resolve
+from ..cli.validate import typed_flag_values
 from ..engine.memory import PeakMemory
 from ..errors import ConfigError
+from ..kv import policies
 from .batching import fill
 from .outputs import Stats
 
@@ -16,7 +18,17 @@ def policy_for(llm, label: str, values: dict):
     LLM(...) makes its own (the same config, hardware and offload folder)."""
     if llm._given is None:
         raise ConfigError("compare() needs an LLM made by LLM(...)")
-    _, _, ecfg = resolve({**llm._given, **values})
+    from .llm import _parser
+    try:
+        values = typed_flag_values(values, _parser())
+        merged = {**llm._given, **values}
+        names = [n for n in (merged.get("kv_policy", policies.DEFAULT), merged.get("cold_codec", "raw")) if n != "raw"]
+        # the LLM's own knobs carry over where the compared policy (or the cold codec) reads them
+        own = {k: v for k, v in llm._given.items()
+               if k not in policies.flags() or any(policies.reads(n, k) for n in names)}
+        _, _, ecfg = resolve({**own, **values})
+    except ConfigError as e:
+        raise ConfigError(f"kv_policies[{label!r}]: {e}") from None
     pol = ecfg.make_kv_policy()
     if ecfg.block_size != llm.engine_config.block_size or ecfg.cold_codec != llm.engine_config.cold_codec:
         raise ConfigError(f"compare {label!r}: its KV block size or --cold-codec differs from the LLM's "
@@ -30,6 +42,12 @@ def policy_for(llm, label: str, values: dict):
 def compare(llm, prompts, kv_policies: dict[str, dict], max_new_tokens: int, stop, progress: bool) -> dict:
     """{label: (outputs, Stats)}: the LLM's own policy (labelled by its name) first, then each of
     kv_policies, all greedy from one prefill. A Stats' prefill_s is the shared prefill's."""
+    example = '{"sparpr": {"kv_policy": "sparpr", "keep_ratio": 0.25}}'
+    if not isinstance(kv_policies, dict) or not kv_policies or not all(
+            isinstance(k, str) and isinstance(v, dict) and all(isinstance(x, str) for x in v)
+            for k, v in kv_policies.items()):
+        raise ConfigError(f"kv_policies must be a non-empty dict of label -> flag values, e.g. {example} "
+                          f"(got {kv_policies!r})"[:400])
     ids = llm.encode(prompts)
     if not 0 < len(ids) <= llm.batch_size:
         raise ConfigError(f"compare() runs one batch: give 1 to {llm.batch_size} prompts")

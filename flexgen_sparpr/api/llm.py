@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ class LLM:
     def __init__(self, model: str, *, path=None, percent=None, gpu_batch_size=None, num_gpu_batches=None,
                  kv_policy=None, offload_dir=None, device=None, dtype=None, config=None, hardware=None,
                  policy=None, **options):
+        if isinstance(model, bool) or not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+            raise ConfigError(f"LLM() model must be a model name or a path, e.g. LLM(\"smollm2-135m\") "
+                              f"(got {model!r})")
         given = dict(model=model, path=path, percent=percent, gpu_batch_size=gpu_batch_size,
                      num_gpu_batches=num_gpu_batches, kv_policy=kv_policy, offload_dir=offload_dir, device=device,
                      dtype=dtype, config=config, hardware=hardware, policy=policy, **options)
@@ -254,14 +258,16 @@ class LLM:
                stop="eos", seed: int | None = None) -> Params:
         """generate()'s settings, checked as their flags are (--gen-len, --temperature, ...)."""
         seed = self.opts.seed if seed is None else seed
+        if isinstance(stop, bool) or not (stop is None or isinstance(stop, (str, numbers.Integral))):
+            raise ConfigError(f"stop takes a token id, 'eos' or None (got {stop!r})")
         v = typed_flag_values({"gen_len": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                                "top_p": top_p, "seed": seed, "stop": None if stop is None else str(stop)},
-                              _parser())
+                              _parser(), names=_ARGS)
         for key in ("gen_len", "temperature", "top_p", "seed"):
-            check_range(key, v[key])
-        check_stop(v["stop"])
-        return Params(v["gen_len"], preflight.stop_token(v["stop"], self.spec), v["do_sample"], v["temperature"],
-                      v["top_p"], v["seed"])
+            check_range(key, v[key], _ARGS[key])
+        check_stop(v["stop"], "stop")
+        return Params(v["gen_len"], preflight.stop_token(v["stop"], self.spec, "stop"), v["do_sample"],
+                      v["temperature"], v["top_p"], v["seed"])
 
     def _check_lengths(self, ids: list[list[int]], params: Params, pad_to: int = 0) -> None:
         if ids:
@@ -273,7 +279,14 @@ class LLM:
         return Output(index, prompt, toks, text, reason)
 
     def _bars(self, progress: bool | None) -> bool:
-        return bars_wanted(self.opts.quiet) if progress is None else bool(progress)
+        if progress is not None and not isinstance(progress, bool):
+            raise ConfigError(f"progress must be True, False or None (got {progress!r})")
+        return bars_wanted(self.opts.quiet) if progress is None else progress
+
+
+# generate()'s arguments, by the flag each is checked as
+_ARGS = {"gen_len": "max_new_tokens", "do_sample": "do_sample", "temperature": "temperature", "top_p": "top_p",
+         "seed": "seed", "stop": "stop"}
 
 
 @functools.cache

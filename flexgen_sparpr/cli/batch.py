@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress
 from ..weights.resolve import DUMMY, resolve_source
 from . import preflight
-from .batch_files import Appender, read_done, read_input
+from .batch_files import Appender, read_done, read_input, same_file
 from .flags import build_parser
 from .options import apply_auto_policy, resolve
 from .outputs import writable_file
@@ -39,7 +39,9 @@ def build_batch_parser():
             a.help = argparse.SUPPRESS
     g = p.add_argument_group("batch job")
     g.add_argument("--input", required=True, help="JSONL prompts (see above)")
-    g.add_argument("--output", required=True, help="JSONL outputs, appended to; an existing one is resumed")
+    g.add_argument("--output", required=True, help="JSONL outputs, appended to; an existing one is resumed "
+                   "when every line in it is this job's output (else it is refused and left as it is); "
+                   "never the --input file")
     g.add_argument("--skip-bad", action="store_true", help="leave out bad input lines (a note names each) "
                    "instead of stopping at the first")
     return p
@@ -64,6 +66,8 @@ def batch(argv=None) -> int:
     for key in _NOT_HERE:
         if args.get(key) is not None:
             raise ConfigError(f"--{key.replace('_', '-')} is a `run` flag: a batch job reads --input and writes --output")
+    if same_file(inp, outp):
+        raise ConfigError(f"--output {outp} is the same file as --input {inp}: give the outputs a file of their own")
     opts, pol, ecfg = resolve(args)
     out_path = writable_file(outp, "--output")
     dummy = DUMMY in opts.path

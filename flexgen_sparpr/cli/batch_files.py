@@ -91,33 +91,76 @@ def _job(n: int, raw: bytes, tokenizer, spec, chat: bool, max_new: int, dummy: b
     return Job(n, rec["id"], list(ids), m)
 
 
+OUTPUT_KEYS = ("id", "token_ids", "text", "finish_reason")  # an output line's keys, in the order written
+_HEAD = b'{"id": '
+
+
+def is_output_record(rec) -> bool:
+    """An output line as a batch job writes it: exactly its keys, each of its type."""
+    return (isinstance(rec, dict) and tuple(rec) == OUTPUT_KEYS and isinstance(rec["id"], (str, int))
+            and not isinstance(rec["id"], bool) and isinstance(rec["token_ids"], list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in rec["token_ids"])
+            and (rec["text"] is None or isinstance(rec["text"], str)) and isinstance(rec["finish_reason"], str))
+
+
+def _is_our_partial(tail: bytes, after_records: bool) -> bool:
+    """A last line without its newline that a kill mid-write of an output line left: the start of
+    `{"id": ID, "token_ids": [...`. Cut inside the id, it is taken as ours only after lines that are."""
+    if not tail.startswith(_HEAD):
+        return after_records and _HEAD.startswith(tail)
+    rest = tail[len(_HEAD):].decode("utf-8", "replace")
+    try:
+        rid, end = json.JSONDecoder().raw_decode(rest)
+    except ValueError:
+        return after_records
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        return False
+    after, key = rest[end:], ', "token_ids": ['
+    return key.startswith(after) or after.startswith(key)
+
+
+def same_file(a, b) -> bool:
+    """Whether two paths name one file (through links too); False when either does not exist."""
+    try:
+        return os.path.samefile(Path(a).expanduser(), Path(b).expanduser())
+    except OSError:
+        return False
+
+
 def read_done(path: Path, known: set) -> set:
-    """The ids already in the output. A last line without its newline (a kill mid-write) is cut
-    off the file; a line that is not this job's (bad JSON, no id, an id not in the input, an id
-    twice) is a ConfigError naming it."""
+    """The ids already in the output. Every line must be an output line of this job (a batch
+    job's record whose id is in the input, once): anything else is a ConfigError naming it, and
+    the file is left as it is. Only then is a last line that a kill cut short (no newline, the
+    start of an output line) removed from the file."""
     if not path.exists():
         return set()
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-        print(f"note: removed a partly written last line from --output {path} (its prompt runs again)",
-              file=sys.stderr, flush=True)
     done = set()
     for n, raw in enumerate(data[:end].split(b"\n")[:-1], 1):
         if not raw.strip():
             continue
         try:
-            rid = json.loads(raw.decode("utf-8"))["id"]
-        except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError):
-            rid = None
-        why = ("is not an output line of this job" if rid is None or isinstance(rid, (list, dict))
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            rec = None
+        rid = rec["id"] if is_output_record(rec) else None
+        why = ("is not an output line of a batch job" if rid is None
                else f"has id {rid!r}, which is not in --input" if rid not in known
                else f"repeats id {rid!r}" if rid in done else None)
         if why:
-            raise ConfigError(f"--output {path} line {n} {why}: give another --output, or remove the file to start over")
+            raise ConfigError(f"--output {path} line {n} {why} (the file is left as it is): give another --output, "
+                              "or remove the file to start over")
         done.add(rid)
+    tail = data[end:]
+    if tail.strip():
+        if not _is_our_partial(tail, bool(done)):
+            raise ConfigError(f"--output {path}: its last line (no newline) is not an output line of a batch job "
+                              "(the file is left as it is): give another --output, or remove the file to start over")
+        with open(path, "r+b") as f:
+            f.truncate(end)
+        print(f"note: removed a partly written last line from --output {path} (its prompt runs again)",
+              file=sys.stderr, flush=True)
     return done
 
 
@@ -147,11 +190,22 @@ def _signals_held():
 
 class Appender:
     """The output file, appended to a batch at a time: each batch's lines written, flushed and
-    synced to disk together, stop signals held off meanwhile."""
+    synced to disk together, stop signals held off meanwhile. A file (or folder) it made and
+    wrote nothing to is removed on close: a failed job leaves nothing it created."""
 
     def __init__(self, path: Path):
+        self.path, self.made = path, []
+        missing = path.parent
+        while not missing.exists() and missing != missing.parent:
+            self.made.append(missing)
+            missing = missing.parent
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(path, "a", encoding="utf-8")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o666)
+            self.made.insert(0, path)
+        except FileExistsError:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self.f = os.fdopen(fd, "a", encoding="utf-8")
         self.written = 0  # lines this run wrote
 
     def write(self, records: list[dict]) -> None:
@@ -164,6 +218,12 @@ class Appender:
 
     def close(self) -> None:
         self.f.close()
+        if self.written == 0:
+            for p in self.made:  # the file first, then the folders made for it, innermost first
+                try:
+                    p.unlink() if p == self.path else p.rmdir()
+                except OSError:
+                    break
 
     def __enter__(self):
         return self

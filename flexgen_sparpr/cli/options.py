@@ -15,7 +15,7 @@ from ..kv.knobs import knobs
 from ..runtime.hardware import GiB, Hardware, hardware_from_dict, load_hardware
 from ..storage.device_memory import cap_bytes
 from .flags import DEFAULTS, build_parser
-from .validate import check_ranges, typed_config_values
+from .validate import check_names, check_ranges, flag_name, one_of_flags, typed_config_values
 
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
                  "cpu_cache_compute", "attn_sparsity", "compress_weight", "compress_cache")
@@ -84,13 +84,17 @@ def _hardware(merged: dict, data: dict, config: str | None) -> Hardware | None:
     return load_hardware(path)
 
 
-def _kv_policies(merged: dict, asked, policy: Policy) -> tuple:
+def _kv_policies(merged: dict, asked, policy: Policy, explicit=()) -> tuple:
     """The KV policy and the cold codec's policy (None: raw) from their knobs' flags and YAML keys
     (each policy reads its own; kv/policies/), and the KV block size: --block-size, else the one a
     policy asks for (DKV's --dkv-block), else the default."""
     given = {d: merged[d] for d in policies.flags() if d in merged}
     policies.check_given(given)  # a bad value is refused even where the chosen policy ignores it
     names = [merged["kv_policy"]] + ([merged["cold_codec"]] if merged["cold_codec"] != "raw" else [])
+    policies.policy_class(names[0])
+    # a knob asked for on the command line (or as an API argument) must be read; a --config file
+    # may hold several policies' knobs (the one chosen reads its own)
+    policies.check_read([d for d in given if d in explicit], names)
     for name in names:
         bk = policies.block_size_knob(name)
         if bk is None:
@@ -122,10 +126,11 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
                                          build_parser())
             unknown = set(values) - set(DEFAULTS) - set(policies.flags()) - {"policy_args"}
             if unknown:
-                raise ConfigError(f"--config: unknown {section} keys: {', '.join(sorted(unknown))}")
+                raise ConfigError(f"--config: unknown {section} keys: {', '.join(sorted(map(str, unknown)))}")
             merged.update(values)
             from_config |= set(values)
     merged.update(given)
+    check_names(merged)
     asked = lambda k: k in given or k in from_config  # noqa: E731
     merged["hardware"] = _hardware(merged, data, None if "hardware" in given else given.get("config"))
     check_ranges(merged)
@@ -142,6 +147,7 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
         merged["cut_gen_len"] = 5
     if merged["cut_gen_len"] is not None and not 3 <= merged["cut_gen_len"] <= merged["gen_len"]:
         raise ConfigError("--cut-gen-len must be between 3 and --gen-len (2 warm-up steps are measured whole)")
+    one_of_flags(merged, asked, "prompt", "prompt_file", "prompt_ids_file")
     implied = policies.implied_by("attn_sparsity")
     if merged["attn_sparsity"] < 1 and implied is not None:
         # FlexGen's sparse attention runs as the KV policy that owns the flag (the same semantics,
@@ -153,11 +159,14 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
         if not 0 < merged["attn_sparsity"] <= 1:
             raise ConfigError("--attn-sparsity must be in (0, 1]")
         dest = next(k.dest for k in knobs(cls) if k.name == knob_field)
+        if asked(dest):
+            raise ConfigError(f"--attn-sparsity {merged['attn_sparsity']} and {flag_name(dest)} "
+                              f"{merged[dest]} both set {cls.name}'s kept fraction: give one")
         merged["kv_policy"], merged[dest], merged["attn_sparsity"] = cls.name, merged["attn_sparsity"], 1.0
     policy = Policy(w_gpu_percent=pct[0], w_cpu_percent=pct[1], cache_gpu_percent=pct[2],
                     cache_cpu_percent=pct[3], act_gpu_percent=pct[4], act_cpu_percent=pct[5],
                     **{k: merged[k] for k in _POLICY_FLAGS})
-    kvp, cold = _kv_policies(merged, asked, policy)
+    kvp, cold = _kv_policies(merged, asked, policy, set(given) - {"attn_sparsity"})
     engine = EngineConfig(kv_policy=kvp, cold_codec="raw" if cold is None else cold,
                           **{k: merged[k] for k in _ENGINE_FLAGS})
     hw = merged["hardware"]

@@ -14,17 +14,17 @@ from ..runtime.capacity import SKIP_ENV, check_placement, existing_ancestor, liv
 from ..storage.leftovers import sweep_dead_runs
 
 
-def stop_token(stop: str | None, spec) -> int | None:
-    """--stop as a token id of the model's vocabulary, or None."""
+def stop_token(stop: str | None, spec, name: str = "--stop") -> int | None:
+    """--stop (or the API's `name`) as a token id of the model's vocabulary, or None."""
     if stop is None:
         return None
     if stop == "eos":
         if spec.eos_id is None:
-            raise ConfigError(f"--stop eos: {spec.name} names no end token; give a token id")
+            raise ConfigError(f"{name} eos: {spec.name} names no end token; give a token id")
         return spec.eos_id
     tok = int(stop)  # cli/validate.py let only digits through
     if not 0 <= tok < spec.vocab:
-        raise ConfigError(f"--stop {tok} is outside {spec.name}'s vocabulary [0, {spec.vocab})")
+        raise ConfigError(f"{name} {tok} is outside {spec.name}'s vocabulary [0, {spec.vocab})")
     return tok
 
 

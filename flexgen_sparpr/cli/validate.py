@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 
 from ..errors import ConfigError
@@ -60,10 +61,12 @@ def _scalar(a: argparse.Action, v, name: str):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(f"{name} must be a number (got {v!r})")
         v = float(v)
-    elif kind is None:  # a string flag; YAML may read `stop: 2` as a number
-        if isinstance(v, (bool, list, dict)):
+    elif kind is None:  # a string flag; YAML may read `stop: 2` as a number, Python give a path
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)) and not hasattr(v, "__fspath__"):
             raise ConfigError(f"{name} must be a string (got {v!r})")
-        v = str(v)
+        v = os.fspath(v) if hasattr(v, "__fspath__") else str(v)
+        if "\0" in v:
+            raise ConfigError(f"{name} holds a NUL character (got {v!r})")
     elif getattr(kind, "__name__", "") == "str2bool":
         if not isinstance(v, bool):
             try:
@@ -75,53 +78,80 @@ def _scalar(a: argparse.Action, v, name: str):
     return v
 
 
-def typed_flag_values(values: dict, parser: argparse.ArgumentParser) -> dict:
+def typed_flag_values(values: dict, parser: argparse.ArgumentParser, names: dict | None = None) -> dict:
     """Values given from Python (the API's keyword arguments) converted as their flags convert
-    them (a tuple as a list); ConfigError naming the flag otherwise. Keys without a flag, and
-    objects a flag's text stands for (a Hardware for --hardware), pass as they are."""
+    them (a tuple as a list); ConfigError naming the flag (or names[key], an argument's own name)
+    otherwise. Keys without a flag, and a Hardware for --hardware, pass as they are."""
+    from ..runtime.hardware import Hardware
     acts, out = _actions(parser), {}
     for key, v in values.items():
         a = acts.get(key)
         if isinstance(v, tuple):
             v = list(v)
-        if a is None or v is None or (a.type is None and not isinstance(v, (str, bool, int, float, list, dict))
-                                      and not hasattr(v, "__fspath__")):
+        if a is None or v is None or (key == "hardware" and isinstance(v, Hardware)):
             out[key] = v
         else:
-            out[key] = _convert(a, v, a.option_strings[0])
+            out[key] = _convert(a, v, (names or {}).get(key, a.option_strings[0]))
     return out
 
+
+MAX_INT = (1 << 63) - 1  # an integer flag becomes a 64-bit integer (torch, numpy)
+MAX_SIZE = (1 << 31) - 1  # lengths and batch sizes index tensors
+MAX_IO_THREADS = 256
+# below it the logits / temperature overflow float32 in sampling; greedy decoding (no --do-sample)
+# is what a temperature that low means
+MIN_TEMPERATURE = 1e-4
 
 # flag -> (test, what it must be); checked on the merged values (defaults < YAML < flags). A KV
 # policy's knobs are checked by the policies that have them (kv/policies/ check_given).
 _RANGES = {
-    "prompt_len": (lambda v: v >= 1, ">= 1"),
-    "gen_len": (lambda v: v >= 1, ">= 1"),
-    "gpu_batch_size": (lambda v: v >= 1, ">= 1"),
-    "num_gpu_batches": (lambda v: v >= 1, ">= 1"),
+    "prompt_len": (lambda v: 1 <= v <= MAX_SIZE, f"in [1, {MAX_SIZE}]"),
+    "gen_len": (lambda v: 1 <= v <= MAX_SIZE, f"in [1, {MAX_SIZE}]"),
+    "cut_gen_len": (lambda v: v is None or 1 <= v <= MAX_SIZE, f"in [1, {MAX_SIZE}]"),
+    "gpu_batch_size": (lambda v: 1 <= v <= MAX_SIZE, f"in [1, {MAX_SIZE}]"),
+    "num_gpu_batches": (lambda v: 1 <= v <= MAX_SIZE, f"in [1, {MAX_SIZE}]"),
     "block_size": (lambda v: 1 <= v <= MAX_BLOCK_SIZE, f"in [1, {MAX_BLOCK_SIZE}]"),
-    "max_seq_len": (lambda v: v is None or v >= 1, ">= 1"),
-    "io_threads": (lambda v: v >= 1, ">= 1"),
-    "seed": (lambda v: v >= 0, ">= 0"),
-    "verbose": (lambda v: v >= 0, ">= 0"),
-    "temperature": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    "max_seq_len": (lambda v: v is None or 1 <= v <= MAX_SIZE, f"in [1, {MAX_SIZE}]"),
+    "io_threads": (lambda v: 1 <= v <= MAX_IO_THREADS, f"in [1, {MAX_IO_THREADS}]"),
+    "seed": (lambda v: 0 <= v <= MAX_INT, "in [0, 2^63 - 1]"),
+    "verbose": (lambda v: 0 <= v <= MAX_SIZE, ">= 0"),
+    "temperature": (lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
+                    f"a finite number >= {MIN_TEMPERATURE:g} (greedy decoding is sampling without --do-sample)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "attn_sparsity": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "gpu_mem": (lambda v: v is None or 0 < v <= 1 << 20, "a number of GiB > 0"),
 }
 
 
-def check_range(key: str, v) -> None:
-    """ConfigError when flag `key`'s value is out of its range (NaN is out of every range)."""
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def check_range(key: str, v, name: str | None = None) -> None:
+    """ConfigError when flag `key`'s value is out of its range (NaN is out of every range);
+    the message names `name` (default: the flag)."""
     ok, what = _RANGES[key]
     if isinstance(v, float) and math.isnan(v) or not ok(v):
-        raise ConfigError(f"--{key.replace('_', '-')} must be {what} (got {v})")
+        raise ConfigError(f"{name or flag_name(key)} must be {what} (got {v})")
+
+
+def check_numbers(merged: dict) -> None:
+    """Every number given, whatever its flag: a float is finite, an integer fits 64 bits (what
+    each becomes in torch and numpy); ConfigError naming the flag and the value otherwise."""
+    for key, v in merged.items():
+        for x in v if isinstance(v, list) else [v]:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ConfigError(f"{flag_name(key)} must be a finite number (got {x})")
+            if isinstance(x, int) and not isinstance(x, bool) and not -MAX_INT - 1 <= x <= MAX_INT:
+                raise ConfigError(f"{flag_name(key)} {x} is too large (an integer flag fits 64 bits)")
 
 
 def check_ranges(merged: dict) -> None:
     """ConfigError for the first merged value out of its range (NaN is out of every range)."""
+    check_numbers({k: v for k, v in merged.items() if k not in ("policy_args", "hardware")})
     for key in _RANGES:
         v = merged.get(key)
-        if v is None and key != "max_seq_len":
+        if v is None and key not in ("max_seq_len", "cut_gen_len", "gpu_mem"):
             continue
         check_range(key, v)
     if not _DEVICE.match(str(merged.get("device"))):
@@ -129,6 +159,24 @@ def check_ranges(merged: dict) -> None:
     check_stop(merged.get("stop"))
 
 
-def check_stop(stop) -> None:
-    if stop is not None and stop != "eos" and not re.fullmatch(r"\d+", str(stop)):
-        raise ConfigError(f"--stop takes a token id or 'eos' (got {stop!r})")
+_NAMES = ("model", "path", "offload_dir", "log_file", "config", "hardware", "prompt_file", "prompt_ids_file",
+          "output_json")
+
+
+def check_names(given: dict) -> None:
+    """A model name or a path given empty (or blank) is refused, not read as the current folder."""
+    for key in _NAMES:
+        if isinstance(given.get(key), str) and not given[key].strip():
+            raise ConfigError(f"{flag_name(key)} is empty: give a {'name or path' if key == 'model' else 'path'}")
+
+
+def check_stop(stop, name: str = "--stop") -> None:
+    if stop is not None and stop != "eos" and not re.fullmatch(r"\d{1,18}", str(stop)):
+        raise ConfigError(f"{name} takes a token id or 'eos' (got {stop!r})")
+
+
+def one_of_flags(merged: dict, asked, *keys: str) -> None:
+    """At most one of these flags: ConfigError naming the two given together."""
+    given = [k for k in keys if asked(k) and merged.get(k) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{flag_name(given[0])} and {flag_name(given[1])} both give the prompt: give one")

@@ -74,7 +74,7 @@ class Hardware:
             raise ConfigError(f"hardware {self.name!r}: compute must be cuda or cpu (got {self.compute!r})")
         for name in _SCALARS:
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ConfigError(f"hardware {self.name!r}: {_SCALARS[name][0]} must be a number >= 0 (got {v!r})")
         for name in ("compute_memory", "cpu_memory", "disk_read_bw", "disk_write_bw"):
             if getattr(self, name) <= 0:
@@ -87,7 +87,7 @@ class Hardware:
         for name, (key, _) in _DICTS.items():
             d = getattr(self, name)
             if not isinstance(d, dict) or not d or not all(
-                    isinstance(v, (int, float)) and v > 0 for v in d.values()):
+                    isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in d.values()):
                 raise ConfigError(f"hardware {self.name!r}: {key} must map dtype names to numbers > 0")
             unknown = set(d) - set(DTYPE_NAMES)
             if unknown:
@@ -131,7 +131,7 @@ def hardware_from_dict(section: dict, where: str = "hardware file") -> Hardware:
              *(k for k, _ in _SCALARS.values()), *(k for k, _ in _DICTS.values())}
     unknown = set(section) - known
     if unknown:
-        raise ConfigError(f"{where}: unknown hardware keys: {', '.join(sorted(unknown))}")
+        raise ConfigError(f"{where}: unknown hardware keys: {', '.join(sorted(map(str, unknown)))}")
     compute = section.get("compute")
     required = ["name", "compute", "source", "compute_memory_GiB", "cpu_memory_GiB", "disk_free_GiB",
                 "disk_read_GBps", "disk_write_GBps", "flops_TFLOPS", "cpu_flops_TFLOPS"]
@@ -140,32 +140,53 @@ def hardware_from_dict(section: dict, where: str = "hardware file") -> Hardware:
     missing = [k for k in required if section.get(k) is None]
     if missing:
         raise ConfigError(f"{where}: missing hardware keys: {', '.join(missing)}")
+    if compute not in COMPUTE_KINDS:
+        raise ConfigError(f"{where}: compute must be cuda or cpu (got {compute!r})")
+    for key in ("name", "source", "notes"):
+        if section.get(key) is not None and not isinstance(section[key], (str, int, float)):
+            raise ConfigError(f"{where}: {key} must be a text (got {section[key]!r})")
     kw = {"name": str(section["name"]), "compute": compute, "source": str(section["source"]),
           "notes": str(section.get("notes") or "")}
-    try:
-        for name, (key, scale) in _SCALARS.items():
-            v = section.get(key)
-            if v is None and name in _LINKS:
-                # pageable copies default to the pinned figure; no link at all on a CPU-only box
-                pinned = section.get(key.replace("_pageable", "")) if "pageable" in key else None
-                v = pinned if (compute == "cuda" and pinned is not None) else 0.0
-            elif v is None and name in _OPTIONAL:
-                v = 0.0
-            kw[name] = float(v) * scale
-        for name, (key, scale) in _DICTS.items():
-            d = section[key]
-            if not isinstance(d, dict):
-                raise ConfigError(f"{where}: {key} must map dtype names to numbers")
-            kw[name] = {str(k): float(v) * scale for k, v in d.items()}
-        kw["matmul_latency_s"] = {str(k): float(v) for k, v in (section.get("matmul_latency_s") or {}).items()}
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{where}: hardware values must be numbers ({e})") from None
+    for name, (key, scale) in _SCALARS.items():
+        v = section.get(key)
+        if v is None and name in _LINKS:
+            # pageable copies default to the pinned figure; no link at all on a CPU-only box
+            pinned = section.get(key.replace("_pageable", "")) if "pageable" in key else None
+            v, key = (pinned, key.replace("_pageable", "")) if (compute == "cuda" and pinned is not None) else (0.0, key)
+        elif v is None and name in _OPTIONAL:
+            v = 0.0
+        kw[name] = _number(v, scale, f"{where}: {key}")
+    for name, (key, scale) in _DICTS.items():
+        kw[name] = _per_dtype(section[key], scale, f"{where}: {key}")
+    lat = section.get("matmul_latency_s")
+    kw["matmul_latency_s"] = {} if lat is None else _per_dtype(lat, 1.0, f"{where}: matmul_latency_s")
     try:
         return Hardware(**kw)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _number(v, scale: float, name: str) -> float:
+    """A file's value (human units) as the dataclass's: a finite number >= 0 that stays finite
+    scaled; ConfigError naming the key and the value otherwise."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+            or not math.isfinite(float(v) * scale):
+        raise ConfigError(f"{name} must be a finite number >= 0 (got {v!r})")
+    return float(v) * scale
+
+
+def _per_dtype(d, scale: float, name: str) -> dict[str, float]:
+    """A mapping of dtype names to numbers > 0, scaled."""
+    if not isinstance(d, dict) or not d:
+        raise ConfigError(f"{name} must map dtype names ({', '.join(DTYPE_NAMES)}) to numbers (got {d!r})")
+    unknown = sorted(str(k) for k in d if k not in DTYPE_NAMES)
+    if unknown:
+        raise ConfigError(f"{name} has unknown dtypes {unknown} (use {', '.join(DTYPE_NAMES)})")
+    out = {k: _number(v, scale, f"{name}.{k}") for k, v in d.items()}
+    zero = next((k for k, v in out.items() if v <= 0), None)
+    if zero is not None:
+        raise ConfigError(f"{name}.{zero} must be > 0 (got {d[zero]!r})")
+    return out
 
 
 def load_hardware(path) -> Hardware:

@@ -48,7 +48,8 @@ class HFDirSource(WeightSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.spec = spec_from_hf_config(read_config(self.path / "config.json"), name=self.path.name)
+        cfg_file = self.path / "config.json"
+        self.spec = spec_from_hf_config(read_config(cfg_file), name=self.path.name, where=str(cfg_file))
         self.tokenizer_dir = self.path if any(
             (self.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) else None
         self._index: dict[str, tuple[Path, str]] = {}
@@ -149,7 +150,7 @@ class GGUFSource(WeightSource):
             raise WeightsError(f"{self.path}: {e}") from None
         except Exception as e:  # a valid magic, then junk: the reader fails wherever the junk starts
             raise WeightsError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-        self.spec = spec_from_hf_config(cfg, name=self.path.stem)
+        self.spec = spec_from_hf_config(cfg, name=self.path.stem, where=f"{self.path} (its model metadata)")
         tok = self.path.parent / "tokenizer.json"
         self.tokenizer_dir = self.path.parent if tok.exists() else None
 

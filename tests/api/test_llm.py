@@ -154,11 +154,11 @@ def test_bad_constructor_arguments(tiny_opt_dir, tmp_path, kwargs, fragment):
 
 
 @pytest.mark.parametrize("call, fragment", [
-    (dict(max_new_tokens=0), "--gen-len must be >= 1 (got 0)"),
-    (dict(temperature=0.0), "--temperature must be a finite number > 0"),
-    (dict(top_p=2.0), "--top-p must be in (0, 1]"),
-    (dict(stop="never"), "--stop takes a token id or 'eos'"),
-    (dict(stop=300), "--stop 300 is outside"),
+    (dict(max_new_tokens=0), "max_new_tokens must be in [1, 2147483647] (got 0)"),
+    (dict(temperature=0.0), "temperature must be a finite number >= 0.0001"),
+    (dict(top_p=2.0), "top_p must be in (0, 1]"),
+    (dict(stop="never"), "stop takes a token id or 'eos'"),
+    (dict(stop=300), "stop 300 is outside"),
     (dict(prompts=[[5, 300]]), "prompt 0: give a text or a non-empty list of token ids in [0, 300)"),
     (dict(prompts=[[1, 2], []]), "prompt 1:"),
     (dict(prompts="hello"), "this model has no tokenizer"),

@@ -129,7 +129,7 @@ def test_an_output_of_another_job_is_refused(tiny_opt_dir, tmp_path, capsys):
     out.write_text('{"id": "zz", "token_ids": [1], "text": null, "finish_reason": "length"}\n')
     assert main(["batch", *_argv(tiny_opt_dir, inp, out, tmp_path / "off")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: --output {out} line 1 has id 'zz', which is not in --input: give another --output, "
+    assert err == (f"error: --output {out} line 1 has id 'zz', which is not in --input (the file is left as it is): give another --output, "
                    "or remove the file to start over")
 
 

@@ -136,6 +136,24 @@ def check_given(given: dict) -> None:
             raise ConfigError(f"{name}: {e}") from None
 
 
+def check_read(given, names: list[str]) -> None:
+    """Refuse a knob given (dests) that none of the policies `names` (the KV policy, the cold
+    codec's) reads: ConfigError naming the knob's flag, the policies that have it and the ones
+    that would ignore it."""
+    table = flags()
+    for dest in sorted(d for d in given if d in table):
+        owners = sorted(table[dest].policies)
+        if not set(owners) & set(names):
+            raise ConfigError(f"{table[dest].knob.flag} is a knob of {', '.join(owners)}; --kv-policy {names[0]}"
+                              + (f" with --cold-codec {names[1]}" if len(names) > 1 else "")
+                              + " ignores it: drop it, or choose a policy that reads it")
+
+
+def reads(name: str, dest: str) -> bool:
+    """Whether policy `name` has the knob whose flag / YAML key is `dest`."""
+    return any(k.dest == dest for k in knobs(policy_class(name)))
+
+
 def block_size_knob(name: str) -> Knob | None:
     """The knob of policy `name` that is the KV block size it asks for, if any."""
     return next((k for k in knobs(policy_class(name)) if k.block_size), None)
