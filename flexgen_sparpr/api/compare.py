@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from ..cli.flags import build_parser
 from ..cli.options import resolve
 from ..cli.validate import typed_flag_values
 from ..engine.memory import PeakMemory
@@ -18,9 +19,8 @@ def policy_for(llm, label: str, values: dict):
     LLM(...) makes its own (the same config, hardware and offload folder)."""
     if llm._given is None:
         raise ConfigError("compare() needs an LLM made by LLM(...)")
-    from .llm import _parser
     try:
-        values = typed_flag_values(values, _parser())
+        values = typed_flag_values(values, build_parser())
         merged = {**llm._given, **values}
         names = [n for n in (merged.get("kv_policy", policies.DEFAULT), merged.get("cold_codec", "raw")) if n != "raw"]
         # the LLM's own knobs carry over where the compared policy (or the cold codec) reads them

@@ -98,8 +98,8 @@ def typed_flag_values(values: dict, parser: argparse.ArgumentParser, names: dict
 MAX_INT = (1 << 63) - 1  # an integer flag becomes a 64-bit integer (torch, numpy)
 MAX_SIZE = (1 << 31) - 1  # lengths and batch sizes index tensors
 MAX_IO_THREADS = 256
-# below it the logits / temperature overflow float32 in sampling; greedy decoding (no --do-sample)
-# is what a temperature that low means
+# below it logits / temperature overflow float32 in sampling; a temperature that low means greedy
+# decoding, which is what leaving out --do-sample gives
 MIN_TEMPERATURE = 1e-4
 
 # flag -> (test, what it must be); checked on the merged values (defaults < YAML < flags). A KV
@@ -116,7 +116,7 @@ _RANGES = {
     "seed": (lambda v: 0 <= v <= MAX_INT, "in [0, 2^63 - 1]"),
     "verbose": (lambda v: 0 <= v <= MAX_SIZE, ">= 0"),
     "temperature": (lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
-                    f"a finite number >= {MIN_TEMPERATURE:g} (greedy decoding is sampling without --do-sample)"),
+                    f"a finite number >= {MIN_TEMPERATURE:g} (lower is greedy decoding: leave out --do-sample)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "attn_sparsity": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "gpu_mem": (lambda v: v is None or 0 < v <= 1 << 20, "a number of GiB > 0"),
