@@ -68,10 +68,13 @@ def deliver(out: dict, output_json: Path | None, log_path: Path | None, log_text
             raise ConfigError(f"cannot write --output-json {output_json} ({e.strerror or e}); the results "
                               f"are on {where}") from None
     if log_path is not None:
+        existed = Path(log_path).exists()
         try:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "a") as f:
                 f.write(log_text + "\n")
         except OSError as e:
+            if not existed:  # a failed run leaves no file it created (an empty log on a full disk)
+                Path(log_path).unlink(missing_ok=True)
             raise ConfigError(f"cannot append to the log file {log_path} ({e.strerror}); "
                               + ("the results are in --output-json" if output_json else "use --no-log or --log-file")) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from ..errors import CapacityError, ConfigError
@@ -45,6 +46,13 @@ def check_offload_dir(path: str) -> Path:
     base = existing_ancestor(p)
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"--offload-dir {path}: {base} is not a writable folder")
+    if os.statvfs(base).f_blocks == 0:  # /proc, /sys: a kernel's view, no disk behind it
+        raise ConfigError(f"--offload-dir {path}: {base} is on a virtual file system with no disk behind it; "
+                          "give a folder on a disk")
+    try:  # the only sure test (root passes every mode check; a file system may refuse anyway)
+        os.rmdir(tempfile.mkdtemp(dir=base, prefix=".flexgen-sparpr-probe-"))
+    except OSError as e:
+        raise ConfigError(f"--offload-dir {path}: cannot make a folder in {base} ({e.strerror})") from None
     return p
 
 

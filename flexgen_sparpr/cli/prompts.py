@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -69,13 +70,28 @@ def is_token_ids(seq, vocab: int) -> bool:
 
 
 def encode(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("--chat: this model's tokenizer has no chat template")
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-    return tokenizer(text)["input_ids"]
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--chat: this model's tokenizer has no chat template")
+    with _quiet_tokenizer():  # a prompt longer than the model's table is the engine's own one-line error
+        if chat:
+            out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return tokenizer(text)["input_ids"]
+
+
+@contextmanager
+def _quiet_tokenizer():
+    """transformers' tokenizer warnings ("Token indices sequence length is longer than ...") held
+    back: what they warn of, the engine checks and says in its own words."""
+    from transformers.utils import logging as hf_logging
+    log = hf_logging.get_logger("transformers.tokenization_utils_base")
+    level = log.level
+    log.setLevel(hf_logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _fill(ids: list[list[int]], batch_size: int) -> list[list[int]]:

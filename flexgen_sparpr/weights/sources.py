@@ -140,12 +140,14 @@ class GGUFSource(WeightSource):
     """A GGUF file, dequantized to float32 once at load."""
 
     def __init__(self, path: Path):
-        from .gguf_file import read_gguf
+        from .gguf_file import DamagedGGUF, read_gguf
         self.path = Path(path)
         try:
             cfg, self._sd = read_gguf(self.path)
         except (ConfigError, OSError):
             raise
+        except DamagedGGUF as e:
+            raise WeightsError(str(e)) from None
         except ValueError as e:  # the reader's own refusals (architecture, missing keys) read well
             raise WeightsError(f"{self.path}: {e}") from None
         except Exception as e:  # a valid magic, then junk: the reader fails wherever the junk starts
