@@ -31,10 +31,10 @@ def policy_for(llm, label: str, values: dict):
         raise ConfigError(f"kv_policies[{label!r}]: {e}") from None
     pol = ecfg.make_kv_policy()
     if ecfg.block_size != llm.engine_config.block_size or ecfg.cold_codec != llm.engine_config.cold_codec:
-        raise ConfigError(f"compare {label!r}: its KV block size or --cold-codec differs from the LLM's "
+        raise ConfigError(f"kv_policies[{label!r}]: its KV block size or --cold-codec differs from the LLM's "
                           "(one prefill serves policies that store the cache alike)")
     if pol.has_codec:
-        raise ConfigError(f"compare {label!r}: {pol.name} stores the cache in its own codec; it cannot share "
+        raise ConfigError(f"kv_policies[{label!r}]: {pol.name} stores the cache in its own codec; it cannot share "
                           "a raw prefill (make an LLM with it)")
     return pol
 
@@ -57,7 +57,7 @@ def compare(llm, prompts, kv_policies: dict[str, dict], max_new_tokens: int, sto
     own = eng.kv_policy
     others = {label: policy_for(llm, label, values) for label, values in kv_policies.items()}
     if own.name in others:
-        raise ConfigError(f"compare: {own.name!r} is the LLM's own policy's label; name the others otherwise")
+        raise ConfigError(f"kv_policies: {own.name!r} is the LLM's own policy's label; name the others otherwise")
     st = eng.prefill(fill(ids, llm.batch_size), params.max_new, params.sampler(), observers=tuple(others.values()),
                      progress=progress)
     snap = eng.snapshot(st)

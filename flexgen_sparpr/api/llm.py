@@ -246,7 +246,10 @@ class LLM:
         out, vocab = [], self.spec.vocab
         for n, p in enumerate(prompts):
             if isinstance(p, str):
-                out.append(text_ids(self.tokenizer, p, self.opts.chat, vocab, "lists of token ids"))
+                try:
+                    out.append(text_ids(self.tokenizer, p, self.opts.chat, vocab, "lists of token ids"))
+                except ConfigError as e:
+                    raise ConfigError(f"prompt {n}: {e}") from None
                 continue
             seq = [int(t) for t in p] if _is_id_list(p) else None
             if seq is None or not is_token_ids(seq, vocab):
@@ -265,13 +268,16 @@ class LLM:
                               _parser(), names=_ARGS)
         for key in ("gen_len", "temperature", "top_p", "seed"):
             check_range(key, v[key], _ARGS[key])
+        if not isinstance(v["do_sample"], bool):
+            raise ConfigError(f"do_sample must be True or False (got {do_sample!r})")
         check_stop(v["stop"], "stop")
         return Params(v["gen_len"], preflight.stop_token(v["stop"], self.spec, "stop"), v["do_sample"],
                       v["temperature"], v["top_p"], v["seed"])
 
     def _check_lengths(self, ids: list[list[int]], params: Params, pad_to: int = 0) -> None:
         if ids:
-            preflight.check_context(self.spec, max(pad_to, max(map(len, ids))) + params.max_new, self._dummy)
+            preflight.check_context(self.spec, max(pad_to, max(map(len, ids))) + params.max_new, self._dummy,
+                                    "max_new_tokens")
 
     def _output(self, index: int, prompt: list[int], row: list[int], params: Params) -> Output:
         toks, reason = finish(row, params.max_new, params.stop)

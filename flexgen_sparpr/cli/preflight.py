@@ -29,13 +29,14 @@ def stop_token(stop: str | None, spec, name: str = "--stop") -> int | None:
     return tok
 
 
-def check_context(spec, n_tokens: int, dummy: bool) -> None:
-    """prompt + generated tokens within the model's position table or attention window."""
+def check_context(spec, n_tokens: int, dummy: bool, gen: str = "--gen-len") -> None:
+    """prompt + generated tokens within the model's position table or attention window; `gen`
+    names the length generated (the API's max_new_tokens)."""
     limit, what = spec.context_limit()
     if n_tokens > limit:
         hint = ("raise --max-seq-len (dummy weights have any table size)" if dummy and "window" not in what
-                else "shorten the prompt or --gen-len")
-        raise CapacityError(f"{n_tokens} tokens (prompt + --gen-len) exceed {spec.name}'s {what}: {hint}")
+                else f"shorten the prompt or {gen}")
+        raise CapacityError(f"{n_tokens} tokens (prompt + {gen}) exceed {spec.name}'s {what}: {hint}")
 
 
 def check_offload_dir(path: str) -> Path:

@@ -23,7 +23,8 @@ def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def typed_config_values(values: dict, section: str, where: str, parser: argparse.ArgumentParser) -> dict:
     """A --config section's values converted as their flags convert them; ConfigError naming
-    the file, the key and the value otherwise. Keys without a flag (policy_args) pass as they are."""
+    the file, the key and the value otherwise. A null value leaves the default; keys without a
+    flag (policy_args) pass as they are."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: section {section}: must be a mapping of keys to values")
     acts, out = _actions(parser), {}
@@ -33,7 +34,9 @@ def typed_config_values(values: dict, section: str, where: str, parser: argparse
             if not isinstance(v, dict):
                 raise ConfigError(f"{where}: {section}.policy_args must be a mapping (got {v!r})")
             out[key] = v
-        elif a is None or v is None:
+        elif a is not None and v is None:
+            continue  # `key:` with no value (null) leaves the default, as a flag not given does
+        elif a is None:
             out[key] = v
         else:
             out[key] = _convert(a, v, f"{where}: {section}.{key}")
@@ -131,8 +134,12 @@ def check_range(key: str, v, name: str | None = None) -> None:
     """ConfigError when flag `key`'s value is out of its range (NaN is out of every range);
     the message names `name` (default: the flag)."""
     ok, what = _RANGES[key]
-    if isinstance(v, float) and math.isnan(v) or not ok(v):
-        raise ConfigError(f"{name or flag_name(key)} must be {what} (got {v})")
+    try:
+        good = not (isinstance(v, float) and math.isnan(v)) and ok(v)
+    except TypeError:  # None, or another value of no order, from Python
+        good = False
+    if not good:
+        raise ConfigError(f"{name or flag_name(key)} must be {what} (got {v!r})")
 
 
 def check_numbers(merged: dict) -> None:

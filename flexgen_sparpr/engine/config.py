@@ -47,10 +47,10 @@ class Policy:
             raise ConfigError("--attn-sparsity must be in (0, 1]")
         acts = (self.act_gpu_percent, self.act_cpu_percent, self.act_disk_percent)
         if sorted(acts) != [0, 0, 100]:
-            raise ConfigError("activations must live whole on one tier (--percent ... 100 0 or 0 100); "
+            raise ConfigError("--percent: activations must live whole on one tier (... 100 0 or 0 100); "
                               "a split activation tier is not supported (FlexGen refuses it too)")
         if self.act_disk_percent == 100:
-            raise ConfigError("activations on disk are not supported: use 100 0 (GPU) or 0 100 (CPU)")
+            raise ConfigError("--percent: activations on disk are not supported: use 100 0 (GPU) or 0 100 (CPU)")
         if self.compress_cache and self.attn_sparsity < 1:
             raise ConfigError("--compress-cache with --attn-sparsity < 1 is not supported (as in FlexGen)")
 

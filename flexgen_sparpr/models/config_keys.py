@@ -39,6 +39,8 @@ class ConfigKeys:
         v = self.get(key, default)
         if v is None and default is not _MISSING and default is not None:
             v = default
+        if v is None and key in self.cfg:
+            self.refuse(key, v, "expected a positive integer")
         if v is None:
             raise UnsupportedConfig(f"{self.where}: lacks {key!r}")
         if not _is_int(v) or not 1 <= v <= MAX_SIZE:

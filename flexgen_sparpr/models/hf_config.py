@@ -62,7 +62,7 @@ def _llama(c: ConfigKeys, mt: str, name: str) -> ModelSpec:
         c.refuse("hidden_act", act, "SwiGLU with silu only")
     hidden, heads = c.size("hidden_size"), c.size("num_attention_heads")
     kv_heads = c.size("num_key_value_heads", heads)
-    if "head_dim" not in c.cfg and hidden % heads:
+    if c.cfg.get("head_dim") is None and hidden % heads:
         c.refuse("num_attention_heads", heads, f"it must divide hidden_size {hidden}")
     head_dim = c.size("head_dim", hidden // heads)
     c.heads(hidden, heads, kv_heads, head_dim)
