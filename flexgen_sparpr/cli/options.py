@@ -125,6 +125,11 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
             values = typed_config_values(data.get(section) or {}, section, f"--config {given['config']}",
                                          build_parser())
             unknown = set(values) - set(DEFAULTS) - set(policies.flags()) - {"policy_args"}
+            knob_fields = {k.name for f in policies.flags().values() for k in f.policies.values()}
+            raw = sorted(map(str, set(values.get("policy_args") or {}) - knob_fields))
+            if raw:  # a YAML value is a number or a text: only the knobs' fields take one
+                raise ConfigError(f"--config {given['config']}: {section}.policy_args.{raw[0]} is not a KV policy "
+                                  "knob's field")
             if unknown:
                 raise ConfigError(f"--config: unknown {section} keys: {', '.join(sorted(map(str, unknown)))}")
             merged.update(values)

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from flexgen_sparpr.api.llm import LLM
 from flexgen_sparpr.cli.flags import build_parser
 from flexgen_sparpr.cli.options import resolve
-from flexgen_sparpr.errors import ConfigError
+from flexgen_sparpr.errors import CapacityError, ConfigError
 from flexgen_sparpr.kv import policies
 from flexgen_sparpr.models.hf_config import spec_from_hf_config
 from flexgen_sparpr.runtime.hardware import Hardware, hardware_from_dict
@@ -93,7 +93,9 @@ YAML_DIR = Path(tempfile.mkdtemp(prefix="flexgen-sparpr-yaml-"))
 
 
 @FAST
-@given(section=st.sampled_from(["run", "policy", "engine"]), key=st.sampled_from(DESTS), value=WIDE)
+@given(section=st.sampled_from(["run", "policy", "engine"]), key=st.sampled_from([*DESTS, "policy_args"]),
+       value=st.one_of(WIDE, st.dictionaries(st.sampled_from(["keep_ratio", "min_keep", "gamma", "costs", "x"]),
+                                             SCALARS, max_size=2)))
 def test_a_config_value_is_accepted_or_refused_in_one_line_naming_its_key(section, key, value):
     if key in ("config", "hardware"):
         return  # files of their own (the hardware test below)
@@ -214,7 +216,11 @@ def test_api_compare_arguments_are_checked_or_named(llm):
     check()
 
 
-def test_api_constructor_arguments_are_checked_or_named(tiny_llama_dir, tmp_path):
+def test_api_constructor_arguments_are_checked_or_named(tiny_llama_dir, tmp_path, monkeypatch):
+    """Every check LLM() makes before loading; the load itself is left out (a valid but huge
+    batch would allocate it), so what is accepted is only recorded."""
+    accepted = []
+    monkeypatch.setattr(LLM, "_open", lambda self, *a, **k: accepted.append(a))
     keys = ["model", "path", "percent", "gpu_batch_size", "num_gpu_batches", "kv_policy", "device", "dtype",
             "block_size", "keep_ratio", "seed", "max_seq_len", "io_threads", "gpu_mem", "chat", "hardware"]
 
@@ -225,7 +231,10 @@ def test_api_constructor_arguments_are_checked_or_named(tiny_llama_dir, tmp_path
         if key == "model" and value is not None and not isinstance(value, str):
             args["model"] = value
         try:
-            LLM(**args).close()
+            LLM(**args)
         except ConfigError as e:
-            _one_line_naming(str(e), key, "--" + key.replace("_", "-"))
+            # a valid value this machine cannot hold is refused with the numbers, not the value's name
+            fits = isinstance(e, CapacityError) and "does not fit" in str(e)
+            _one_line_naming(str(e), key, "--" + key.replace("_", "-"), *(["does not fit"] if fits else []))
     check()
+    assert accepted  # the defaults and many drawn values pass

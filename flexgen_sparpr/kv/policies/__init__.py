@@ -4,7 +4,9 @@ and the test matrix find it here, with no other edit (docs/design.md, "Add a pol
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -89,6 +91,13 @@ def build(name: str, given: dict, fields: dict | None = None, block_size: int | 
     cls = policy_class(name)
     own = {k.name: k for k in knobs(cls)}
     values = {k.name: k.value(given[k.dest]) for k in own.values() if k.dest in given}
+    known = {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set()
+    for field_name, v in (fields or {}).items():
+        if field_name not in known:
+            raise ConfigError(f"{name}: policy_args.{field_name} is not one of its fields "
+                              f"({', '.join(sorted(known)) or 'it has none'})")
+        if field_name in own:
+            _check_type(name, field_name, own[field_name], v)
     with _as_flags(cls):
         try:
             policy = cls(**(values | (fields or {})))
@@ -97,6 +106,22 @@ def build(name: str, given: dict, fields: dict | None = None, block_size: int | 
         if block_size is not None:
             policy.check_block_size(block_size)
         return policy
+
+
+def _check_type(name: str, field_name: str, k: Knob, v) -> None:
+    """A knob's raw field value (the YAML's policy_args) of the knob's type, finite."""
+    if k.type is bool:
+        ok = isinstance(v, bool)
+    elif k.type is int:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    elif k.type is float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    else:
+        ok = isinstance(v, k.type)
+    if not ok or (k.choices and v not in k.choices):
+        what = f"one of {', '.join(map(str, k.choices))}" if k.choices else \
+            {bool: "true or false", int: "an integer", float: "a finite number"}.get(k.type, "a text")
+        raise ConfigError(f"{name}: policy_args.{field_name} must be {what} (got {v!r})")
 
 
 def check_width(policy: KVPolicy, width: int) -> None:
