@@ -20,16 +20,16 @@ from ..cli import preflight
 from ..cli.flags import build_parser
 from ..cli.options import apply_auto_policy, resolve
 from ..cli.prompts import is_token_ids, load_tokenizer, text_ids
-from ..cli.validate import check_range, check_stop, typed_flag_values
+from ..cli.validate import typed_flag_values
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
-from ..engine.sampling import Sampler
 from ..engine.state import GenerationResult, GenState
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress as bar
 from ..weights.resolve import DUMMY, resolve_source
 from .batching import fill, plan_batches
 from .outputs import Output, Stats, StreamEvent, TextStream, finish
+from .params import Params, make_params
 
 # flags of one command-line run, not of a loaded model: prompts and sampling go to generate()
 _PER_CALL = {"prompt": "give prompts to generate()", "prompt_file": "give prompts to generate()",
@@ -40,21 +40,6 @@ _PER_CALL = {"prompt": "give prompts to generate()", "prompt_file": "give prompt
              "output_json": "generate() returns the outputs; last_stats holds the measurements",
              "log_file": "the CLI's FlexGen log", "no_log": "the CLI's FlexGen log", "verbose": "the CLI's output",
              "warmup": "the CLI's benchmark setting", "stream": "use stream()"}
-
-
-@dataclass(frozen=True)
-class Params:
-    """One call's generation settings, checked (the flags' ranges and messages)."""
-
-    max_new: int
-    stop: int | None = None  # a token id
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def sampler(self) -> Sampler:
-        return Sampler(self.do_sample, self.temperature, self.top_p, self.seed)
 
 
 @dataclass
@@ -181,6 +166,10 @@ class LLM:
                      sort: bool = True, on_step=None) -> list[list[int]]:
         """The engine's rows of generated ids per prompt, in input order (a finished sequence's row
         runs on with the stop token); on_step(Step) sees every step."""
+        if not isinstance(params, Params) or not isinstance(ids, list) or not all(
+                is_token_ids(x, self.spec.vocab) for x in ids):
+            raise ConfigError(f"generate_ids takes lists of token ids in [0, {self.spec.vocab}) and a Params "
+                              "(llm.params(...)); generate() takes texts")
         out: list = [None] * len(ids)
         for step in self._steps(ids, params, progress=progress, pad_to=pad_to, sort=sort):
             if on_step is not None:
@@ -260,19 +249,8 @@ class LLM:
     def params(self, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                stop="eos", seed: int | None = None) -> Params:
         """generate()'s settings, checked as their flags are (--gen-len, --temperature, ...)."""
-        seed = self.opts.seed if seed is None else seed
-        if isinstance(stop, bool) or not (stop is None or isinstance(stop, (str, numbers.Integral))):
-            raise ConfigError(f"stop takes a token id, 'eos' or None (got {stop!r})")
-        v = typed_flag_values({"gen_len": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
-                               "top_p": top_p, "seed": seed, "stop": None if stop is None else str(stop)},
-                              _parser(), names=_ARGS)
-        for key in ("gen_len", "temperature", "top_p", "seed"):
-            check_range(key, v[key], _ARGS[key])
-        if not isinstance(v["do_sample"], bool):
-            raise ConfigError(f"do_sample must be True or False (got {do_sample!r})")
-        check_stop(v["stop"], "stop")
-        return Params(v["gen_len"], preflight.stop_token(v["stop"], self.spec, "stop"), v["do_sample"],
-                      v["temperature"], v["top_p"], v["seed"])
+        return make_params(self.spec, self.opts.seed, _parser(), max_new_tokens, do_sample, temperature, top_p,
+                           stop, seed)
 
     def _check_lengths(self, ids: list[list[int]], params: Params, pad_to: int = 0) -> None:
         if ids:
@@ -288,11 +266,6 @@ class LLM:
         if progress is not None and not isinstance(progress, bool):
             raise ConfigError(f"progress must be True, False or None (got {progress!r})")
         return bars_wanted(self.opts.quiet) if progress is None else progress
-
-
-# generate()'s arguments, by the flag each is checked as
-_ARGS = {"gen_len": "max_new_tokens", "do_sample": "do_sample", "temperature": "temperature", "top_p": "top_p",
-         "seed": "seed", "stop": "stop"}
 
 
 @functools.cache

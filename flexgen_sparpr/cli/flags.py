@@ -84,7 +84,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "so a bigger GPU runs like a card that size (placement and --policy auto plan for it too)"),
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 64)")
     g.add_argument("--max-seq-len", type=int, help="dummy weights: size the position table (OPT's real one stops at 2048)")
-    g.add_argument("--prompt", help="prompt text (needs a model with a tokenizer)")
+    g.add_argument("--prompt", help="prompt text (needs a model with a tokenizer); one of --prompt, "
+                   "--prompt-file, --prompt-ids-file")
     g.add_argument("--prompt-file", help="file holding the prompt text")
     g.add_argument("--prompt-ids-file", help="JSON list of token-id lists (for models without a tokenizer)")
     g.add_argument("--chat", action="store_true", default=None, help="wrap the prompt in the model's chat template")
@@ -95,9 +96,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "from this layer's input while it computes; the exact selection reads what the guess missed "
                         "(same output, more bytes)")
     g.add_argument("--io-threads", type=int, help="I/O threads of the overlapped schedule (default 2)")
-    g.add_argument("--seed", type=int, help="seed for sampling and dummy weights (default 0)")
+    g.add_argument("--seed", type=int, help="seed for sampling and dummy weights, 0 to 2^63-1 (default 0)")
     g.add_argument("--do-sample", action="store_true", default=None, help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, help="sampling temperature (default 1.0)")
+    g.add_argument("--temperature", type=float, help="sampling temperature, at least 1e-4 (lower is greedy "
+                   "decoding: leave out --do-sample) (default 1.0)")
     g.add_argument("--top-p", type=float, help="nucleus sampling threshold (default 1.0)")
     g.add_argument("--stop", help="stop token id, or 'eos' for the model's end token (default: none, as FlexGen)")
     g.add_argument("--warmup", type=str2bool, nargs="?", const=True, help="one short warm-up generation "
@@ -121,7 +123,8 @@ def add_hardware_flags(p: argparse.ArgumentParser) -> None:
 def add_policy_flags(p: argparse.ArgumentParser) -> None:
     """--kv-policy, --cold-codec and every registered policy's knobs: the knobs several policies
     share in the first group, each policy's own in its group."""
-    g = p.add_argument_group("KV policies (kv/policies/; each knob applies to the policies named)")
+    g = p.add_argument_group("KV policies (kv/policies/; each knob applies to the policies named, and is "
+                              "refused on the command line under a policy that does not read it)")
     g.add_argument("--kv-policy", metavar="NAME", help="which KV blocks attention reads at decode: "
                    f"{', '.join(sorted(policies.POLICIES))} (default {policies.DEFAULT})")
     g.add_argument("--cold-codec", choices=["raw", *policies.codec_names()], help="how KV blocks on the CPU and "
