@@ -122,7 +122,7 @@ _RANGES = {
                     f"a finite number >= {MIN_TEMPERATURE:g} (lower is greedy decoding: leave out --do-sample)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "attn_sparsity": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "gpu_mem": (lambda v: v is None or 0 < v <= 1 << 20, "a number of GiB > 0"),
+    "gpu_mem": (lambda v: v is None or 0 < v <= 1 << 20, "> 0 (GiB)"),
 }
 
 
@@ -166,12 +166,13 @@ def check_ranges(merged: dict) -> None:
     check_stop(merged.get("stop"))
 
 
-_NAMES = ("model", "path", "offload_dir", "log_file", "config", "hardware", "prompt_file", "prompt_ids_file",
+_NAMES = ("model", "offload_dir", "log_file", "config", "hardware", "prompt_file", "prompt_ids_file",
           "output_json")
 
 
 def check_names(given: dict) -> None:
-    """A model name or a path given empty (or blank) is refused, not read as the current folder."""
+    """A model name or a file or folder path given empty (or blank) is refused, not read as the
+    current folder. (--path may be empty: a HF checkpoint given as --model needs none.)"""
     for key in _NAMES:
         if isinstance(given.get(key), str) and not given[key].strip():
             raise ConfigError(f"{flag_name(key)} is empty: give a {'name or path' if key == 'model' else 'path'}")

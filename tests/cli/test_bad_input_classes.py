@@ -182,7 +182,7 @@ def test_a_hardware_value_is_refused_naming_file_and_key(tiny_llama_dir, tmp_pat
     (["--kv-policy", "sparpr", "--gamma", "inf"], "--gamma must be a finite number (got inf)"),
     (["--stop", "99999999999999999999999"], "--stop takes a token id"),
     (["--model", ""], "--model is empty"),
-    (["--path", " "], "--path is empty"),
+    (["--log-file", " "], "--log-file is empty"),
     (["--offload-dir", ""], "--offload-dir is empty"),
 ])
 def test_a_numeric_or_empty_flag_is_refused_naming_it(tiny_llama_dir, tmp_path, capsys, argv, words):

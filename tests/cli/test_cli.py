@@ -61,7 +61,7 @@ def test_projection_keeps_two_warmup_steps():
     (["--percent", "1", "2"], "six numbers"),
     (["--model", "no-such-model"], "unknown model"),
     (["--model", "facebook/opt-30b", "--path", "/nonexistent"], "_DUMMY_"),
-    (["--gpu-batch-size", "0"], ">= 1"),
+    (["--gpu-batch-size", "0"], "in [1, "),
     (["--percent", "100", "0", "100", "0", "50", "50"], "activations"),
     (["--config", "/nonexistent.yaml"], "not found"),
     (["--model", "opt-125m", "--path", "_DUMMY_", "--prompt-ids-file", "/nonexistent.json"], "--prompt-ids-file"),

@@ -289,7 +289,9 @@ def test_cli_passes_sparpr_flags_only_to_sparpr():
     for bad in ("-1", "12"):  # 12 does not divide the default block size 64
         with pytest.raises(ConfigError, match="--summary-tokens"):
             engine_args("--kv-policy", "sparpr", "--summary-tokens", bad)
-    assert engine_args("--kv-policy", "quest", "--min-keep", "0.2") == dict(keep_ratio=1.0, dense_layers=2)
+    assert engine_args("--kv-policy", "quest") == dict(keep_ratio=1.0, dense_layers=2)
+    with pytest.raises(ConfigError, match="--min-keep is a knob of sparpr; --kv-policy quest ignores it"):
+        engine_args("--kv-policy", "quest", "--min-keep", "0.2")
     assert SparPR(**args).quest_only and not SparPR(**args).needs_checkpoints
 
 
