@@ -72,6 +72,9 @@ class Launch:
             f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} (torchrun)"
 
 
+MAX_TIMEOUT = 7 * 24 * 3600.0
+
+
 def _env_int(names: tuple[str, ...], env) -> int | None:
     for n in names:
         if env.get(n, "").strip():
@@ -87,8 +90,8 @@ def launch_from(args: dict, env=os.environ) -> Launch:
     they do not add up."""
     timeout = args.get("dist_timeout")
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-    if not timeout > 0:
-        raise ConfigError(f"--dist-timeout must be > 0 seconds (got {timeout:g})")
+    if not 0 < timeout <= MAX_TIMEOUT:  # a timedelta overflows past ~1e9 days; inf and NaN are no timeout
+        raise ConfigError(f"--dist-timeout must be > 0 seconds, at most {MAX_TIMEOUT:g} (a week) (got {timeout:g})")
     if args.get("use_mpi"):
         names = {k: f"OMPI_COMM_WORLD_{k.upper()}" for k in ("rank", "size", "local_rank")}
         vals = {k: _env_int((n,), env) for k, n in names.items()}

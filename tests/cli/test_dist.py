@@ -184,6 +184,8 @@ def test_launch_from_flags_torchrun_and_mpi():
     (dict(world_size=2), {}, "needs this rank's --rank"),
     (dict(world_size=0), {}, "--world-size must be >= 1"),
     (dict(dist_timeout=0), {}, "--dist-timeout must be > 0"),
+    (dict(dist_timeout=float("inf")), {}, "--dist-timeout must be > 0 seconds, at most 604800"),
+    (dict(dist_timeout=float("nan")), {}, "--dist-timeout must be > 0 seconds, at most 604800"),
     (dict(use_mpi=True), {}, "OMPI_COMM_WORLD_RANK"),
     (dict(world_size=2, rank=0, head_ip="h", port=70000), {}, "--port must be"),
     (dict(num_inner_iterations=0), {}, "--num-inner-iterations must be >= 1"),
