@@ -84,10 +84,11 @@ def _hardware(merged: dict, data: dict, config: str | None) -> Hardware | None:
     return load_hardware(path)
 
 
-def _kv_policies(merged: dict, asked, policy: Policy, explicit=()) -> tuple:
+def _kv_policies(merged: dict, asked, policy: Policy, explicit: set) -> tuple:
     """The KV policy and the cold codec's policy (None: raw) from their knobs' flags and YAML keys
     (each policy reads its own; kv/policies/), and the KV block size: --block-size, else the one a
-    policy asks for (DKV's --dkv-block), else the default."""
+    policy asks for (DKV's --dkv-block), else the default. explicit: the keys given as flags (or
+    API arguments), as opposed to the --config file's."""
     given = {d: merged[d] for d in policies.flags() if d in merged}
     policies.check_given(given)  # a bad value is refused even where the chosen policy ignores it
     names = [merged["kv_policy"]] + ([merged["cold_codec"]] if merged["cold_codec"] != "raw" else [])
@@ -171,7 +172,7 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
     policy = Policy(w_gpu_percent=pct[0], w_cpu_percent=pct[1], cache_gpu_percent=pct[2],
                     cache_cpu_percent=pct[3], act_gpu_percent=pct[4], act_cpu_percent=pct[5],
                     **{k: merged[k] for k in _POLICY_FLAGS})
-    kvp, cold = _kv_policies(merged, asked, policy, set(given) - {"attn_sparsity"})
+    kvp, cold = _kv_policies(merged, asked, policy, set(given))
     engine = EngineConfig(kv_policy=kvp, cold_codec="raw" if cold is None else cold,
                           **{k: merged[k] for k in _ENGINE_FLAGS})
     hw = merged["hardware"]

@@ -117,7 +117,7 @@ _RANGES = {
     "max_seq_len": (lambda v: v is None or 1 <= v <= MAX_SIZE, f"in [1, {MAX_SIZE}]"),
     "io_threads": (lambda v: 1 <= v <= MAX_IO_THREADS, f"in [1, {MAX_IO_THREADS}]"),
     "seed": (lambda v: 0 <= v <= MAX_INT, "in [0, 2^63 - 1]"),
-    "verbose": (lambda v: 0 <= v <= MAX_SIZE, ">= 0"),
+    "verbose": (lambda v: v >= 0, ">= 0"),
     "temperature": (lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
                     f"a finite number >= {MIN_TEMPERATURE:g} (lower is greedy decoding: leave out --do-sample)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -150,7 +150,8 @@ def check_numbers(merged: dict) -> None:
             if isinstance(x, float) and not math.isfinite(x):
                 raise ConfigError(f"{flag_name(key)} must be a finite number (got {x})")
             if isinstance(x, int) and not isinstance(x, bool) and not -MAX_INT - 1 <= x <= MAX_INT:
-                raise ConfigError(f"{flag_name(key)} {x} is too large (an integer flag fits 64 bits)")
+                raise ConfigError(f"{flag_name(key)} {x} is too {'large' if x > 0 else 'small'} (an integer flag "
+                                  "fits 64 bits)")
 
 
 def check_ranges(merged: dict) -> None:
