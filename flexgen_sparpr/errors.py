@@ -6,7 +6,13 @@ from __future__ import annotations
 
 
 class ConfigError(ValueError):
-    """A bad setting, file or model; the message names it and says what to do."""
+    """A bad setting, file or model; the message names it and says what to do, in one line (a
+    newline inside a name the user gave, a path or a value, is shown as \\n)."""
+
+    def __init__(self, *args):
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (args[0].replace("\r", "\\r").replace("\n", "\\n"),)
+        super().__init__(*args)
 
 
 class CapacityError(ConfigError):

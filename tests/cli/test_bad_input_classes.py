@@ -284,3 +284,9 @@ def test_a_log_that_cannot_be_written_is_not_left_empty(tmp_path, monkeypatch):
     with pytest.raises(ConfigError):
         outputs.deliver({}, None, log, "summary")
     assert log.read_text() == "an earlier run's lines\n"  # a log it did not create is kept
+
+
+def test_a_newline_in_a_name_the_user_gave_stays_inside_one_line(tiny_llama_dir):
+    with pytest.raises(ConfigError) as e:
+        LLM(str(tiny_llama_dir), hardware="\n0")
+    assert str(e.value) == "hardware file not found: \\n0"
