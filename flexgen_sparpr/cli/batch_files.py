@@ -134,6 +134,8 @@ def read_done(path: Path, known: set) -> set:
     start of an output line) removed from the file."""
     if not path.exists():
         return set()
+    if not path.is_file():  # a FIFO or a device would block, or swallow, what is read back
+        raise ConfigError(f"--output {path} is not a regular file: give a file path")
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     done = set()

@@ -76,6 +76,14 @@ def test_batch_never_truncates_or_appends_to_a_file_not_its_own(tiny_opt_dir, tm
     assert out.read_bytes() == content
 
 
+def test_batch_refuses_an_output_that_is_not_a_regular_file(tiny_opt_dir, tmp_path, capsys):
+    inp, fifo = tmp_path / "in.jsonl", tmp_path / "fifo"
+    inp.write_bytes(INPUT + b"\n")
+    os.mkfifo(fifo)  # reading it back would block
+    assert main(_batch(tiny_opt_dir, inp, fifo, tmp_path / "off")) == 2
+    assert f"--output {fifo} is not a regular file" in _err(capsys)
+
+
 def test_batch_cuts_a_partial_line_only_from_its_own_output(tiny_opt_dir, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_bytes(INPUT + b"\n")
