@@ -298,3 +298,11 @@ def test_a_newline_in_a_name_the_user_gave_stays_inside_one_line(tiny_llama_dir)
     with pytest.raises(ConfigError) as e:
         LLM(str(tiny_llama_dir), hardware="\n0")
     assert str(e.value) == "hardware file not found: \\n0"
+
+
+def test_compare_carries_the_llms_knobs_only_to_policies_that_read_them(tiny_llama_dir, tmp_path):
+    with LLM(str(tiny_llama_dir), gpu_batch_size=1, offload_dir=str(tmp_path), kv_policy="quest",
+             keep_ratio=0.5) as llm:
+        runs = llm.compare([[5, 6, 7]], {"dense": {"kv_policy": "dense"}, "h2o": {"kv_policy": "h2o"}},
+                           max_new_tokens=2)
+    assert list(runs) == ["quest", "dense", "h2o"] and all(len(o[0].token_ids) == 2 for o, _ in runs.values())
