@@ -98,9 +98,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io-threads", type=int, help="I/O threads of the overlapped schedule (default 2)")
     g.add_argument("--seed", type=int, help="seed for sampling and dummy weights, 0 to 2^63-1 (default 0)")
     g.add_argument("--do-sample", action="store_true", default=None, help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, help="sampling temperature, at least 1e-4 (lower is greedy "
-                   "decoding: leave out --do-sample) (default 1.0)")
-    g.add_argument("--top-p", type=float, help="nucleus sampling threshold (default 1.0)")
+    g.add_argument("--temperature", type=float, help="sampling temperature with --do-sample, at least 1e-4 "
+                   "(lower is greedy decoding: leave out --do-sample) (default 1.0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling threshold with --do-sample (default 1.0)")
     g.add_argument("--stop", help="stop token id, or 'eos' for the model's end token (default: none, as FlexGen)")
     g.add_argument("--warmup", type=str2bool, nargs="?", const=True, help="one short warm-up generation "
                    "before the timed one, as FlexGen does (default true)")

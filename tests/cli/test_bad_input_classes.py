@@ -116,6 +116,8 @@ def test_a_failed_batch_leaves_no_output_it_created(tiny_opt_dir, tmp_path, caps
                               "--kv-policy dense ignores it"),
     (["--kv-policy", "quest", "--min-keep", "0.2"], "--min-keep is a knob of sparpr; --kv-policy quest ignores it"),
     (["--kv-policy", "sparpr", "--dkv-rank", "8"], "--dkv-rank is a knob of dkv; --kv-policy sparpr ignores it"),
+    (["--temperature", "0.7"], "--temperature 0.7 does nothing without --do-sample"),
+    (["--top-p", "0.9"], "--top-p 0.9 does nothing without --do-sample"),
 ])
 def test_contradictory_or_ignored_flags_are_refused_naming_both(tiny_llama_dir, tmp_path, capsys, argv, words):
     assert _code(["run", "--model", str(tiny_llama_dir), *RUN, *argv, "--offload-dir", str(tmp_path)]) == 2
