@@ -17,7 +17,7 @@ LAYERS = [
     {"weights", "runtime"},
     {"kv"},
     {"engine"},
-    {"cli", "api", "upstream", "bench", "flex_opt", "dist_flex_opt", "__main__"},
+    {"cli", "api", "serve", "upstream", "bench", "flex_opt", "dist_flex_opt", "__main__"},
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -23,6 +23,7 @@ from ..cli.prompts import is_token_ids, load_tokenizer, text_ids
 from ..cli.validate import typed_flag_values
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
+from ..engine.sampling import RowSampler, Sampler
 from ..engine.state import GenerationResult, GenState
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress as bar
@@ -161,6 +162,31 @@ class LLM:
         from .compare import compare
         return compare(self, prompts, kv_policies, max_new_tokens, stop, self._bars(progress))
 
+    def batch_steps(self, ids: list[list[int]], params: list[Params], *, kv_policy=None):
+        """One engine batch of 1 to batch_size token-id prompts, each with its own Params (length,
+        sampling, seed, logprobs; one stop token for all): a Step after the prefill and each decode
+        step (step.state.sampler.logprobs[row] holds the asked log-probabilities), then one with the
+        result. Closing the iterator early ends the batch there; either way the batch's KV blocks and
+        offload files are freed at its end. kv_policy: one from kv_policy_for, for this batch only.
+        (Appending to a cached prefix would plug in here: the engine prefills whole prompts today.)"""
+        if not 0 < len(ids) <= self.batch_size or len(params) != len(ids) or len({p.stop for p in params}) > 1:
+            raise ConfigError(f"batch_steps runs one batch: 1 to {self.batch_size} prompts, one Params each, "
+                              "one stop token")
+        eng, own = self.engine, self.engine.kv_policy
+        if kv_policy is not None:
+            eng.set_kv_policy(kv_policy, attach=False)  # the prefill attaches it to the batch's new tables
+        try:
+            yield from self._steps(ids, params, sort=False)
+        finally:
+            eng.set_kv_policy(own, attach=False)
+            eng.free_tables()
+
+    def kv_policy_for(self, values: dict):
+        """The KV policy of flag values ({"kv_policy": "sparpr", "keep_ratio": 0.1}) made as this
+        LLM made its own, for batch_steps; ConfigError when it cannot use this LLM's cache layout."""
+        from .compare import policy_for
+        return policy_for(self, ", ".join(f"{k}={v}" for k, v in values.items()), values)
+
     # --- the one path (also the command line's) ---
     def generate_ids(self, ids: list[list[int]], params: Params, *, progress: bool = False, pad_to: int = 0,
                      sort: bool = True, on_step=None) -> list[list[int]]:
@@ -179,10 +205,11 @@ class LLM:
                     out[i] = step.result.tokens[r]
         return out
 
-    def _steps(self, ids: list[list[int]], params: Params, *, progress: bool = False, pad_to: int = 0,
-               sort: bool = True, decode_bar: bool = True):
+    def _steps(self, ids: list[list[int]], params: Params | list[Params], *, progress: bool = False,
+               pad_to: int = 0, sort: bool = True, decode_bar: bool = True):
         """Every batch through the engine's loop, yielding a Step after the prefill, after each decode
-        step, and once more when the batch is done (with its result); fills last_stats."""
+        step, and once more when the batch is done (with its result); fills last_stats. params: one
+        for all prompts, or one per prompt (rows then sample apart: engine/sampling.py RowSampler)."""
         if self.closed:
             raise ConfigError("this LLM is closed: make a new one")
         eng, size = self.engine, self.batch_size
@@ -190,7 +217,9 @@ class LLM:
         batches = plan_batches([len(x) for x in ids], size, sort)
         stats = self.last_stats = Stats(num_prompts=len(ids), num_batches=len(batches),
                                         prompt_tokens=sum(map(len, ids)))
-        sampler = params.sampler()  # one per call: its random stream runs on across the batches
+        rows_params = params if isinstance(params, list) else None
+        sampler = params.sampler() if rows_params is None else None  # one per call: its stream runs on
+        blocks0 = list(eng.reader.blocks_read)
         outer = bar(total=len(ids), desc="generate", unit="prompt", enabled=progress and len(batches) > 1)
         t0, mem = time.perf_counter(), None
         eng.devices.counters.reset()
@@ -199,15 +228,17 @@ class LLM:
         try:
             with PeakMemory(eng.devices.compute) as mem:
                 for rows in batches:
-                    st = eng.prefill(fill([ids[i] for i in rows], size), params.max_new, sampler, pad_to=pad_to,
-                                     progress=progress)
+                    each = [params] * len(rows) if rows_params is None else [rows_params[i] for i in rows]
+                    max_new, stop = max(p.max_new for p in each), each[0].stop
+                    st = eng.prefill(fill([ids[i] for i in rows], size), max_new, sampler or _row_sampler(each, size),
+                                     pad_to=pad_to, progress=progress)
                     yield Step(rows, st)
-                    for _ in eng.decode_steps(st, params.stop, progress and decode_bar):
+                    for _ in eng.decode_steps(st, stop, progress and decode_bar):
                         yield Step(rows, st)
                     res = st.result()
                     stats.step_times.append(res.step_times)
                     stats.step_parts.append(res.step_parts)
-                    stats.generated_tokens += sum(len(finish(res.tokens[r], params.max_new, params.stop)[0])
+                    stats.generated_tokens += sum(len(finish(res.tokens[r], each[r].max_new, stop)[0])
                                                   for r in range(len(rows)))
                     yield Step(rows, st, res)
                     outer.update(len(rows))
@@ -219,6 +250,7 @@ class LLM:
             stats.bytes_moved = eng.devices.counters.snapshot()
             stats.peak_memory = mem.report() if mem is not None else {}
             stats.kv_policy_stats = eng.kv_policy.stats()
+            stats.kv_blocks_read = tuple(n - n0 for n, n0 in zip(eng.reader.blocks_read, blocks0))
             stats.disk_io_mode = sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else None
             stats.device, stats.dtype = str(eng.devices.compute), str(eng.dtype).removeprefix("torch.")
 
@@ -252,9 +284,10 @@ class LLM:
         return make_params(self.spec, self.opts.seed, _parser(), max_new_tokens, do_sample, temperature, top_p,
                            stop, seed)
 
-    def _check_lengths(self, ids: list[list[int]], params: Params, pad_to: int = 0) -> None:
+    def _check_lengths(self, ids: list[list[int]], params: Params | list[Params], pad_to: int = 0) -> None:
+        max_new = max(p.max_new for p in params) if isinstance(params, list) else params.max_new
         if ids:
-            preflight.check_context(self.spec, max(pad_to, max(map(len, ids))) + params.max_new, self._dummy,
+            preflight.check_context(self.spec, max(pad_to, max(map(len, ids))) + max_new, self._dummy,
                                     "max_new_tokens")
 
     def _output(self, index: int, prompt: list[int], row: list[int], params: Params) -> Output:
@@ -266,6 +299,12 @@ class LLM:
         if progress is not None and not isinstance(progress, bool):
             raise ConfigError(f"progress must be True, False or None (got {progress!r})")
         return bars_wanted(self.opts.quiet) if progress is None else progress
+
+
+def _row_sampler(each: list[Params], size: int) -> RowSampler:
+    """Per-row choices of one batch; the rows filling it up decode greedily, unseen."""
+    fillers = size - len(each)
+    return RowSampler([p.sampler() for p in each] + [Sampler()] * fillers, [p.logprobs for p in each] + [None] * fillers)
 
 
 @functools.cache

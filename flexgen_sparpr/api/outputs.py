@@ -48,6 +48,7 @@ class Stats:
     bytes_moved: dict[str, int] = field(default_factory=dict)  # per link ("disk->cpu", ...)
     peak_memory: dict = field(default_factory=dict)  # engine/memory.py PeakMemory.report()
     kv_policy_stats: dict | None = None
+    kv_blocks_read: tuple[int, int] = (0, 0)  # over the decode cells: KV blocks attention read, blocks cached
     disk_io_mode: list[str] | None = None
     device: str = ""
     dtype: str = ""
@@ -56,6 +57,12 @@ class Stats:
     def decode_step_parts(self) -> dict[str, float]:
         """Where a decode step's time goes: per part, the median over every batch's decode steps."""
         return median_parts([p for batch in self.step_parts for p in batch[1:]])
+
+    @property
+    def kv_read_share(self) -> float | None:
+        """Share of the cached KV blocks the decode steps read (None: no block was counted)."""
+        read, total = self.kv_blocks_read
+        return read / total if total else None
 
     @property
     def tokens_per_s(self) -> float:

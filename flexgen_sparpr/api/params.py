@@ -25,6 +25,7 @@ class Params:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    logprobs: int | None = None  # LLM.batch_steps: also the top-N log-probabilities of each step (0: the chosen's)
 
     def sampler(self) -> Sampler:
         return Sampler(self.do_sample, self.temperature, self.top_p, self.seed)

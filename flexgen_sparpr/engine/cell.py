@@ -32,6 +32,7 @@ class KVReader:
         self.cpu_cache_compute, self.speculate = cpu_cache_compute, speculate
         self.clock = clock or StepClock()  # the engine's: select / read / rebuild seconds of its steps
         self.ring = GatherRing()  # the decode cells' gather buffers, reused
+        self.blocks_read = [0, 0]  # over the decode cells so far: blocks attention read, blocks cached
 
     def in_place(self, t: BlockTable) -> bool:
         """Caches attended without a gather: resident and read whole, attended by the policy, or
@@ -88,6 +89,8 @@ class KVReader:
         if fetched is not None and fetched.hidden is not None:
             with clock.timed("rebuild"):
                 rebuild_kv(fetched, self.arch, w, pads)
+        self.blocks_read[0] += t.num_blocks if fetched is None else len(fetched.sel.blocks)
+        self.blocks_read[1] += t.num_blocks
         return fetched
 
     def add_token(self, t: BlockTable, fetched: Fetched | None, k: torch.Tensor, v: torch.Tensor):

@@ -140,10 +140,15 @@ class Engine:
             return Done(self.weights.load(j))
         return self.io.submit(self.weights.load, j)
 
-    def _new_tables(self, max_len: int) -> None:
+    def free_tables(self) -> None:
+        """Close the last generation's block tables now (their memory and offload files), rather
+        than at the next prefill."""
         for t in self.tables.values():
             t.close()
         self.tables.clear()
+
+    def _new_tables(self, max_len: int) -> None:
+        self.free_tables()
         self._generation += 1  # disk file names stay unique across generations
         self.tables.update(build_tables(
             self.spec, self.policy, block_size=self.cfg.block_size, dtype=self.dtype, devices=self.devices,
