@@ -32,6 +32,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.description = ("Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                      "/v1/models, /health, /metrics, and a chat page at /), with run's model, placement, policy and "
                      "--config flags.")
+    p.epilog = ("The flags are checked and the port bound before the model loads; the model, and the placement's "
+                "bytes per tier against this machine's free memory and disk (FLEXGEN_SPARPR_NO_MEMORY_CHECK=1 skips "
+                "it), are checked as it loads. A failure is one 'error:' line, exit 2. SIGTERM or SIGINT drains the "
+                "requests in flight, removes the offload files and exits 0. Requests: README.md, 'Serving over HTTP'.")
     for action in p._actions:  # a request gives these (its prompt, max_tokens, temperature, ...)
         if action.dest in PER_REQUEST:
             action.help = argparse.SUPPRESS
