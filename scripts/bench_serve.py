@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     flags = ["--model", args.model, "--gpu-batch-size", str(args.gpu_batch_size), "--max-queue",
              str(args.max_queue), *[f for flag in args.server_flag for f in flag.split()]]
     prompts = mixed_prompts(args.lengths, 64, seed=0)
-    load_before = load_average()
+    load_before, commit = load_average(), engine_commit()  # the commit the server runs
     proc, port = start_server(flags, timeout=300)
     levels = []
     try:
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     payload = {"config": {"server_flags": flags, "clients": args.clients, "seconds_per_level": args.seconds,
                           "max_tokens": args.max_tokens, "prompt_lengths_chars": args.lengths,
                           "prompts": "slices of tests/data/alice29.txt, seed 0", "temperature": 0,
-                          "engine_commit": engine_commit()},
+                          "engine_commit": commit},
                "machine": machine_info(), "load_average_before": load_before, "load_average_after": load_average(),
                "server_exit_code": rc, "levels": levels}
     rows = [[s["clients"], s["requests"], s["answered"], f"{s['req_per_s']:.2f}", f"{s['tokens_per_s']:.1f}",
