@@ -1,6 +1,8 @@
 """How the API cuts any number of prompts into the engine's fixed-size batches."""
 from __future__ import annotations
 
+from ..engine.sampling import RowSampler, Sampler
+
 
 def plan_batches(lengths: list[int], batch_size: int, sort: bool = True) -> list[list[int]]:
     """Input indices cut into batches: by length (stable) when sort, so a batch pads its prompts to
@@ -15,3 +17,11 @@ def fill(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
     no other sequence's tokens (unless a KV policy selects blocks for the batch as a whole)."""
     short = min(prompts, key=len)
     return prompts + [short] * (batch_size - len(prompts))
+
+
+def row_sampler(each: list, size: int) -> RowSampler:
+    """A batch whose prompts each have their own Params (`each`): per-row sampling and logprobs;
+    the rows filling it up decode greedily, unseen."""
+    fillers = size - len(each)
+    return RowSampler([p.sampler() for p in each] + [Sampler()] * fillers,
+                      [p.logprobs for p in each] + [None] * fillers)

@@ -23,12 +23,12 @@ from ..cli.prompts import is_token_ids, load_tokenizer, text_ids
 from ..cli.validate import typed_flag_values
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
-from ..engine.sampling import RowSampler, Sampler
+from ..engine.sampling import Sampler
 from ..engine.state import GenerationResult, GenState
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress as bar
 from ..weights.resolve import DUMMY, resolve_source
-from .batching import fill, plan_batches
+from .batching import fill, plan_batches, row_sampler
 from .outputs import Output, Stats, StreamEvent, TextStream, finish
 from .params import Params, make_params
 
@@ -230,7 +230,7 @@ class LLM:
                 for rows in batches:
                     each = [params] * len(rows) if rows_params is None else [rows_params[i] for i in rows]
                     max_new, stop = max(p.max_new for p in each), each[0].stop
-                    st = eng.prefill(fill([ids[i] for i in rows], size), max_new, sampler or _row_sampler(each, size),
+                    st = eng.prefill(fill([ids[i] for i in rows], size), max_new, sampler or row_sampler(each, size),
                                      pad_to=pad_to, progress=progress)
                     yield Step(rows, st)
                     for _ in eng.decode_steps(st, stop, progress and decode_bar):
@@ -299,12 +299,6 @@ class LLM:
         if progress is not None and not isinstance(progress, bool):
             raise ConfigError(f"progress must be True, False or None (got {progress!r})")
         return bars_wanted(self.opts.quiet) if progress is None else progress
-
-
-def _row_sampler(each: list[Params], size: int) -> RowSampler:
-    """Per-row choices of one batch; the rows filling it up decode greedily, unseen."""
-    fillers = size - len(each)
-    return RowSampler([p.sampler() for p in each] + [Sampler()] * fillers, [p.logprobs for p in each] + [None] * fillers)
 
 
 @functools.cache
