@@ -147,16 +147,31 @@ async def _generate(state: ServerState, request, kind: str):
     shaper = Shaper(kind, state.model_name, llm.tokenizer)
     if req.stream:
         return EventSourceResponse(_stream(state, request, ticket, shaper), sep="\n", ping=15)
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
         while True:
-            what, payload = await ticket.events.get()
+            get = asyncio.ensure_future(ticket.events.get())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:  # the client left: the finally cancels its request
+                get.cancel()
+                state.metrics.requests.labels(request.url.path, "499").inc()
+                return Response(status_code=499)
+            what, payload = get.result()
             if what == "error":
                 return _error(state, request, payload)
             if what == "done":
                 state.metrics.requests.labels(request.url.path, "200").inc()
                 return JSONResponse(shaper.whole(ticket.answer, len(req.ids), payload))
     finally:
+        gone.cancel()
         _ended(state, ticket)
+
+
+async def _client_gone(request) -> None:
+    """Returns once the client of a whole (not streamed) answer has disconnected (a stream's
+    leaving cancels its generator instead)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(state: ServerState, request, ticket: Ticket, shaper: Shaper):

@@ -149,6 +149,7 @@ def test_per_request_kv_policy(server):
     status, err = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "kv_policy": "dkv"})
     assert status == 400 and "dkv" in err["error"]["message"] and err["error"]["param"] == "kv_policy"  # its why
     assert server.metric("flexgen_sparpr_kv_blocks_total") > 0
+    assert server.metric("flexgen_sparpr_bytes_moved_total") > 0  # half the cache lives on disk
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -202,6 +203,21 @@ def test_disconnect_cancels_and_frees_the_kv(server):
     assert not kv_files(server.offload_dir)
     assert server.metric("flexgen_sparpr_requests_cancelled_total") == before + 1
     assert server.metric("flexgen_sparpr_generation_tokens_total") < 480 * 10  # it did not run to the end
+    # a whole (not streamed) answer's client leaving cancels it too
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Go on and on", "max_tokens": 480}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    time.sleep(1.5)
+    conn.sock.shutdown(2)
+    conn.close()
+    end = time.monotonic() + 30
+    while server.metric("flexgen_sparpr_requests_cancelled_total") < before + 2 and time.monotonic() < end:
+        time.sleep(0.2)
+    assert server.metric("flexgen_sparpr_requests_cancelled_total") == before + 2
+    while (kv_files(server.offload_dir) or server.metric("flexgen_sparpr_running_requests")) \
+            and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not kv_files(server.offload_dir)
 
 
 def test_queue_full_is_a_clean_429_and_queued_requests_still_answer(server):
