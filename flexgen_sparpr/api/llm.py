@@ -230,8 +230,9 @@ class LLM:
                 for rows in batches:
                     each = [params] * len(rows) if rows_params is None else [rows_params[i] for i in rows]
                     max_new, stop = max(p.max_new for p in each), each[0].stop
-                    st = eng.prefill(fill([ids[i] for i in rows], size), max_new, sampler or row_sampler(each, size),
-                                     pad_to=pad_to, progress=progress)
+                    choose = sampler if sampler is not None else row_sampler(each, size)
+                    st = eng.prefill(fill([ids[i] for i in rows], size), max_new, choose, pad_to=pad_to,
+                                     progress=progress)
                     yield Step(rows, st)
                     for _ in eng.decode_steps(st, stop, progress and decode_bar):
                         yield Step(rows, st)
