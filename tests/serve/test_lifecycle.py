@@ -130,3 +130,21 @@ def test_a_taken_port_is_one_line_and_exit_2(tiny_chat_dir, tmp_path):
         r = subprocess.run([sys.executable, "-m", "flexgen_sparpr", "serve", "--model", str(tiny_chat_dir),
                             "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: cannot listen on 127.0.0.1:")
+
+
+def test_a_model_without_chat_template_or_tokenizer_is_a_clear_400(tiny_llama_dir, tmp_path):
+    app = InProcess(lambda: LLM(str(tiny_llama_dir), gpu_batch_size=1, quiet=True, offload_dir=str(tmp_path)))
+    try:
+        end = time.monotonic() + 60
+        while app.request("GET", "/health")[0] != 200 and time.monotonic() < end:
+            time.sleep(0.05)
+        status, err = app.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 400 and "no chat template" in err["error"]["message"]
+        status, err = app.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 400 and "no tokenizer" in err["error"]["message"]
+        status, ok = app.request("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0,
+                                                             "logprobs": 1})
+        assert status == 200 and ok["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        assert len(ok["choices"][0]["logprobs"]["tokens"]) == 3  # token ids as text, without a tokenizer
+    finally:
+        app.close()
