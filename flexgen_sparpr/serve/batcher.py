@@ -96,20 +96,22 @@ class Batcher:
         return self._policies[key]
 
     def _loop(self) -> None:
+        batch: list[Ticket] = []
         while True:
-            with self.cond:
-                while not self.waiting and not self.closing:
-                    self.cond.wait()
-                if not self.waiting:
-                    return
-                first = self.waiting[0].arrived
-            wait = first + self.window_s - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-            with self.cond:
-                batch = self._pick()
+            if not batch:
+                with self.cond:
+                    while not self.waiting and not self.closing:
+                        self.cond.wait()
+                    if not self.waiting:
+                        return
+                    first = self.waiting[0].arrived
+                wait = first + self.window_s - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+                with self.cond:
+                    batch = self._pick()
             if batch:
-                self._run(batch)
+                batch = self._run(batch)
 
     def _pick(self) -> list[Ticket]:
         """The next batch: the oldest waiting request and those after it that can join it."""
@@ -129,7 +131,9 @@ class Batcher:
         plen = max(len(t.req.ids) for t in batch)  # the batch's prompts are left-padded to one length
         return plen + max(t.req.max_new or 1 for t in batch) <= self.limit
 
-    def _run(self, batch: list[Ticket]) -> None:
+    def _run(self, batch: list[Ticket]) -> list[Ticket]:
+        """Run one batch; returns the next, taken from the queue before this one's answers go out (so
+        their clients' next requests queue behind it, not beside it, and --max-queue holds)."""
         llm = self.llm
         plen = max(len(t.req.ids) for t in batch)
         params = []
@@ -152,11 +156,13 @@ class Batcher:
                 steps.close()  # ends the engine's batch here when every request has ended
         except Exception as e:  # noqa: BLE001  (one logged line; the clients get a 500, not a traceback)
             log.error("batch %d failed: %s: %s", self.num_batches, type(e).__name__, " ".join(str(e).split())[:300])
+            with self.cond:
+                following = self._pick()
             for t in batch:
                 if not t.ended:
                     t.failed = True
                     t.send("error", ApiError(500, "internal error while generating (logged on the server)"))
-            return
+            return following
         finally:
             self.running = []
         stats, t1 = llm.last_stats, time.perf_counter()
@@ -164,11 +170,14 @@ class Batcher:
         rate = decoded / (t1 - t_prefilled) if t_prefilled is not None and decoded else None
         info = {"batch_id": self.num_batches, "batch_rows": len(batch), "kv_read_share": stats.kv_read_share,
                 "decode_tokens_per_s": rate, "kv_policy": dict(batch[0].kv_key or ()) or None}
+        with self.cond:
+            following = self._pick()
         for t in batch:
             if not t.cancelled:
                 t.send("done", info)
         if self.on_batch is not None:
             self.on_batch(batch, stats, info)
+        return following
 
     def _take(self, batch: list[Ticket], step) -> bool:
         """This step's token of every live request, sent on; True when all have ended."""

@@ -249,3 +249,13 @@ def test_queue_full_is_a_clean_429_and_queued_requests_still_answer(server):
     pool.shutdown()
     assert [s for s, _ in answers] == [200] * 4
     assert all(a["usage"]["completion_tokens"] == 3 for _, a in answers)
+
+
+def test_clients_within_the_queue_limit_never_see_a_429_and_nothing_is_lost(server):
+    """4 clients (--max-queue 4: at most 4 requests can ever wait) sending back to back for 4 s:
+    every request answered, counted once by the server as by the client (bench/serve_load.py)."""
+    from flexgen_sparpr.bench.serve_load import mixed_prompts, run_level
+    level = run_level(server.port, 4, 4.0, mixed_prompts([20, 80, 200], 16, seed=0), max_tokens=2, key=API_KEY)
+    s = level.summary()
+    assert s["answered"] >= 8 and s["by_status"] == {"200": s["requests"]}
+    assert s["lost"] == 0 and s["duplicate_answers"] == 0
