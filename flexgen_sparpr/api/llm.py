@@ -23,7 +23,6 @@ from ..cli.prompts import is_token_ids, load_tokenizer, text_ids
 from ..cli.validate import typed_flag_values
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
-from ..engine.sampling import Sampler
 from ..engine.state import GenerationResult, GenState
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress as bar
