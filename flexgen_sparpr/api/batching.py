@@ -12,7 +12,8 @@ def plan_batches(lengths: list[int], batch_size: int, sort: bool = True) -> list
 
 
 def fill(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
-    """A short batch filled up with copies of its shortest prompt (the engine runs whole batches):
+    """A short batch filled up with copies of its shortest prompt (where the engine runs whole batches
+    only: several GPU batches, a pipeline stage; else a short batch runs as a smaller one):
     each sequence attends to its own cache only, so the copies, whose outputs are dropped, change
     no other sequence's tokens (unless a KV policy selects blocks for the batch as a whole)."""
     short = min(prompts, key=len)

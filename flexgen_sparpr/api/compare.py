@@ -58,7 +58,7 @@ def compare(llm, prompts, kv_policies: dict[str, dict], max_new_tokens: int, sto
     others = {label: policy_for(llm, label, values) for label, values in kv_policies.items()}
     if own.name in others:
         raise ConfigError(f"kv_policies: {own.name!r} is the LLM's own policy's label; name the others otherwise")
-    st = eng.prefill(fill(ids, llm.batch_size), params.max_new, params.sampler(), observers=tuple(others.values()),
+    st = eng.prefill(ids if eng.can_shrink else fill(ids, llm.batch_size), params.max_new, params.sampler(), observers=tuple(others.values()),
                      progress=progress)
     snap = eng.snapshot(st)
     out = {}

@@ -229,8 +229,9 @@ class LLM:
                 for rows in batches:
                     each = [params] * len(rows) if rows_params is None else [rows_params[i] for i in rows]
                     max_new, stop = max(p.max_new for p in each), each[0].stop
-                    choose = sampler if sampler is not None else row_sampler(each, size)
-                    st = eng.prefill(fill([ids[i] for i in rows], size), max_new, choose, pad_to=pad_to,
+                    rows_in = len(rows) if eng.can_shrink else size  # a short batch runs short, or is filled up
+                    choose = sampler if sampler is not None else row_sampler(each, rows_in)
+                    st = eng.prefill(fill([ids[i] for i in rows], rows_in), max_new, choose, pad_to=pad_to,
                                      progress=progress)
                     yield Step(rows, st)
                     for _ in eng.decode_steps(st, stop, progress and decode_bar):

@@ -23,7 +23,7 @@ def load_tokenizer(tokenizer_dir):
 
 
 def build_prompts(run, tokenizer, batch_size: int, vocab: int) -> list[list[int]]:
-    """One id list per sequence; a single prompt is repeated over the batch, as FlexGen does."""
+    """One id list per sequence: the prompts given, or FlexGen's benchmark prompt repeated over the batch."""
     if run.prompt_ids_file:
         try:
             ids = json.loads(Path(run.prompt_ids_file).read_text())
@@ -46,9 +46,9 @@ def build_prompts(run, tokenizer, batch_size: int, vocab: int) -> list[list[int]
     if text is not None:
         return _fill([text_ids(tokenizer, text, run.chat, vocab)], batch_size)
     if tokenizer is not None:  # FlexGen's benchmark prompt (the engine left-pads it to --prompt-len)
-        return _fill([encode(tokenizer, FLEXGEN_PROMPT, run.chat)[-run.prompt_len:]], batch_size)
+        return _fill([encode(tokenizer, FLEXGEN_PROMPT, run.chat)[-run.prompt_len:]], batch_size, given=False)
     g = torch.Generator().manual_seed(run.seed)  # no tokenizer (dummy OPT): fixed random ids
-    return _fill([torch.randint(3, vocab, (run.prompt_len,), generator=g).tolist()], batch_size)
+    return _fill([torch.randint(3, vocab, (run.prompt_len,), generator=g).tolist()], batch_size, given=False)
 
 
 def text_ids(tokenizer, text: str, chat: bool, vocab: int, ids_flag: str = "--prompt-ids-file") -> list[int]:
@@ -94,10 +94,13 @@ def _quiet_tokenizer():
         log.setLevel(level)
 
 
-def _fill(ids: list[list[int]], batch_size: int) -> list[list[int]]:
-    if len(ids) == 1:
+def _fill(ids: list[list[int]], batch_size: int, given: bool = True) -> list[list[int]]:
+    """The prompts a run computes: the ones given, as a batch of their own (fewer than the batch
+    size is a smaller batch: one prompt, one answer); FlexGen's benchmark prompt (none given) is
+    repeated over the batch, as FlexGen does."""
+    if not given:
         return ids * batch_size
-    if len(ids) != batch_size:
+    if len(ids) > batch_size:
         raise ConfigError(f"{len(ids)} prompts given but the batch is {batch_size} "
-                          "(--gpu-batch-size x --num-gpu-batches)")
+                          "(--gpu-batch-size x --num-gpu-batches); `flexgen-sparpr batch` runs any number")
     return ids

@@ -103,7 +103,7 @@ def generate(s: Setup, link=None) -> Generated:
     Python API (api/llm.py), the one path of every generation. --stream prints as it decodes.
     link: a distributed run's engine/pipeline.py StageLink for s.stage (its micro-batches, its
     neighbours)."""
-    opts, spec, n = s.opts, s.source.spec, s.policy.batch_size
+    opts, spec, n = s.opts, s.source.spec, len(s.prompts)
     total = s.prompt_len + opts.gen_len
     s.say(f"model size: {spec.model_bytes() / fmt.GB:.3f} GB, cache size: {spec.cache_bytes(n, total) / fmt.GB:.3f} "
           f"GB, hidden size (prefill): {spec.hidden_bytes(n, total) / fmt.GB:.3f} GB")
@@ -131,7 +131,7 @@ def generate(s: Setup, link=None) -> Generated:
 def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
     """FlexGen's summary lines and benchmark log, then the JSON (written to --output-json) with
     `extra`'s keys added (a distributed run's per-stage report)."""
-    opts, spec, n, plen = s.opts, s.source.spec, s.policy.batch_size, s.prompt_len
+    opts, spec, n, plen = s.opts, s.source.spec, len(s.prompts), s.prompt_len
     times = g.result.step_times
     prefill_lat = times[0]
     projected = bool(opts.debug_mode or opts.cut_gen_len)

@@ -9,6 +9,7 @@ micro-batch after micro-batch, with a StageLink at the slice's ends (engine/pipe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class Engine:
     def __init__(self, source, policy: Policy, cfg: EngineConfig, progress: bool = False,
                  micro_batches: int = 1, link: StageLink | None = None, stream_api=None):
         self.spec, self.policy, self.cfg = source.spec, policy, cfg
+        self.run_policy = policy  # the current generation's: a batch of fewer prompts is a smaller batch
         self.link, self.micro_batches = link, micro_batches
         if policy.num_gpu_batches % micro_batches:
             raise ConfigError(f"{micro_batches} micro-batches do not divide --num-gpu-batches {policy.num_gpu_batches}")
@@ -101,6 +103,13 @@ class Engine:
                                clock=self.clock)
         self._generation = 0
         self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
+
+    @property
+    def can_shrink(self) -> bool:
+        """Whether a generation may run fewer prompts than the policy's batch as a smaller batch
+        (one GPU batch, no pipeline stages: their batch shapes are fixed); else short batches are
+        filled up by the caller."""
+        return self.policy.num_gpu_batches == 1 and self.link is None
 
     def _cap_device(self, gpu_mem: float | None) -> int | None:
         """--gpu-mem: the bytes torch's allocator may reserve (the card's size less this
@@ -151,7 +160,7 @@ class Engine:
         self.free_tables()
         self._generation += 1  # disk file names stay unique across generations
         self.tables.update(build_tables(
-            self.spec, self.policy, block_size=self.cfg.block_size, dtype=self.dtype, devices=self.devices,
+            self.spec, self.run_policy, block_size=self.cfg.block_size, dtype=self.dtype, devices=self.devices,
             disk=self.disk, kv_policy=self.kv_policy, cold_codec=self.cold_codec, max_len=max_len,
             name=f"g{self._generation}", observers=self._observers,
             layers=self.link.stage.layers if self.link else None))
@@ -232,8 +241,11 @@ class Engine:
         `progress`: a bar over the layers (a long prompt's prefill takes a while)."""
         p, dev = self.policy, self.devices.compute
         if len(prompts) != p.batch_size:
-            raise ConfigError(f"got {len(prompts)} prompts; the policy runs batches of "
-                              f"{p.gpu_batch_size} x {p.num_gpu_batches} = {p.batch_size}")
+            if not (self.can_shrink and 0 < len(prompts) < p.batch_size):
+                raise ConfigError(f"got {len(prompts)} prompts; the policy runs batches of "
+                                  f"{p.gpu_batch_size} x {p.num_gpu_batches} = {p.batch_size}")
+            p = dataclasses.replace(p, gpu_batch_size=len(prompts))  # fewer rows: a smaller batch, no copies
+        self.run_policy = p
         if max_new_tokens < 1 or any(len(s) == 0 for s in prompts):
             raise ConfigError("need at least one prompt token and one new token")
         plen = max(pad_to, max(len(s) for s in prompts))
@@ -295,7 +307,7 @@ class Engine:
 
     def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None, bar=None) -> None:
         t0 = time.perf_counter()
-        gbs, ngb = self.policy.gpu_batch_size, self.policy.num_gpu_batches
+        gbs, ngb = self.run_policy.gpu_batch_size, self.run_policy.num_gpu_batches
         # a batch without left padding needs no attention mask (lets SDPA take its fast path)
         pads = [st.pads[k * gbs:(k + 1) * gbs] for k in range(ngb)]
         pads = [p if bool(p.any()) else None for p in pads]
@@ -338,7 +350,7 @@ class Engine:
         """One token step (or the prefill) through this engine's layers and every batch; returns
         logits [B, V] (None on a pipeline stage without the head). `bar` (a progress bar) advances once
         per layer."""
-        p, link = self.policy, self.link
+        p, link = self.run_policy, self.link
         gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
         per = ngb // self.micro_batches  # GPU batches per micro-batch
         last = len(self.layers) - 1

@@ -187,8 +187,24 @@ def test_offload_dir_empty_after_a_failed_generate(tiny_opt_dir, tmp_path):
     off.mkdir()
     with engine(tiny_opt_dir, tmp_path, Policy(gpu_batch_size=2, **C_DISK)) as eng:
         with pytest.raises(ConfigError):
-            eng.generate([[1]], 3)
+            eng.generate([[1], [2], [3]], 3)  # more prompts than the batch
     assert list(off.iterdir()) == []
+
+
+def test_fewer_prompts_than_the_batch_run_as_a_smaller_batch(tiny_opt_dir, tmp_path):
+    """One prompt under --gpu-batch-size 4 computes one row (no copies), with the tokens a batch of
+    one gives; several GPU batches keep their shape (the caller fills them up)."""
+    prompt = [list(range(3, 20))]
+    with engine(tiny_opt_dir, tmp_path, Policy(gpu_batch_size=4, **C_DISK)) as eng:
+        assert eng.can_shrink
+        got = eng.generate(prompt, 5).tokens
+        assert {t.block_shape[1] for t in eng.tables.values()} == {1}  # the tables hold one row
+    with engine(tiny_opt_dir, tmp_path, Policy(gpu_batch_size=1, **C_DISK)) as eng:
+        assert got == eng.generate(prompt, 5).tokens
+    with engine(tiny_opt_dir, tmp_path, Policy(gpu_batch_size=2, num_gpu_batches=2, **C_DISK)) as eng:
+        assert not eng.can_shrink
+        with pytest.raises(ConfigError):
+            eng.generate(prompt, 3)
 
 
 # --- bytes moved --------------------------------------------------------------------------
