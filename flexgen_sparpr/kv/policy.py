@@ -32,6 +32,7 @@ class Selection:
     # then costs each sequence its own tokens, not the union's); mask is then aligned to rows, and
     # blocks / seqs still name the union (what the statistics count). None: the union layout.
     rows: torch.Tensor | None = None
+    nseq: list[int] | None = None  # [n sealed picked blocks] sequences reading each, on the host (None: not counted)
 
     @staticmethod
     def all(table: BlockTable) -> "Selection":

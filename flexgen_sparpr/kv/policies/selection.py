@@ -51,17 +51,19 @@ def selection_from_pick(table: BlockTable, pick: torch.Tensor, view: StepView) -
     sequence reading the same blocks on every head needs no mask."""
     b, hkv, bs = table.block_shape[1], table.block_shape[2], table.bs
     per_seq = pick if pick.dim() == 2 else pick.any(dim=1)  # per_seq: [B, nb]
-    chosen = per_seq.any(dim=0).nonzero().flatten()  # chosen: [n] block ids, ascending
-    rows = b > 1 and table.store.resident
-    most, *blocks = torch.cat([per_seq.sum(dim=1).amax()[None], chosen]).tolist() if rows else \
-        [0, *chosen.tolist()]  # the one host sync
+    readers = per_seq.sum(dim=0)  # readers: [nb] sequences that picked each block
+    most, *host = torch.cat([per_seq.sum(dim=1).amax()[None], readers]).tolist()  # the one host sync
+    blocks = [i for i, n in enumerate(host) if n]
+    nseq = [host[i] for i in blocks]
     open_len = view.length - view.sealed * bs
     if open_len:
         blocks.append(view.sealed)
     if b == 1 and pick.dim() == 2:
-        return Selection(blocks)
-    if rows:
-        return _rows_selection(table, pick, per_seq, chosen, blocks, most, view)
+        return Selection(blocks, nseq=nseq)
+    # chosen: [n] the picked block ids, ascending, sorted out on the device (no second sync)
+    chosen = torch.argsort((readers == 0).to(torch.uint8), stable=True)[:len(nseq)]
+    if b > 1 and table.store.resident:
+        return _rows_selection(table, pick, per_seq, chosen, blocks, nseq, most, view)
     m = pick.index_select(-1, chosen)  # m: [B, (Hkv,) n]
     mask = m.repeat_interleave(bs, dim=-1)  # mask: [B, (Hkv,) n * bs]
     seqs = per_seq.index_select(1, chosen)  # seqs: [B, n]
@@ -70,11 +72,11 @@ def selection_from_pick(table: BlockTable, pick: torch.Tensor, view: StepView) -
         seqs = torch.cat([seqs, seqs.new_ones(b, 1)], dim=1)
     if pick.dim() == 2:
         mask = mask[:, None].expand(b, hkv, mask.shape[-1])  # mask: [B, Hkv, T]
-    return Selection(blocks, mask, seqs=table.devices.streams.on_host(seqs))
+    return Selection(blocks, mask, seqs=table.devices.streams.on_host(seqs), nseq=nseq)
 
 
 def _rows_selection(table: BlockTable, pick: torch.Tensor, per_seq: torch.Tensor, chosen: torch.Tensor,
-                    blocks: list[int], most: int, view: StepView) -> Selection:
+                    blocks: list[int], nseq: list[int], most: int, view: StepView) -> Selection:
     """selection_from_pick for a resident cache's batch: each sequence's picked blocks in its own
     row (ascending, padded to the longest row with blocks it did not pick, masked out)."""
     b, hkv, bs = table.block_shape[1], table.block_shape[2], table.bs
@@ -93,7 +95,8 @@ def _rows_selection(table: BlockTable, pick: torch.Tensor, per_seq: torch.Tensor
     seqs = per_seq.index_select(1, chosen)  # seqs: [B, n] (the union, as the statistics count it)
     if open_len:
         seqs = torch.cat([seqs, seqs.new_ones(b, 1)], dim=1)
-    return Selection(blocks, mask.expand(b, hkv, mask.shape[2]), seqs=table.devices.streams.on_host(seqs), rows=rows)
+    return Selection(blocks, mask.expand(b, hkv, mask.shape[2]), seqs=table.devices.streams.on_host(seqs), rows=rows,
+                     nseq=nseq)
 
 
 @dataclass(eq=False)

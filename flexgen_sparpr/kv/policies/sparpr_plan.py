@@ -10,6 +10,7 @@ that lives wholly on the compute device skips the plan (nothing moves)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import weakref
 
@@ -74,8 +75,7 @@ class CostPlan:
         if cum is None:
             cum = {}
             for tier in set(table.homes) - {Tier.COMPUTE}:
-                flags = torch.tensor([h == tier for h in table.homes], dtype=torch.long)
-                cum[tier] = [0, *flags.cumsum(0).tolist()]
+                cum[tier] = [0, *itertools.accumulate(h == tier for h in table.homes)]  # host ints, no tensor
             self._home_counts[table] = cum
         return {tier: c[sealed] for tier, c in cum.items() if c[sealed]}
 
@@ -106,8 +106,7 @@ class CostPlan:
         if not self.quest_only and self.offloaded(table, sealed):
             costs = self.block_costs(table, self.hidden_of(table, q))
             chosen = [i for i in sel.blocks if i < sealed]
-            nseq = dict(zip(chosen, per_seq.sum(dim=0).index_select(0, torch.tensor(chosen, dtype=torch.long,
-                        device=per_seq.device)).tolist())) if b > 1 and chosen else dict.fromkeys(chosen, b)
+            nseq = dict(zip(chosen, sel.nseq)) if b > 1 and sel.nseq is not None else dict.fromkeys(chosen, b)
             store, homes = table.store, table.homes
             moved = sum(homes[i] != Tier.COMPUTE for i in chosen)
             copy = {i: costs[homes[i]][0] * store.read_bytes(i, nseq[i]) / store.read_bytes(i, b) for i in chosen}
