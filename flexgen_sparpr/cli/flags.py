@@ -19,7 +19,7 @@ DEFAULTS = {
     "sep_layer": True, "pin_weight": True, "cpu_cache_compute": False, "attn_sparsity": 1.0,
     "compress_weight": False, "compress_cache": False, "log_file": "auto", "no_log": False,
     "verbose": 2, "overlap": True,
-    "device": "auto", "dtype": "auto", "gpu_mem": None, "block_size": 64, "max_seq_len": None, "prompt": None,
+    "device": "auto", "dtype": "auto", "gpu_mem": None, "block_size": 16, "max_seq_len": None, "prompt": None,
     "prompt_file": None, "prompt_ids_file": None, "chat": False, "output_json": None, "config": None,
     "kv_policy": policies.DEFAULT, "cold_codec": "raw", "direct_io": False, "io_threads": 2, "seed": 0,
     "speculative_prefetch": False,
@@ -82,7 +82,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (auto: float16 on CUDA, float32 on CPU)")
     g.add_argument("--gpu-mem", type=float, help="cap the CUDA device at this many GiB, its context included, "
                    "so a bigger GPU runs like a card that size (placement and --policy auto plan for it too)"),
-    g.add_argument("--block-size", type=int, help="tokens per KV block (default 64)")
+    g.add_argument("--block-size", type=int, help="tokens per KV block (default 16: the block selecting policies pick from)")
     g.add_argument("--max-seq-len", type=int, help="dummy weights: size the position table (OPT's real one stops at 2048)")
     g.add_argument("--prompt", help="prompt text (needs a model with a tokenizer); one of --prompt, "
                    "--prompt-file, --prompt-ids-file")

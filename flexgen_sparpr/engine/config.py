@@ -86,7 +86,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" -> cuda if present else cpu
     dtype: str = "auto"  # "auto" -> float16 on CUDA, float32 on CPU
     gpu_mem: float | None = None  # GiB: cap the CUDA device, as a card this size (storage/device_memory.py)
-    block_size: int = 64
+    block_size: int = 16  # measured: results/fidelity/defaults-block (docs/sparpr.md "Default block")
     offload_dir: str = "~/flexgen_offload_dir"
     direct_io: bool = False  # bypass the page cache on the disk tier (benchmarks)
     io_threads: int = 2

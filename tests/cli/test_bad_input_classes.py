@@ -203,7 +203,7 @@ def test_a_numeric_or_empty_flag_is_refused_naming_it(tiny_llama_dir, tmp_path, 
 def test_a_null_yaml_value_leaves_the_default(tmp_path):
     (tmp_path / "c.yaml").write_text("engine:\n  block_size:\npolicy:\n  attn_sparsity:\n")
     _, policy, engine = resolve({"config": str(tmp_path / "c.yaml")})
-    assert engine.block_size == 64 and policy.attn_sparsity == 1.0
+    assert engine.block_size == 16 and policy.attn_sparsity == 1.0
 
 
 # --- the Python API -----------------------------------------------------------------------------

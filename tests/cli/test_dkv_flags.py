@@ -31,7 +31,7 @@ def test_cold_codec_args_and_explicit_block_size():
 
 def test_without_dkv_nothing_changes():
     _, _, eng = _opts("--kv-policy", "quest")
-    assert eng.block_size == 64 and eng.make_cold_codec() is None and not hasattr(eng.kv_policy, "rank")
+    assert eng.block_size == 16 and eng.make_cold_codec() is None and not hasattr(eng.kv_policy, "rank")
     with pytest.raises(ConfigError, match="--dkv-rank is a knob of dkv; --kv-policy quest ignores it"):
         _opts("--kv-policy", "quest", "--dkv-rank", "8")  # a knob no policy of the run reads is refused
 
