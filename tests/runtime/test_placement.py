@@ -136,7 +136,7 @@ def test_resident_share_of_each_kv_policy():
     mean = ("--kv-policy", "sparpr", "--summary", "mean")
     assert share(*mean) == 1 / 8  # a mean key per 4 tokens, K only
     assert share(*mean, "--summary-tokens", "8") == 1 / 16
-    assert share(*mean, "--summary-tokens", "0") == 1 / 128  # one per 64-token block
+    assert share(*mean, "--summary-tokens", "0") == 1 / 32  # one per 16-token block (the default)
     assert share("--kv-policy", "sparpr", "--summaries-on", "cpu") == 0.0  # auto: the means, on the host
     assert share("--kv-policy", "sparpr", "--summary-rank", "0.1875") == 3 / 128
     assert share("--kv-policy", "sparpr", "--summary-rank", "0.25") == 1 / 32

