@@ -140,7 +140,7 @@ def test_resident_share_of_each_kv_policy():
     assert share("--kv-policy", "sparpr", "--summaries-on", "cpu") == 0.0  # auto: the means, on the host
     assert share("--kv-policy", "sparpr", "--summary-rank", "0.1875") == 3 / 128
     assert share("--kv-policy", "sparpr", "--summary-rank", "0.25") == 1 / 32
-    assert share("--kv-policy", "quest") == 4 / (64 * 2)  # float32 min and max keys of a 64-token block
+    assert share("--kv-policy", "quest") == 4 / (16 * 2)  # float32 min and max keys of a 16-token block (the default)
 
 
 def test_reading_less_of_the_cache_never_predicts_slower():
