@@ -89,7 +89,10 @@ class TierStore:
 
     def reads_rows(self, b: int) -> bool:
         """Whether a copy of sealed block b can move some of its sequences only."""
-        home = self.homes[b]
+        return self.reads_rows_on(self.homes[b])
+
+    def reads_rows_on(self, home: Tier) -> bool:
+        """Whether a copy of a sealed block homed on this tier can move some of its sequences only."""
         return home not in self.coded and (home == Tier.CPU or (home == Tier.DISK and self._seq_disk))
 
     def read_bytes(self, b: int, nseq: int) -> int:

@@ -106,12 +106,17 @@ class CostPlan:
         if not self.quest_only and self.offloaded(table, sealed):
             costs = self.block_costs(table, self.hidden_of(table, q))
             chosen = [i for i in sel.blocks if i < sealed]
-            nseq = dict(zip(chosen, sel.nseq)) if b > 1 and sel.nseq is not None else dict.fromkeys(chosen, b)
-            store, homes = table.store, table.homes
-            moved = sum(homes[i] != Tier.COMPUTE for i in chosen)
-            copy = {i: costs[homes[i]][0] * store.read_bytes(i, nseq[i]) / store.read_bytes(i, b) for i in chosen}
+            nseq = sel.nseq if b > 1 and sel.nseq is not None else [b] * len(chosen)
+            homes, store = table.homes, table.store
             can = self.recompute and table.checkpoints is not None
-            rec = {i: costs[homes[i]][1] if can and homes[i] != Tier.COMPUTE else math.inf for i in chosen}
+            # per home tier, once: (copy s of a whole block, rebuild s, whether a copy moves only its readers' rows)
+            tier = {t: (c, r if can and t != Tier.COMPUTE else math.inf, store.reads_rows_on(t))
+                    for t, (c, r) in costs.items()}
+            copy, rec = {}, {}
+            for i, n in zip(chosen, nseq):
+                c, r, rows = tier[homes[i]]
+                copy[i], rec[i] = (c * n / b if rows else c), r
+            moved = sum(homes[i] != Tier.COMPUTE for i in chosen)
             spans = merge_spans(chosen, homes)
             nspans = len(spans)
             rebuild, sparse_s = plan_recovery(spans, copy, rec, self.cost_model(table).span_overhead_s(table.dtype))
@@ -134,14 +139,17 @@ class CostPlan:
         return sel if fell_back else with_exact_rows(table, sel, view.valid)
 
     @staticmethod
-    def _est_bytes(table: BlockTable, chosen: list[int], rebuild: list[int], nseq: dict[int, int]) -> dict:
+    def _est_bytes(table: BlockTable, chosen: list[int], rebuild: list[int], nseq: list[int]) -> dict:
         """Estimated bytes per link of the chosen offloaded blocks (copied, or their checkpoints)."""
-        out, rebuilt = {}, set(rebuild)
-        for i in chosen:
-            home = table.homes[i]
-            if home == Tier.COMPUTE:
-                continue
-            n = table.checkpoints.store.codec.nbytes if i in rebuilt else table.store.read_bytes(i, nseq[i])
-            for link in (["disk->cpu"] if home == Tier.DISK else []) + (["cpu->compute"] if table.devices.is_cuda else []):
-                out[link] = out.get(link, 0) + n
+        store, homes, rebuilt = table.store, table.homes, set(rebuild)
+        ckpt = table.checkpoints.store.codec.nbytes if rebuilt else 0
+        moved = dict.fromkeys((Tier.CPU, Tier.DISK), 0)
+        for i, n in zip(chosen, nseq):
+            home = homes[i]
+            if home != Tier.COMPUTE:
+                moved[home] += ckpt if i in rebuilt else (
+                    store.seq_nbytes * n if store.reads_rows_on(home) else store.codec_of(home).nbytes)
+        out = {"disk->cpu": moved[Tier.DISK]} if moved[Tier.DISK] else {}
+        if table.devices.is_cuda and moved[Tier.CPU] + moved[Tier.DISK]:
+            out["cpu->compute"] = moved[Tier.CPU] + moved[Tier.DISK]
         return out
