@@ -166,12 +166,15 @@ def _add_knob(g, flag: "policies.Flag") -> None:
     g.add_argument(k.flag, type=k.type, choices=k.choices, metavar=metavar, help=text.replace("%", "%%"))
 
 
+GLOSSARY = "Terms (sealed block, keep, rho, gamma, cold codec, ...): docs/glossary.md."
+
+
 def build_parser(prog: str = "flexgen-sparpr run") -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description="Run offloaded generation with FlexGen's flags.", epilog=(
         "Before any weight loads, the placement's bytes per tier are checked against the free GPU memory, "
         "host memory and offload disk (FLEXGEN_SPARPR_NO_MEMORY_CHECK=1 skips it). A failure is one "
         "'error:' line, exit 2 (a stop signal: 128 + its number; FLEXGEN_SPARPR_TRACEBACK=1 shows a bug's "
-        "traceback); offload files are removed however the run ends."))
+        "traceback); offload files are removed however the run ends. " + GLOSSARY))
     add_flexgen_flags(p)
     add_engine_flags(p)
     add_hardware_flags(p)

@@ -15,7 +15,7 @@ import socket
 import sys
 
 from ..api.llm import LLM
-from ..cli.flags import build_parser
+from ..cli.flags import GLOSSARY, build_parser
 from ..cli.guard import Interrupted, describe
 from ..cli.options import resolve
 from ..errors import ConfigError
@@ -35,7 +35,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.epilog = ("The flags are checked and the port bound before the model loads; the model, and the placement's "
                 "bytes per tier against this machine's free memory and disk (FLEXGEN_SPARPR_NO_MEMORY_CHECK=1 skips "
                 "it), are checked as it loads. A failure is one 'error:' line, exit 2. SIGTERM or SIGINT drains the "
-                "requests in flight, removes the offload files and exits 0. Requests: README.md, 'Serving over HTTP'.")
+                "requests in flight, removes the offload files and exits 0. Requests: README.md, 'Serving over HTTP'. " + GLOSSARY)
     for action in p._actions:  # a request gives these (its prompt, max_tokens, temperature, ...)
         if action.dest in PER_REQUEST:
             action.help = argparse.SUPPRESS
