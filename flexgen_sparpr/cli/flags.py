@@ -23,7 +23,7 @@ DEFAULTS = {
     "prompt_file": None, "prompt_ids_file": None, "chat": False, "output_json": None, "config": None,
     "kv_policy": policies.DEFAULT, "cold_codec": "raw", "direct_io": False, "io_threads": 2, "seed": 0,
     "speculative_prefetch": False,
-    "do_sample": False, "temperature": 1.0, "top_p": 1.0, "stop": None, "warmup": True,
+    "do_sample": False, "temperature": 1.0, "top_p": 1.0, "stop": None, "warmup": None,
     "stream": False, "quiet": False,
     # hardware files and --policy auto (runtime/hardware.py, runtime/placement.py)
     "hardware": None, "policy": None,
@@ -103,7 +103,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, help="nucleus sampling threshold with --do-sample (default 1.0)")
     g.add_argument("--stop", help="stop token id, or 'eos' for the model's end token (default: none, as FlexGen)")
     g.add_argument("--warmup", type=str2bool, nargs="?", const=True, help="one short warm-up generation "
-                   "before the timed one, as FlexGen does (default true)")
+                   "before the timed one (default: true for FlexGen's benchmark prompt, as FlexGen does; false "
+                   "with --prompt, --prompt-file or --prompt-ids-file)")
     g.add_argument("--stream", action="store_true", default=None, help="print the tokens as they are decoded "
                    "(one sequence: its text; a batch: each sequence's lines as they complete, as `[i] line`)")
     g.add_argument("--quiet", action="store_true", default=None, help="no progress bars (they go to stderr, "

@@ -154,6 +154,8 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
     if merged["cut_gen_len"] is not None and not 3 <= merged["cut_gen_len"] <= merged["gen_len"]:
         raise ConfigError("--cut-gen-len must be between 3 and --gen-len (2 warm-up steps are measured whole)")
     one_of_flags(merged, asked, "prompt", "prompt_file", "prompt_ids_file")
+    if merged["warmup"] is None:  # FlexGen's benchmark (its own prompt) warms up first; a user's prompts do not
+        merged["warmup"] = not any(merged[k] for k in ("prompt", "prompt_file", "prompt_ids_file"))
     for key in ("temperature", "top_p"):  # sampling knobs do nothing in greedy decoding
         if key in given and not merged["do_sample"]:
             raise ConfigError(f"{flag_name(key)} {merged[key]} does nothing without --do-sample (greedy decoding): "

@@ -184,3 +184,15 @@ def test_log_name_uses_the_size_and_the_placement_run():
     chosen = dataclasses.replace(pol, w_gpu_percent=40, w_cpu_percent=45, cache_gpu_percent=5,
                                  cache_cpu_percent=75, act_gpu_percent=0, act_cpu_percent=100)
     assert "-percent-40-45-5-75-0-100-" in flexgen_log_name(run, chosen, spec)  # --policy auto's choice
+
+
+def test_warm_up_only_for_flexgens_benchmark_prompt_unless_asked():
+    from flexgen_sparpr.cli.flags import build_parser
+    from flexgen_sparpr.cli.options import resolve
+
+    def warmup(*argv):
+        return resolve(build_parser().parse_args(["--model", "opt-125m", "--path", "_DUMMY_", *argv]))[0].warmup
+    assert warmup() is True  # FlexGen's benchmark, as upstream
+    assert warmup("--prompt", "Hi") is False  # a user's prompt: one generation, no warm-up
+    assert warmup("--prompt", "Hi", "--warmup") is True
+    assert warmup("--warmup", "false") is False
