@@ -19,6 +19,7 @@ count the bytes and the requests (`LinkCounters.requests`).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import torch
@@ -26,6 +27,8 @@ import torch
 from ..storage.codec import Codec, RawCodec
 from ..storage.disk import ALIGN, aligned_empty
 from ..storage.tiers import Devices, Tier
+
+_READ_BUFFERS = threading.local()  # per thread: the host buffer its CPU-only disk reads land in
 
 
 class TierStore:
@@ -299,23 +302,44 @@ class TierStore:
             data.view(self.dtype).view(count, rows, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5))
 
     def _read_disk(self, jobs: list) -> None:
-        """Disk requests (first slot, slots, sink), read concurrently (the store's read depth), each
-        request's bytes handed to its sink on compute; the link's bandwidth is timed over the whole
-        batch, so overlapping reads are not counted twice."""
+        """Disk requests (first slot, slots, sink): read into one page-aligned host buffer (O_DIRECT
+        reads land in place, no bounce copy), split over the store's read depth in shares that
+        each reader takes in turn (a hand-off per small request cost more than the read), then each
+        request's bytes handed to its sink on compute, on this thread. The link's bandwidth is timed
+        over the reads."""
         dev, piece = self.devices, self._disk.slot_bytes
+        sizes = [count * piece for _, count, _ in jobs]
+        host = self._read_buffer(sum(sizes)).split(sizes)
+        reqs = [(slot, count, h, sink) for (slot, count, sink), h in zip(jobs, host)]
+        depth = min(self._disk_store.read_depth, len(reqs))
 
-        def read(job) -> int:
-            slot, count, sink = job
-            host = dev.empty_host((count * piece,), torch.uint8)
-            self._disk.read_slots(slot, count, host)
-            sink(dev.host.to_compute_new(host))  # host: pinned by torch, so straight to the current stream
-            return host.nbytes
+        def read(share: list) -> None:
+            for slot, count, h, _ in share:
+                self._disk.read_slots(slot, count, h)
+            for _, _, h, sink in share:  # after the share's reads: a sink's copy never waits on a read
+                sink(dev.host.to_compute_new(h))
         t0 = time.perf_counter()
         # the readers copy on the caller's stream, in its inference mode (storage/streams.py, rule 4)
-        nbytes = sum(self._disk_store.map(dev.streams.carry(read), jobs))
-        dev.counters.add("disk", "cpu", nbytes, time.perf_counter() - t0, requests=len(jobs))
-        if dev.is_cuda:  # counted here, on the calling thread (LinkCounters.tag is per thread)
+        self._disk_store.map(dev.streams.carry(read), [reqs[k::depth] for k in range(depth)])
+        nbytes, dt = sum(sizes), time.perf_counter() - t0
+        dev.counters.add("disk", "cpu", nbytes, dt, requests=len(jobs))
+        if dev.is_cuda:
             dev.counters.add("cpu", "compute", nbytes, requests=len(jobs))
+
+    def _read_buffer(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned host buffer for one batch of disk reads: fresh and pinned when a device
+        copy will read it (the copy records it), else this thread's, reused (its sinks copy out
+        before the batch returns; fresh pages would fault in on every read)."""
+        dev = self.devices
+        if dev.streams.active:
+            raw = dev.empty_host((nbytes + ALIGN,), torch.uint8)
+            skip = (-raw.data_ptr()) % ALIGN
+            return raw[skip:skip + nbytes]
+        buf = getattr(_READ_BUFFERS, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            with torch.inference_mode(False):  # written outside inference mode too
+                buf = _READ_BUFFERS.buf = aligned_empty((nbytes,), torch.uint8)
+        return buf[:nbytes]
 
     def holds_exact_rows(self) -> bool:
         """Whether any encoded block's exact rows are held on compute (`hold_exact_rows`)."""
