@@ -19,7 +19,7 @@ DEFAULTS = {
     "sep_layer": True, "pin_weight": True, "cpu_cache_compute": False, "attn_sparsity": 1.0,
     "compress_weight": False, "compress_cache": False, "log_file": "auto", "no_log": False,
     "verbose": 2, "overlap": True,
-    "device": "auto", "dtype": "auto", "gpu_mem": None, "block_size": 16, "max_seq_len": None, "prompt": None,
+    "device": "auto", "dtype": "auto", "kv_dtype": "auto", "gpu_mem": None, "block_size": 16, "max_seq_len": None, "prompt": None,
     "prompt_file": None, "prompt_ids_file": None, "chat": False, "output_json": None, "config": None,
     "kv_policy": policies.DEFAULT, "cold_codec": "raw", "direct_io": False, "io_threads": 2, "seed": 0,
     "speculative_prefetch": False,
@@ -80,6 +80,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", help="compute device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
     g.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"],
                    help="compute dtype (auto: float16 on CUDA, float32 on CPU)")
+    g.add_argument("--kv-dtype", choices=["auto", "float16", "bfloat16", "float32"],
+                   help="how raw KV blocks on the CPU and disk tiers are stored, converted to the compute dtype "
+                        "on read (auto: float16, bfloat16 under --dtype bfloat16; float32 keeps them exact)")
     g.add_argument("--gpu-mem", type=float, help="cap the CUDA device at this many GiB, its context included, "
                    "so a bigger GPU runs like a card that size (placement and --policy auto plan for it too)"),
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16: the block selecting policies pick from)")

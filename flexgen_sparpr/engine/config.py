@@ -85,6 +85,9 @@ class EngineConfig:
 
     device: str = "auto"  # "auto" -> cuda if present else cpu
     dtype: str = "auto"  # "auto" -> float16 on CUDA, float32 on CPU
+    # how raw KV blocks homed on the CPU and disk tiers are stored ("auto": float16, or bfloat16
+    # under a bfloat16 compute dtype); compute-tier blocks are in the compute dtype
+    kv_dtype: str = "auto"
     gpu_mem: float | None = None  # GiB: cap the CUDA device, as a card this size (storage/device_memory.py)
     block_size: int = 16  # measured: results/fidelity/defaults-block (docs/sparpr.md "Default block")
     offload_dir: str = "~/flexgen_offload_dir"
@@ -107,6 +110,8 @@ class EngineConfig:
             raise ConfigError("--block-size must be >= 1")
         if self.dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype})")
+        if self.kv_dtype not in ("auto", "float16", "bfloat16", "float32"):
+            raise ConfigError(f"--kv-dtype must be auto, float16, bfloat16 or float32 (got {self.kv_dtype})")
         if self.gpu_mem is not None and not self.gpu_mem > 0:
             raise ConfigError(f"--gpu-mem must be > 0 GiB (got {self.gpu_mem})")
         if isinstance(self.kv_policy, str) and self.kv_policy not in policies.POLICIES:
@@ -137,3 +142,9 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.float16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    def torch_kv_dtype(self, compute: torch.dtype) -> torch.dtype:
+        """How offloaded raw KV blocks are stored under compute dtype `compute`."""
+        if self.kv_dtype == "auto":
+            return torch.bfloat16 if compute == torch.bfloat16 else torch.float16
+        return getattr(torch, self.kv_dtype)

@@ -161,7 +161,8 @@ class Engine:
         self._generation += 1  # disk file names stay unique across generations
         self.tables.update(build_tables(
             self.spec, self.run_policy, block_size=self.cfg.block_size, dtype=self.dtype, devices=self.devices,
-            disk=self.disk, kv_policy=self.kv_policy, cold_codec=self.cold_codec, max_len=max_len,
+            disk=self.disk, store_dtype=self.cfg.torch_kv_dtype(self.dtype), kv_policy=self.kv_policy,
+            cold_codec=self.cold_codec, max_len=max_len,
             name=f"g{self._generation}", observers=self._observers,
             layers=self.link.stage.layers if self.link else None))
 

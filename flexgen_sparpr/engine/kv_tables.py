@@ -13,19 +13,19 @@ from .config import Policy
 
 
 def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: torch.dtype, devices: Devices,
-                 disk, kv_policy: KVPolicy, cold_codec: KVPolicy | None, max_len: int, name: str,
+                 disk, store_dtype: torch.dtype | None = None, kv_policy: KVPolicy, cold_codec: KVPolicy | None, max_len: int, name: str,
                  observers: tuple[KVPolicy, ...] = (), layers: range | None = None) -> dict:
     """{(layer, batch): BlockTable} for `max_len` tokens homed by the placement's cache percents,
     attached to kv_policy; `cold_codec`'s codec stores the CPU and disk blocks of the layers
     kv_policy leaves raw; checkpoint tables where kv_policy or an observer wants them. `name`
-    prefixes the tables' disk files. layers: the decoder layers to make tables for (a pipeline
+    prefixes the tables' disk files. store_dtype: how raw CPU and disk blocks are stored (--kv-dtype). layers: the decoder layers to make tables for (a pipeline
     stage's; default all)."""
     homes = block_homes(-(-max_len // block_size), placement.cache_percents)
     keepers = [p for p in (kv_policy, *observers) if p.needs_checkpoints]
     gbs = placement.gpu_batch_size
     kv_shape = (2, gbs, spec.num_kv_heads, block_size, spec.head_dim)
     common = dict(batch=gbs, block_size=block_size, max_len=max_len, dtype=dtype, homes=homes, devices=devices,
-                  disk=disk)
+                  disk=disk, store_dtype=store_dtype)
     tables = {}
     for i in (range(spec.num_layers) if layers is None else layers):
         codec, coded = kv_policy.codec(kv_shape, dtype, i), None

@@ -23,7 +23,7 @@ class BlockTable:
     def __init__(self, *, name: str, batch: int, num_kv_heads: int, head_dim: int, block_size: int,
                  max_len: int, dtype: torch.dtype, homes: list[Tier], devices: Devices,
                  disk=None, compress: bool = False, planes: int = 2, codec=None,
-                 coded_tiers: tuple[Tier, ...] | None = None):
+                 coded_tiers: tuple[Tier, ...] | None = None, store_dtype: torch.dtype | None = None):
         self.bs, self.devices, self.dtype = block_size, devices, dtype
         self.block_shape = (planes, batch, num_kv_heads, block_size, head_dim)
         self.checkpoints: "BlockTable | None" = None  # hidden-state checkpoints, when kept
@@ -41,7 +41,8 @@ class BlockTable:
         if codec is None:
             codec = Int4Codec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
         self.store = TierStore(name=name, block_shape=self.block_shape, dtype=dtype, homes=self.homes,
-                               slots=self.slot, devices=devices, disk=disk, codec=codec, coded_tiers=coded_tiers)
+                               slots=self.slot, devices=devices, disk=disk, codec=codec, coded_tiers=coded_tiers,
+                               store_dtype=store_dtype)
 
     # --- bookkeeping ---
     @property

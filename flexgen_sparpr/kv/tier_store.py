@@ -36,12 +36,17 @@ class TierStore:
 
     def __init__(self, *, name: str, block_shape: tuple[int, ...], dtype: torch.dtype, homes: list[Tier],
                  slots: list[int], devices: Devices, disk=None, codec: Codec,
-                 coded_tiers: tuple[Tier, ...] | None = None):
+                 coded_tiers: tuple[Tier, ...] | None = None, store_dtype: torch.dtype | None = None):
         self.block_shape, self.dtype, self.devices = block_shape, dtype, devices
+        # raw blocks homed on the CPU and disk tiers are stored in store_dtype (--kv-dtype: float16
+        # halves the bytes every offloaded read moves), converted on compute; compute-tier blocks,
+        # the open block and what gather returns are in the compute dtype
+        self.store_dtype = store_dtype or dtype
         self.homes, self.slots = homes, slots  # per block: home tier, index among its tier's blocks
         planes, batch, h, bs, d = block_shape
         self.bs = bs
         self.raw = RawCodec(block_shape, dtype)
+        self.stored_raw = RawCodec(block_shape, self.store_dtype)  # a raw block on the CPU or disk tier
         self.codec = codec  # how the coded tiers' blocks are stored (what a copy from them moves)
         # tiers whose sealed blocks are stored encoded (default: every tier, when the codec encodes)
         self.coded = frozenset() if not codec.compressed else frozenset(coded_tiers or tuple(Tier))
@@ -68,9 +73,9 @@ class TierStore:
             else:
                 shape = (planes, batch, h, n[tier] * bs, d)
                 self._arena[tier] = (torch.zeros(shape, dtype=dtype, device=dev) if tier == Tier.COMPUTE
-                                     else devices.host.arena(shape, dtype))
+                                     else devices.host.arena(shape, self.store_dtype))
         self._tail = torch.zeros(block_shape, dtype=dtype, device=dev)
-        self.seq_nbytes = self.raw.nbytes // batch  # one sequence's share of a raw block
+        self.seq_nbytes = self.stored_raw.nbytes // batch  # one sequence's share of a raw block
         # raw disk blocks are stored (and read) a sequence at a time (O_DIRECT: offsets on 4096 bytes)
         self._seq_disk = (n[Tier.DISK] > 0 and Tier.DISK not in self.coded and batch > 1 and disk is not None and
                           (self.seq_nbytes % ALIGN == 0 or not disk.direct))
@@ -85,7 +90,9 @@ class TierStore:
     # --- facts ---
     def codec_of(self, tier: Tier) -> Codec:
         """The codec of the blocks homed on a tier."""
-        return self.codec if tier in self.coded else self.raw
+        if tier in self.coded:
+            return self.codec
+        return self.raw if tier == Tier.COMPUTE else self.stored_raw
 
     def is_raw_on_compute(self, b: int) -> bool:
         return self.homes[b] == Tier.COMPUTE and Tier.COMPUTE not in self.coded
@@ -123,7 +130,7 @@ class TierStore:
         there (--compress-cache and --cold-codec store the CPU tier encoded: it has no raw arena)."""
         if Tier.CPU in self.coded:
             return self.codec.decode(self._rows[Tier.CPU][self.slots[b]])
-        return self.in_place(b)
+        return self.in_place(b).to(self.dtype)
 
     def writable(self, b: int) -> torch.Tensor:
         """Where block b is filled: its arena slot if it lives raw on compute, else the open buffer."""
@@ -151,7 +158,7 @@ class TierStore:
         home, slot, dev = self.homes[b], self.slots[b], self.devices
         hint = self.hints.pop(b, None)
         if home not in self.coded:
-            data = blk
+            data = blk.to(self.store_dtype)  # converted on compute: the link moves the stored bytes
         else:
             data = self.codec.encode(blk, hint)
             rows = self.codec.exact_rows(data) if self.hold_exact_rows else None
@@ -299,7 +306,7 @@ class TierStore:
         dst: [planes, rows, Hkv, count*bs, D]."""
         planes, _, h, bs, d = self.block_shape
         return lambda data: dst.unflatten(3, (count, bs)).copy_(
-            data.view(self.dtype).view(count, rows, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5))
+            data.view(self.store_dtype).view(count, rows, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5))
 
     def _read_disk(self, jobs: list) -> None:
         """Disk requests (first slot, slots, sink): read into one page-aligned host buffer (O_DIRECT

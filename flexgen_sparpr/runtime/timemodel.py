@@ -112,6 +112,7 @@ class Placement:
     cache: tuple[float, float, float] = (100, 0, 0)
     block_size: int = 64
     dtype_bytes: int = 4
+    kv_dtype_bytes: int = 2  # an offloaded KV block's element (--kv-dtype: auto stores float16)
     is_cuda: bool = False
     checkpoints: bool = False  # SparPR keeps hidden-state checkpoints beside the KV blocks
     act_cpu: bool = False  # activations parked on the CPU between layers (--percent ... 0 100)
@@ -145,8 +146,8 @@ def weight_link_bytes(spec: ModelSpec, pl: Placement) -> dict[str, int]:
 
 def kv_block_bytes(spec: ModelSpec, batch: int, pl: Placement) -> tuple[int, int]:
     """(K+V bytes of one block, checkpoint bytes of one block) for one GPU batch."""
-    kvb = 2 * batch * spec.kv_dim * pl.block_size * pl.dtype_bytes
-    return kvb, batch * spec.hidden * pl.block_size * pl.dtype_bytes
+    kvb = 2 * batch * spec.kv_dim * pl.block_size * pl.kv_dtype_bytes
+    return kvb, batch * spec.hidden * pl.block_size * pl.kv_dtype_bytes
 
 
 def _homes(max_len: int, pl: Placement) -> list[Tier]:

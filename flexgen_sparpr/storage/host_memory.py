@@ -94,6 +94,11 @@ class HostMemory:
         if not self.streams.active:
             dst.copy_(src)
             return
+        if dst.dtype != src.dtype:  # the link moves src's bytes; the conversion runs on compute
+            tmp = torch.empty(dst.shape, dtype=src.dtype, device=dst.device)
+            self.to_compute(tmp, src)
+            dst.copy_(tmp)
+            return
         if src.is_contiguous() and self.api.is_pinned(src):
             dst.copy_(src, non_blocking=True)
             return

@@ -247,7 +247,7 @@ def test_disk_cache_bytes_per_step(tiny_model_dir, tmp_path, bs, gbs, ngb, devic
         steps = record_steps(eng)
         eng.generate(prompts, n)
         cuda = eng.devices.is_cuda
-    block_bytes = 2 * gbs * spec.num_kv_heads * bs * spec.head_dim * 4  # float32 K and V
+    block_bytes = 2 * gbs * spec.num_kv_heads * bs * spec.head_dim * 2  # K and V stored float16 (--kv-dtype auto)
     tables = spec.num_layers * ngb
     assert len(steps) == n
     for i, moved in enumerate(steps):

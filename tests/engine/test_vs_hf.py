@@ -61,7 +61,10 @@ def hf_greedy(model_dir, prompts, n=N_NEW):
 
 
 def run_engine(src, policy, tmp_path, prompts, n=N_NEW, block_size=8, **cfg):
-    """(tokens, logits [n, B, V], link counters) of one generate."""
+    """(tokens, logits [n, B, V], link counters) of one generate. Offloaded KV is stored exact
+    (float32) unless the case says otherwise: this matrix tests the placements, not the storage
+    dtype (test_kv_dtype.py tests that)."""
+    cfg.setdefault("kv_dtype", "float32")
     eng = Engine(src, policy, EngineConfig(block_size=block_size, offload_dir=str(tmp_path / "offload"), **cfg))
     try:
         r = eng.generate(prompts, n, keep_logits=True)
@@ -164,7 +167,8 @@ def test_repeated_generate_on_one_engine(tiny_model_dir, tmp_path, device):
     """A second (and third) generate on the same engine rebuilds its tables and gives HF's result."""
     src = resolve_source(str(tiny_model_dir), "")
     pol = Policy(gpu_batch_size=2, **C_SPLIT, **W_SPLIT)
-    cfg = EngineConfig(block_size=4, offload_dir=str(tmp_path / "off"), device=device, dtype="float32")
+    cfg = EngineConfig(block_size=4, offload_dir=str(tmp_path / "off"), device=device, dtype="float32",
+                       kv_dtype="float32")
     with Engine(src, pol, cfg) as eng:
         for prompts in (MIXED, EQUAL, MIXED):
             r = eng.generate(prompts, N_NEW, keep_logits=True)

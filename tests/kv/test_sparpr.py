@@ -40,7 +40,8 @@ class CopyIsDear(CostModel):
 
 
 def generate(model_dir, tmp_path, policy=None, on_disk=True):
-    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path))
+    # stored exact: keep 1 must equal dense to 1e-5, and a rebuilt block the stored one
+    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path), kv_dtype="float32")
     with Engine(resolve_source(str(model_dir), ""), Policy(gpu_batch_size=2, cache_gpu_percent=0 if on_disk else 100),
                 cfg) as eng:
         if policy is not None:
@@ -117,7 +118,7 @@ def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
                     readers = int(sel.mask[:, :, off:off + n].any(dim=2).any(dim=1).sum())
                     off += n
                     if b < t.length // t.bs and t.homes[b] == Tier.DISK:
-                        want += t.checkpoints.store.codec.nbytes if b in sel.recompute else t.store.read_bytes(b, readers)
+                        want += t.checkpoints.store.codec_of(Tier.DISK).nbytes if b in sel.recompute else t.store.read_bytes(b, readers)
                 assert len(sel.blocks) < t.num_blocks and bool(sel.recompute) == rebuild
             assert moved == want > 0
     steps = pol.stats()["steps"]

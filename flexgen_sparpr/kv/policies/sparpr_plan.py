@@ -51,10 +51,14 @@ class CostPlan:
         """Per home tier: (copy seconds, recompute seconds) of one sealed block."""
         cm, ck = self.cost_model(table), table.checkpoints
         _, b, hkv, bs, d = table.block_shape
-        ckpt_bytes = ck.store.codec.nbytes if ck is not None else b * bs * hidden * table.dtype.itemsize
         flops = kv_rebuild_flops(b, bs, hidden, hkv * d)
-        return {t: (cm.copy_s(table.store.codec.nbytes, t, table.devices),
-                    cm.recompute_s(ckpt_bytes, flops, t, table.devices, table.dtype)) for t in set(table.homes)}
+
+        def ckpt_bytes(t: Tier) -> int:  # a block's checkpoints as stored on tier t
+            if ck is not None:
+                return ck.store.codec_of(t).nbytes
+            return b * bs * hidden * (table.store.store_dtype if t != Tier.COMPUTE else table.dtype).itemsize
+        return {t: (cm.copy_s(table.store.codec_of(t).nbytes, t, table.devices),
+                    cm.recompute_s(ckpt_bytes(t), flops, t, table.devices, table.dtype)) for t in set(table.homes)}
 
     def wants_checkpoints(self, table: BlockTable, hidden: int) -> bool:
         """Keep this table's checkpoints only if, for some offloaded home tier, a rebuild costs less
@@ -142,12 +146,12 @@ class CostPlan:
     def _est_bytes(table: BlockTable, chosen: list[int], rebuild: list[int], nseq: list[int]) -> dict:
         """Estimated bytes per link of the chosen offloaded blocks (copied, or their checkpoints)."""
         store, homes, rebuilt = table.store, table.homes, set(rebuild)
-        ckpt = table.checkpoints.store.codec.nbytes if rebuilt else 0
+        ckpt = table.checkpoints.store if rebuilt else None
         moved = dict.fromkeys((Tier.CPU, Tier.DISK), 0)
         for i, n in zip(chosen, nseq):
             home = homes[i]
             if home != Tier.COMPUTE:
-                moved[home] += ckpt if i in rebuilt else (
+                moved[home] += ckpt.codec_of(home).nbytes if i in rebuilt else (
                     store.seq_nbytes * n if store.reads_rows_on(home) else store.codec_of(home).nbytes)
         out = {"disk->cpu": moved[Tier.DISK]} if moved[Tier.DISK] else {}
         if table.devices.is_cuda and moved[Tier.CPU] + moved[Tier.DISK]:
