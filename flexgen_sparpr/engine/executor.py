@@ -296,15 +296,37 @@ class Engine:
             from tqdm import tqdm
             steps = tqdm(steps, desc="decode", unit="tok", leave=False)
         try:
-            for i in steps:
+            for _ in steps:
                 if stop is not None and bool(st.done.all()):
                     break
-                length = st.plen + i - 1  # tokens cached before this step's input
-                self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
-                yield st.tokens[-1]
+                yield self.step(st, stop)
         finally:
             if progress:
                 steps.close()
+
+    @torch.inference_mode()
+    def step(self, st: "GenState", stop: int | None = None, feed: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of a prefilled state: its input st.tokens[-1] (or `feed` [B], put in
+        its place: an append-prefill feeds a conversation's next tokens onto the cache this way,
+        one position a step, on any placement) joins the cache, and the token sampled after it is
+        appended to st.tokens and returned [B]. A fed position reads every block, as a prefill
+        does (a selecting policy's summaries still see the blocks it seals); a policy that
+        attends itself (DKV) attends it."""
+        i = len(st.tokens)
+        if i >= st.max_new:
+            raise ConfigError(f"the cache holds {st.plen + st.max_new - 1} tokens: it is full")
+        own = self.kv_policy
+        if feed is not None:
+            st.tokens[-1] = feed
+            if not own.reads_all and not own.attends:
+                self.set_kv_policy(policies.resolve("dense", {}), attach=False)
+        length = st.plen + i - 1  # tokens cached before this step's input
+        try:
+            self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
+        finally:
+            if self.kv_policy is not own:
+                self.set_kv_policy(own, attach=False)
+        return st.tokens[-1]
 
     def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None, bar=None) -> None:
         t0 = time.perf_counter()
