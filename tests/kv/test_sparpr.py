@@ -90,6 +90,23 @@ def test_recomputed_kv_equals_stored_kv(tiny_model_dir, tmp_path, monkeypatch):
     assert totals["fallbacks"] == 0
 
 
+def test_a_prefill_summarises_its_blocks_once_per_table(tiny_opt_dir, tmp_path, monkeypatch):
+    """The prefill's sealed blocks are summarised in one call per table (on_prefill, with the
+    padding known), not once per block as each seals; a decode step's sealed block, once."""
+    pol, calls = SparPR(keep_ratio=0.3, costs=fixed()), []
+    real = pol.summarise
+    monkeypatch.setattr(pol, "summarise", lambda t, keys, valid: calls.append(keys.shape[2]) or real(t, keys, valid))
+    cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path))
+    with Engine(resolve_source(str(tiny_opt_dir), ""), Policy(gpu_batch_size=2), cfg) as eng:
+        eng.set_kv_policy(pol)
+        st_ = eng.prefill(PROMPTS, 16)
+        assert calls == [40 // 8] * len(eng.tables)  # 5 sealed blocks, one call per (layer, batch)
+        calls.clear()
+        for i in range(8):  # the steps caching positions 40..47: the 8th seals block 5
+            eng.step(st_)
+            assert calls == ([1] * len(eng.tables) if i == 7 else []), i
+
+
 @pytest.mark.parametrize("rebuild", [False, True], ids=["copy", "recompute"])
 def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
     """Cache on disk: each decode step moves exactly its selected sealed blocks' bytes (their

@@ -86,7 +86,9 @@ class BlockScoringPolicy(BudgetPolicy):
 
         def on_seal(block: int, kv: torch.Tensor) -> None:
             s, t = ref(), tref()
-            if s is None or t is None:
+            # a prefill's own blocks (its padding not yet seen) are summarised in on_prefill, all at
+            # once: one summarise per block here cost as much as the prefill's attention
+            if s is None or t is None or t not in self._pads:
                 return
             keys = kv[0].float()[:, :, None]  # keys: [B, Hkv, 1, bs, D]
             pos = block * t.bs + torch.arange(t.bs, device=keys.device)
