@@ -71,10 +71,11 @@ class LLM:
         given = typed_flag_values(given, _parser())
         opts, pol, ecfg = resolve(given)
         src = resolve_source(opts.model, opts.path, opts.max_seq_len, opts.seed)
+        cap = None
         if opts.policy == "auto":  # for the workload prompt_len + gen_len (FlexGen's 512 + 32 by default)
-            pol, ecfg, *_ = apply_auto_policy(opts, pol, ecfg, src.spec)
+            pol, ecfg, _, _, cap = apply_auto_policy(opts, pol, ecfg, src.spec)
         tok = load_tokenizer(src.tokenizer_dir) if DUMMY not in opts.path else None
-        preflight.ready_to_load(opts, pol, ecfg, src.spec, opts.prompt_len)
+        preflight.ready_to_load(opts, pol, ecfg, src.spec, opts.prompt_len, cap)
         self._open(opts, pol, ecfg, src, tok, given)
 
     @classmethod

@@ -72,8 +72,6 @@ def batch(argv=None) -> int:
     out_path = writable_file(outp, "--output")
     dummy = DUMMY in opts.path
     src = resolve_source(opts.model, opts.path, opts.max_seq_len, opts.seed)
-    if opts.policy == "auto":
-        pol, ecfg, *_ = apply_auto_policy(opts, pol, ecfg, src.spec)
     tok = load_tokenizer(src.tokenizer_dir) if not dummy else None
     jobs = read_input(inp, tok, src.spec, opts.chat, opts.gen_len, skip_bad, dummy)
     done = read_done(out_path, {j.id for j in jobs})
@@ -84,7 +82,10 @@ def batch(argv=None) -> int:
         return 0
     longest = dataclasses.replace(opts, prompt_len=max(len(j.ids) for j in jobs),
                                   gen_len=max(j.max_new for j in jobs))
-    preflight.ready_to_load(longest, pol, ecfg, src.spec, longest.prompt_len)
+    cap = None
+    if opts.policy == "auto":  # for the longest prompt and generation (the batch size is kept)
+        pol, ecfg, _, _, cap = apply_auto_policy(longest, pol, ecfg, src.spec)
+    preflight.ready_to_load(longest, pol, ecfg, src.spec, longest.prompt_len, cap)
     bars = bars_wanted(opts.quiet)
     t0, new_tokens = time.perf_counter(), 0
     with LLM.loaded(opts, pol, ecfg, src, tok, progress=bars) as llm, Appender(out_path) as out, \

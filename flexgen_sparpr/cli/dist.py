@@ -67,7 +67,10 @@ class Pipeline:
         return policy, ecfg, Stage(rank, world, split.first_layer(rank), split.counts[rank]), plan, hw
 
     def _auto(self, opts, policy, ecfg, spec) -> tuple[StagePlan, object]:
-        """Rank 0 plans with its hardware file (or its probe), every rank follows its plan."""
+        """Rank 0 plans with its hardware file (or its probe), within its share of what its host
+        has free (runtime/capacity.py: every stage is planned for that share), every rank follows
+        its plan."""
+        from ..runtime.capacity import live_capacity, planning_hardware
         from ..runtime.placement import NoPlacementFits
         from ..runtime.profile import hardware_from_probe
         from ..runtime.stages import choose_stages
@@ -75,6 +78,7 @@ class Pipeline:
         if self.launch.rank == 0:
             device = ecfg.torch_device()
             hw = hw or hardware_from_probe(device, ecfg.torch_dtype(device), ecfg.offload_dir)
+            hw = planning_hardware(hw, live_capacity(device, ecfg.offload_dir))
             dtype = ecfg.dtype if ecfg.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
             try:
                 plan = choose_stages(workload_for(spec, opts.prompt_len, opts.gen_len, policy, ecfg, dtype), hw,

@@ -191,21 +191,34 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
 
 
 def workload_for(spec, prompt_len: int, gen_len: int, policy: Policy, engine: EngineConfig, dtype: str):
-    """The placement search's Workload for a run: with what the KV policy keeps on the device
-    (its resident_share) and the share of the cache a decode step reads (its read_share)."""
+    """The Workload of a run, what `--policy auto` plans and the check before loading
+    (cli/preflight.py) tests: with the KV block size (the cache is allocated in whole blocks),
+    what the KV policy keeps on the device (its resident_share) and in host memory (host_share),
+    and the share of the cache a decode step reads (its read_share)."""
     from ..runtime.placement import DTYPE_BYTES, Workload
     kvp, cold = engine.make_kv_policy(), engine.make_cold_codec()
     return Workload(spec, prompt_len, gen_len, policy.batch_size, dtype, policy.overlap, policy.compress_weight,
                     policy.compress_cache,
                     resident_share=kvp.resident_share(engine.block_size, DTYPE_BYTES[dtype], cold),
                     host_share=kvp.host_share(engine.block_size, DTYPE_BYTES[dtype]),
-                    kv_read_share=kvp.read_share())
+                    kv_read_share=kvp.read_share(), block_size=engine.block_size)
 
 
-def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, spec) -> tuple:
+def run_dtype(engine: EngineConfig, device) -> str:
+    """The dtype name a run computes in on `device` ("float16", "float32", ...)."""
+    return str(engine.torch_dtype(device)).removeprefix("torch.")
+
+
+def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, spec, prompt_len: int | None = None,
+                      ) -> tuple:
     """--policy auto: the placement and batch split chosen by runtime/placement.py for the model
-    `spec` on the hardware file (else this machine, from the cached start-up probe). The total
-    batch stays gpu_batch_size x num_gpu_batches. Returns (policy, engine, plan, hardware)."""
+    `spec` on the hardware file (else this machine, from the cached start-up probe), within what
+    this machine has free now as the check before loading measures it (runtime/capacity.py
+    `live_capacity`: the plan passes that check). The total batch stays gpu_batch_size x
+    num_gpu_batches. prompt_len: the prompts' padded length (default opts.prompt_len). Returns
+    (policy, engine, plan, hardware, capacity): capacity is the measurement planned within, for
+    the check (cli/preflight.py) to test the plan against."""
+    from ..runtime.capacity import live_capacity, planning_hardware
     from ..runtime.placement import NoPlacementFits, choose
     from ..runtime.profile import hardware_from_probe
 
@@ -214,8 +227,13 @@ def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, sp
         hw = hardware_from_probe(device, engine.torch_dtype(device), engine.offload_dir)
     if engine.gpu_mem is not None and device.type == "cuda":  # plan for the capped card
         hw = dataclasses.replace(hw, compute_memory=min(hw.compute_memory, cap_bytes(device, engine.gpu_mem)))
-    dtype = engine.dtype if engine.dtype != "auto" else ("float16" if hw.is_cuda else "float32")
-    wl = workload_for(spec, opts.prompt_len, opts.gen_len, policy, engine, dtype)
+    cap = live_capacity(device, engine.offload_dir)
+    hw = planning_hardware(hw, cap)
+    # a file for another kind of machine plans in that machine's dtype
+    dtype = run_dtype(engine, device) if hw.is_cuda == cap.is_cuda else (
+        engine.dtype if engine.dtype != "auto" else ("float16" if hw.is_cuda else "float32"))
+    wl = workload_for(spec, opts.prompt_len if prompt_len is None else prompt_len, opts.gen_len, policy, engine,
+                      dtype)
     try:
         plan = choose(wl, hw)
     except NoPlacementFits as e:
@@ -226,4 +244,4 @@ def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, sp
         w_gpu_percent=pct[0], w_cpu_percent=pct[1], cache_gpu_percent=pct[2], cache_cpu_percent=pct[3],
         act_gpu_percent=pct[4], act_cpu_percent=pct[5])
     engine = dataclasses.replace(engine, kv_policy=engine.make_kv_policy().for_machine(hw))
-    return policy, engine, plan, hw
+    return policy, engine, plan, hw, cap

@@ -3,7 +3,6 @@
 placement's predicted bytes per tier against what this machine has free (runtime/capacity.py)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import tempfile
@@ -67,30 +66,30 @@ def sweep(path: str) -> None:
               f"{mb:.0f} MB)", file=sys.stderr, flush=True)
 
 
-def check_capacity(opts, policy, engine, spec, prompt_len: int) -> dict | None:
-    """The explicit placement's predicted bytes per tier (None when skipped by SKIP_ENV), or
-    CapacityError when a tier cannot hold its share."""
+def check_capacity(opts, policy, engine, spec, prompt_len: int, capacity=None) -> dict | None:
+    """The placement's predicted bytes per tier (None when skipped by SKIP_ENV), or CapacityError
+    when a tier cannot hold its share. capacity: what `--policy auto` planned within (measured
+    moments before; runtime/capacity.py Capacity), else what is free now."""
     if os.environ.get(SKIP_ENV):
         return None
-    from .options import workload_for
+    from .options import run_dtype, workload_for
     device = engine.torch_device()
-    dtype = str(engine.torch_dtype(device)).removeprefix("torch.")
-    wl = workload_for(spec, prompt_len, opts.gen_len, policy, engine, dtype)
-    wl = dataclasses.replace(wl, block_size=engine.block_size)
+    wl = workload_for(spec, prompt_len, opts.gen_len, policy, engine, run_dtype(engine, device))
     pct = tuple(int(p) if float(p).is_integer() else p for p in (
         policy.w_gpu_percent, policy.w_cpu_percent, policy.cache_gpu_percent, policy.cache_cpu_percent,
         policy.act_gpu_percent, policy.act_cpu_percent))
-    return check_placement(wl, pct, policy.gpu_batch_size, live_capacity(device, engine.offload_dir))
+    cap = capacity if capacity is not None else live_capacity(device, engine.offload_dir)
+    return check_placement(wl, pct, policy.gpu_batch_size, cap)
 
 
-def before_loading(opts, policy, engine, spec, prompt_len: int, dummy: bool) -> dict | None:
+def before_loading(opts, policy, engine, spec, prompt_len: int, dummy: bool, capacity=None) -> dict | None:
     """Every check that needs the model and the prompts but no weights; returns the predicted
     bytes per tier."""
     check_context(spec, prompt_len + opts.gen_len, dummy)
-    return ready_to_load(opts, policy, engine, spec, prompt_len)
+    return ready_to_load(opts, policy, engine, spec, prompt_len, capacity)
 
 
-def ready_to_load(opts, policy, engine, spec, prompt_len: int) -> dict | None:
+def ready_to_load(opts, policy, engine, spec, prompt_len: int, capacity=None) -> dict | None:
     """The checks of the model and the placement that need no prompt (the Python API makes them
     before loading, and checks each call's lengths against the context itself)."""
     for p in (engine.make_kv_policy(), engine.make_cold_codec()):
@@ -99,4 +98,4 @@ def ready_to_load(opts, policy, engine, spec, prompt_len: int) -> dict | None:
     if policy.w_disk_percent > 0 or policy.cache_disk_percent > 0:
         check_offload_dir(engine.offload_dir)
     sweep(engine.offload_dir)
-    return check_capacity(opts, policy, engine, spec, prompt_len)
+    return check_capacity(opts, policy, engine, spec, prompt_len, capacity)

@@ -79,21 +79,24 @@ def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig, pipeline=None) 
     is_dummy = DUMMY in opts.path
     max_seq = opts.max_seq_len or (opts.prompt_len + opts.gen_len if is_dummy else None)
     src = resolve_source(opts.model, opts.path, max_seq, opts.seed)
-    plan = hw = stage = None
+    tok = load_tokenizer(src.tokenizer_dir) if not is_dummy else None
+    prompts = build_prompts(opts, tok, policy.batch_size, src.spec.vocab)  # --policy auto keeps the batch
+    explicit = opts.prompt or opts.prompt_file or opts.prompt_ids_file
+    pad_to = 0 if explicit else opts.prompt_len
+    prompt_len = max(pad_to, max(map(len, prompts)))
+    plan = hw = stage = cap = None
     if pipeline is not None:
         policy, ecfg, stage, plan, hw = pipeline.place(opts, policy, ecfg, src.spec)
     elif opts.policy == "auto":  # placement and batch split from the hardware file (runtime/placement.py)
-        policy, ecfg, plan, hw = apply_auto_policy(opts, policy, ecfg, src.spec)
+        policy, ecfg, plan, hw, cap = apply_auto_policy(opts, policy, ecfg, src.spec, prompt_len)
+    if plan is not None and opts.verbose >= 1:  # before the check, which would name the placement it refuses
+        print(f"policy auto for {hw.name} ({hw.source}): {plan.describe(opts.gen_len)}", flush=True)
     log_path = None if opts.no_log else writable_file(
         opts.log_file if opts.log_file != "auto" else fmt.flexgen_log_name(opts, policy, src.spec), "--log-file")
-    tok = load_tokenizer(src.tokenizer_dir) if not is_dummy else None
-    prompts = build_prompts(opts, tok, policy.batch_size, src.spec.vocab)
-    explicit = opts.prompt or opts.prompt_file or opts.prompt_ids_file
     stop = preflight.stop_token(opts.stop, src.spec)
-    s = Setup(opts, policy, ecfg, src, tok, prompts, 0 if explicit else opts.prompt_len, stop, plan, hw,
-              output, log_path, stage)
+    s = Setup(opts, policy, ecfg, src, tok, prompts, pad_to, stop, plan, hw, output, log_path, stage)
     held = src.spec if stage is None else stage_spec(src.spec, stage.num_layers)  # what this process holds
-    preflight.before_loading(opts, policy, ecfg, held, s.prompt_len, is_dummy)  # nothing loaded yet
+    preflight.before_loading(opts, policy, ecfg, held, s.prompt_len, is_dummy, cap)  # nothing loaded yet
     return s
 
 
@@ -107,8 +110,6 @@ def generate(s: Setup, link=None) -> Generated:
     total = s.prompt_len + opts.gen_len
     s.say(f"model size: {spec.model_bytes() / fmt.GB:.3f} GB, cache size: {spec.cache_bytes(n, total) / fmt.GB:.3f} "
           f"GB, hidden size (prefill): {spec.hidden_bytes(n, total) / fmt.GB:.3f} GB")
-    if s.plan is not None:
-        s.say(f"policy auto for {s.hardware.name} ({s.hardware.source}): {s.plan.describe(opts.gen_len)}")
     s.say("init weight...")
     bars = bars_wanted(opts.quiet) and opts.verbose >= 1
     with LLM.loaded(opts, s.policy, s.engine, s.source, s.tokenizer, progress=bars, link=link) as llm:

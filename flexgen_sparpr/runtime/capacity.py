@@ -1,11 +1,13 @@
-"""Does an explicit --percent fit this machine? Checked before any weight loads, with the same
-per-tier arithmetic `--policy auto` plans with (runtime/placement.py `tier_use`), against what
-is free now: the compute device's memory, host memory (psutil, capped by a cgroup limit) and the
-offload disk. A placement over a tier's usable capacity is refused with the numbers and a
-placement that fits (the most bytes on the compute tier, then on the CPU).
+"""Does a placement fit this machine? Checked before any weight loads, with the same per-tier
+arithmetic and the same test `--policy auto` plans with (runtime/placement.py `tier_use`,
+`within`), against what is free now: the compute device's memory, host memory (psutil, capped by
+a cgroup limit) and the offload disk, each host-wide pool shared out among the processes torchrun
+starts on this host (LOCAL_WORLD_SIZE). A placement over a tier's usable capacity is refused with
+the numbers and a placement that fits (the most bytes on the compute tier, then on the CPU).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
@@ -14,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CapacityError
-from .hardware import GiB
-from .placement import Workload, _pairs, tier_capacity, tier_use, total_bytes
+from .hardware import GiB, Hardware
+from .placement import Workload, _pairs, fits, tier_capacity, tier_use, total_bytes, within
 
 SKIP_ENV = "FLEXGEN_SPARPR_NO_MEMORY_CHECK"
 TIERS = ("compute", "cpu", "disk")
@@ -30,6 +32,7 @@ class Capacity:
     cpu_memory: float
     disk_free: float
     disk_dir: str
+    ranks: int = 1  # processes of this run sharing this host's memory and disk (LOCAL_WORLD_SIZE)
 
 
 def host_available() -> float:
@@ -65,15 +68,40 @@ def existing_ancestor(path: Path) -> Path:
     return p
 
 
-def live_capacity(device, offload_dir) -> Capacity:
-    """This machine's free memory per tier and the offload dir's free disk, measured now."""
-    host = host_available()
+def local_ranks(env=os.environ) -> int:
+    """How many processes of this run share this host: torchrun's LOCAL_WORLD_SIZE (1 when
+    unset or not a positive integer: a lone process)."""
+    try:
+        return max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def live_capacity(device, offload_dir, env=os.environ) -> Capacity:
+    """This process's share of this machine's free memory per tier and of the offload dir's free
+    disk, measured now: host memory and disk are shared evenly by the local_ranks() processes on
+    this host (each starts with the same free memory in view, and all of them will fill it); a
+    CUDA device is its own rank's (torchrun gives each local rank its own)."""
+    n = local_ranks(env)
+    host = host_available() / n
     compute = host
     if device.type == "cuda":
         import torch
         compute = float(torch.cuda.mem_get_info(device)[0])
     disk_dir = existing_ancestor(Path(offload_dir))
-    return Capacity(device.type == "cuda", compute, host, float(shutil.disk_usage(disk_dir).free), str(disk_dir))
+    return Capacity(device.type == "cuda", compute, host, float(shutil.disk_usage(disk_dir).free) / n,
+                    str(disk_dir), n)
+
+
+def planning_hardware(hw: Hardware, cap: Capacity) -> Hardware:
+    """hw with its memory and disk no larger than `cap` (what the check will allow), when hw
+    describes this kind of machine (a CUDA file on a CUDA device, a CPU-only one on the CPU): the
+    plan `--policy auto` makes then passes the check. A file for another kind of machine plans for
+    that machine; the check still measures this one."""
+    if hw.is_cuda != cap.is_cuda:
+        return hw
+    return dataclasses.replace(hw, compute_memory=min(hw.compute_memory, cap.compute_memory),
+                               cpu_memory=min(hw.cpu_memory, cap.cpu_memory), disk_free=min(hw.disk_free, cap.disk_free))
 
 
 def _gib(x: float) -> str:
@@ -81,9 +109,10 @@ def _gib(x: float) -> str:
 
 
 def _tier_name(tier: str, cap: Capacity) -> str:
+    shared = f" (this process's 1/{cap.ranks} share: {cap.ranks} processes on this host)" if cap.ranks > 1 else ""
     if tier == "compute":
-        return "GPU memory" if cap.is_cuda else "host memory (the compute tier)"
-    return {"cpu": "host memory", "disk": f"disk in {cap.disk_dir}"}[tier]
+        return "GPU memory" if cap.is_cuda else f"host memory (the compute tier){shared}"
+    return {"cpu": f"host memory{shared}", "disk": f"disk in {cap.disk_dir}{shared}"}[tier]
 
 
 def _have(tier: str, cap: Capacity) -> float:
@@ -104,16 +133,12 @@ def suggest(wl: Workload, gpu_batch_size: int, act_on_cpu: bool, cap: Capacity, 
     w = _pairs(step, cap.is_cuda)[:, None, :] / 100  # [Nw, 1, 2]
     c = _pairs(step, cap.is_cuda)[None, :, :] / 100  # [1, Nc, 2]
     use = tier_use(wl, cap.is_cuda, w[..., 0], w[..., 1], c[..., 0], c[..., 1], gpu_batch_size, act_on_cpu)
-    limit = tier_capacity(cap)
     shape = np.broadcast_shapes(w.shape[:2], c.shape[:2])
-    fits = np.ones(shape, dtype=bool)
-    for t in TIERS:
-        if t != "cpu" or cap.is_cuda:
-            fits &= np.broadcast_to(total_bytes(use[t]) <= limit[t], shape)
-    if not fits.any():
+    ok = np.broadcast_to(fits(use, cap), shape)
+    if not ok.any():
         return None
     on = lambda t: np.broadcast_to(use[t]["weights"] + use[t]["kv"], shape)  # noqa: E731
-    order = np.lexsort((-on("cpu").ravel(), -on("compute").ravel(), ~fits.ravel()))
+    order = np.lexsort((-on("cpu").ravel(), -on("compute").ravel(), ~ok.ravel()))
     i, j = np.unravel_index(order[0], shape)
     pct = (round(100 * w[i, 0, 0]), round(100 * w[i, 0, 1]), round(100 * c[0, j, 0]), round(100 * c[0, j, 1]),
            0 if act_on_cpu else 100, 100 if act_on_cpu else 0)
@@ -127,7 +152,8 @@ def check_placement(wl: Workload, percent, gpu_batch_size: int, cap: Capacity) -
     use = predicted_use(wl, percent, gpu_batch_size, cap)
     limit = tier_capacity(cap)
     need = {t: total_bytes(use[t]) for t in TIERS}
-    over = [t for t in TIERS if need[t] > limit[t] and (t != "cpu" or cap.is_cuda)]
+    ok = within(use, cap)
+    over = [t for t in TIERS if not ok[t]]
     if not over:
         return need
     t = over[0]

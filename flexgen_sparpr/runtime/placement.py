@@ -165,6 +165,21 @@ def total_bytes(parts: dict):
     return parts["weights"] + parts["kv"] + parts["working"]
 
 
+def within(use: dict[str, dict], hw) -> dict:
+    """Per tier, whether tier_use's bytes fit hw's usable capacity (tier_capacity; numpy arrays
+    broadcast; cpu-only: the "cpu" tier is not a pool of its own). The one test of fitting:
+    `--policy auto` keeps only plans it passes, and the check of a placement before a run
+    (runtime/capacity.py) refuses what it fails."""
+    cap = tier_capacity(hw)
+    return {t: (total_bytes(parts) <= cap[t]) if t != "cpu" or hw.is_cuda else True for t, parts in use.items()}
+
+
+def fits(use: dict[str, dict], hw):
+    """All tiers `within` their capacity (a bool, or a bool array for arrays of shares)."""
+    ok = within(use, hw)
+    return ok["compute"] & ok["cpu"] & ok["disk"]
+
+
 def candidates(wl: Workload, hw: Hardware, step: int = 5, split: tuple[int, int] | None = None) -> list[dict]:
     """The best feasible grid point per (activation tier, batch split), as dicts (percent,
     split, times, memory); empty when nothing fits. split: only this (gpu batch size, GPU
@@ -225,14 +240,12 @@ def candidates(wl: Workload, hw: Hardware, step: int = 5, split: tuple[int, int]
                             dev_bytes=ngb * Wl + B * p * kv_tok, ngb=ngb)
         total = L * pre + (g - 1) * L * dec
         use = tier_use(wl, cuda, wg, wc, cg, cc, gbs, act_on_cpu)
-        cap = tier_capacity(hw)
         used = {tier: total_bytes(parts) for tier, parts in use.items()}
-        fits = np.broadcast_to((used["compute"] <= cap["compute"]) & (used["cpu"] <= cap["cpu"] if cuda else True)
-                               & (used["disk"] <= cap["disk"]), total.shape)
-        if not fits.any():
+        ok = np.broadcast_to(fits(use, hw), total.shape)
+        if not ok.any():
             continue
         gpu_share, cpu_share = np.broadcast_arrays(w[..., 0] + c[..., 0], w[..., 1] + c[..., 1])
-        t = np.where(fits, np.round(total, 9), np.inf)
+        t = np.where(ok, np.round(total, 9), np.inf)
         i, j = np.unravel_index(np.lexsort((-cpu_share.ravel(), -gpu_share.ravel(), t.ravel()))[0], t.shape)
         pw, pc = w[i, 0], c[0, j]
         at = lambda a: float(np.broadcast_to(a, total.shape)[i, j])  # noqa: E731

@@ -12,6 +12,7 @@ from flexgen_sparpr.cli.flags import build_parser
 from flexgen_sparpr.cli.main import main
 from flexgen_sparpr.cli.options import apply_auto_policy, resolve
 from flexgen_sparpr.models.spec import opt_spec
+from flexgen_sparpr.runtime import capacity
 from flexgen_sparpr.runtime.hardware import GiB, load_hardware
 from flexgen_sparpr.runtime.placement import DEVICE_MARGIN
 
@@ -61,6 +62,9 @@ def test_policy_auto_plans_for_the_capped_card(fake_cuda, monkeypatch):
     """On an A100's file OPT-6.7B fits whole; capped at 8 GiB (6 GiB for torch after a 2 GiB
     context) the plan offloads and stays inside the cap."""
     monkeypatch.setattr(options, "cap_bytes", lambda device, gib: int(gib * GiB) - 2 * GiB)
+    # an 80 GiB card with a roomy host free now (what the check before loading measures)
+    monkeypatch.setattr(capacity, "live_capacity",
+                        lambda device, offload_dir: capacity.Capacity(True, 80 * GiB, 500 * GiB, 2000 * GiB, "/x"))
     spec = opt_spec("opt-6.7b")
     a100 = str(HW / "a100-80gb.yaml")
     free = apply_auto_policy(*_opts("--hardware", a100, "--policy", "auto", "--gpu-mem", "80"), spec)

@@ -87,7 +87,7 @@ def test_policy_auto_refuses_explicit_percents(tmp_path, argv, config, fragment)
 def test_policy_auto_replaces_placement_and_split():
     run, pol, eng = _opts("--policy", "auto", "--hardware", LAPTOP, "--kv-policy", "sparpr",
                           "--prompt-len", "1920", "--gen-len", "128")
-    pol, eng, plan, hw = apply_auto_policy(run, pol, eng, opt_spec("opt-6.7b"))
+    pol, eng, plan, hw, _ = apply_auto_policy(run, pol, eng, opt_spec("opt-6.7b"))
     assert pol.batch_size == 4 and (pol.gpu_batch_size, pol.num_gpu_batches) == (plan.gpu_batch_size,
                                                                                  plan.num_gpu_batches)
     assert (pol.w_gpu_percent, pol.w_cpu_percent, pol.cache_gpu_percent) == plan.percent[:3]
@@ -99,7 +99,7 @@ def test_policy_auto_without_a_file_uses_the_cached_probe(tmp_path, monkeypatch)
     monkeypatch.setenv("FLEXGEN_SPARPR_CACHE", str(tmp_path / "cache"))
     run, pol, eng = _opts("--policy", "auto", "--device", "cpu", "--offload-dir", str(tmp_path / "off"),
                           "--prompt-len", "64", "--gen-len", "4")
-    pol, eng, plan, hw = apply_auto_policy(run, pol, eng, opt_spec("opt-125m"))
+    pol, eng, plan, hw, _ = apply_auto_policy(run, pol, eng, opt_spec("opt-125m"))
     assert hw.source.startswith("start-up probe") and hw.compute == "cpu" and "float32" in hw.flops
     assert list((tmp_path / "cache").glob("probe-*.json"))  # measured once, cached for the next run
     assert plan.percent == (100, 0, 100, 0, 100, 0)  # 250 MB of weights fit any host
