@@ -21,6 +21,7 @@ from ..engine.pipeline import Stage, StageLink
 from ..errors import ConfigError
 from ..runtime.stages import StagePlan, StageSplit, check_stages, even_by_bytes, parse_stage_layers
 from .flags import build_parser
+from .guard import describe
 from .launch import DIST_FLAGS, Launch, add_dist_flags, choose_backend, init_group, launch_from, rendezvous
 from .options import RunOptions, resolve, workload_for
 from .peers import Peers
@@ -144,7 +145,12 @@ def run_dist(argv=None) -> dict | None:
         backend, comm = choose_backend(launch, store)
         init_group(launch, store, backend)
         pipe = Pipeline(launch, micro, dist.get("stage_layers"), peers)
-        s = set_up(opts, policy, ecfg, pipe)
+        try:  # every check before loading, on every rank (the memory check counts this host's ranks)
+            s = set_up(opts, policy, ecfg, pipe)
+        except BaseException as e:
+            peers.ready(describe(e)[1])  # the others stop before loading too; this rank's own error follows
+            raise
+        peers.ready(None)
         link = StageLink(s.stage, micro, comm)
         g = generate(s, link)
         mine = _stage_report(s, g, link, backend)

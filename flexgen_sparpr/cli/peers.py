@@ -93,6 +93,19 @@ class Peers:
             return None
         return [json.loads(self.store.get(f"gather/{key}/{r}")) for r in range(self.world_size)]
 
+    def ready(self, problem: str | None) -> None:
+        """Say whether this rank passed its checks before loading (problem: why not, None when it
+        did); when it did, wait for every other rank's word and raise ConfigError naming the first
+        that did not: no rank loads weights that another's refusal would strand (ranks sharing a
+        host each refuse their share of it at once)."""
+        self.store.set(f"ready/{self.rank}", json.dumps({"problem": problem}))
+        if problem is not None:
+            return  # this rank's own error follows
+        for r in range(self.world_size):
+            theirs = json.loads(self.store.get(f"ready/{r}"))["problem"] if r != self.rank else None
+            if theirs is not None:
+                raise ConfigError(f"rank {r} cannot run ({theirs}); no rank loaded anything")
+
     def leave(self, failed: bool, linger: float = 3.0) -> None:
         """Say this rank is done with the store; the rank hosting it (rank 0) waits, after a failure,
         up to `linger` s for the others to be done, so they still read what it wrote (its options,
