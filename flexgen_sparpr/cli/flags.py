@@ -121,7 +121,8 @@ def add_hardware_flags(p: argparse.ArgumentParser) -> None:
                    "--policy auto plans with it (default: the config's hardware: section, else a probe)")
     g.add_argument("--policy", choices=["auto"], help="auto: choose --percent and the batch split "
                    "(--gpu-batch-size x --num-gpu-batches stays the total) from the hardware and the "
-                   "model with a cost model of the schedule (docs/hardware.md); not with --percent")
+                   "model with a cost model of the schedule, within the memory and disk free now "
+                   "(what the check before loading allows; docs/hardware.md); not with --percent")
 
 
 def add_policy_flags(p: argparse.ArgumentParser) -> None:

@@ -219,7 +219,7 @@ def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, sp
     (policy, engine, plan, hardware, capacity): capacity is the measurement planned within, for
     the check (cli/preflight.py) to test the plan against."""
     from ..runtime.capacity import live_capacity, planning_hardware
-    from ..runtime.placement import NoPlacementFits, choose
+    from ..runtime.placement import NoPlacementFits, choose, tier_capacity
     from ..runtime.profile import hardware_from_probe
 
     hw, device = opts.hardware, engine.torch_device()
@@ -237,7 +237,10 @@ def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, sp
     try:
         plan = choose(wl, hw)
     except NoPlacementFits as e:
-        raise ConfigError(f"--policy auto: {e}") from None
+        usable = tier_capacity(hw)
+        raise ConfigError(f"--policy auto: {e} ({(usable['compute'] + usable['cpu']) / GiB:.1f} GiB of memory and "
+                          f"{usable['disk'] / GiB:.1f} GiB of disk usable): lower the batch or the lengths, try "
+                          "--compress-weight, or free disk space") from None
     pct = plan.percent
     policy = dataclasses.replace(
         policy, gpu_batch_size=plan.gpu_batch_size, num_gpu_batches=plan.num_gpu_batches,

@@ -48,3 +48,14 @@ def test_the_cli_plan_passes_the_cli_check(model, free_gib, monkeypatch, tmp_pat
             # the same check with a fresh measurement of the same free memory, as before_loading makes it
             need = preflight.check_capacity(opts, pol, eng, spec, p)
             assert need == pytest.approx(plan.memory)
+
+
+def test_nothing_fits_is_one_line_before_loading(monkeypatch, tmp_path, capsys):
+    from flexgen_sparpr.cli.main import main
+    box = Capacity(False, 8 * GiB, 8 * GiB, 20 * GiB, str(tmp_path))
+    monkeypatch.setattr(capacity, "live_capacity", lambda device, offload_dir: box)
+    code = main(["run", "--model", "facebook/opt-30b", "--path", "_DUMMY_", "--policy", "auto", "--device", "cpu",
+                 "--hardware", str(HW_DIR / "cpu-only.yaml"), "--offload-dir", str(tmp_path), "--no-log"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --policy auto: no placement of opt-30b") and "7.2 GiB of memory and 19.0" in err[0]

@@ -79,11 +79,21 @@ def test_a_rank_refused_stops_the_others_before_loading(store):
 
 def test_ranks_that_all_pass_go_on(store):
     import threading
-    other = threading.Thread(target=Peers(store, 1, 2, 5.0, "rank 0").ready, args=(None,))
+
+    import torch.distributed as dist
+    other_store = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, timeout=datetime.timedelta(seconds=5))
+    failures = []
+
+    def rank1():
+        try:
+            Peers(other_store, 1, 2, 5.0, "rank 0").ready(None)
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            failures.append(e)
+    other = threading.Thread(target=rank1)
     other.start()  # waits for rank 0's word
     Peers(store, 0, 2, 5.0, "rank 0").ready(None)
     other.join(10)
-    assert not other.is_alive()
+    assert not other.is_alive() and not failures
 
 
 def test_every_rank_refuses_in_one_line(tmp_path):
