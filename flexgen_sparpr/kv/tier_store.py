@@ -28,11 +28,13 @@ from ..storage.codec import Codec, RawCodec
 from ..storage.disk import ALIGN, aligned_empty
 from ..storage.tiers import Devices, Tier
 
+BIG_RUN = 8  # blocks: a disk run this long is copied out by its reader; shorter ones together, by index
 _READ_BUFFERS = threading.local()  # per thread: the host buffer its CPU-only disk reads land in
 
 
 class TierStore:
     span_reads = True  # False: every block is a request of its own (what spans are compared with)
+    placed_reads = True  # False: each raw disk run copied out by its reader (what one indexed copy is compared with)
 
     def __init__(self, *, name: str, block_shape: tuple[int, ...], dtype: torch.dtype, homes: list[Tier],
                  slots: list[int], devices: Devices, disk=None, codec: Codec,
@@ -207,7 +209,9 @@ class TierStore:
             out = torch.empty((*self.block_shape[:3], total, self.block_shape[4]), dtype=self.dtype,
                               device=self.devices.compute)
         starts = list(itertools.accumulate(lens, initial=0))
-        disk_reads: list = []
+        disk_reads: list = []  # encoded disk spans: (first slot, slots, sink)
+        # raw disk runs (first slot, slots, first row, first block), read as ranges of a packed file
+        raw_reads = [] if self.placed_reads and self._disk is not None and self._disk.is_packed else None
         i = 0
         while i < len(blocks):
             b, n, t = blocks[i], lens[i], starts[i]
@@ -224,7 +228,7 @@ class TierStore:
             elif self.homes[b] == Tier.DISK or self.homes[b] not in self.coded:  # disk, or raw CPU
                 j = self._span_end(blocks, i, sealed, need)
                 self._read_span(blocks[i:j], out[:, :, :, t:starts[j]], None if need is None else need[i:j],
-                                zero_unread, disk_reads)
+                                zero_unread, disk_reads, raw_reads, t)
                 i = j
                 continue
             else:  # an encoded row on compute or the CPU
@@ -236,6 +240,8 @@ class TierStore:
             i += 1
         if disk_reads:
             self._read_disk(disk_reads)
+        if raw_reads:
+            self._read_raw_disk(raw_reads, out)
         return out[:, :, :, :total]
 
     def view(self, b: int, n: int, sealed: int) -> torch.Tensor | None:
@@ -268,7 +274,7 @@ class TierStore:
         return j
 
     def _read_span(self, span: list[int], out: torch.Tensor, need: list[list[bool]] | None, zero_unread: bool,
-                   disk_reads: list) -> None:
+                   disk_reads: list, raw_reads: list | None = None, at: int = -1) -> None:
         """Adjacent sealed blocks of one home (disk, or raw CPU) into out: [planes, B, Hkv, k*bs, D].
         One request per run of blocks a sequence needs (disk, sequence-major), or per span for all
         sequences (CPU and whole-block disk files, when every sequence needs every block); a disk
@@ -299,7 +305,10 @@ class TierStore:
                 self.devices.counters.add("cpu", "compute", src.nbytes)
             else:
                 slot = (r0 if self._seq_disk else 0) * self._n_disk + self.slots[span[a]]
-                disk_reads.append((slot, e - a, self._raw_sink(dst, e - a, r1 - r0)))
+                if raw_reads is not None and at % bs == 0 and e - a < BIG_RUN:  # placed with the others in one copy
+                    raw_reads.append((slot, e - a, r0, at // bs + a))
+                else:
+                    disk_reads.append((slot, e - a, self._raw_sink(dst, e - a, r1 - r0)))
 
     def _raw_sink(self, dst: torch.Tensor, count: int, rows: int):
         """What a raw disk span's bytes go through: [count, rows, planes, Hkv, bs, D] on disk ->
@@ -332,6 +341,35 @@ class TierStore:
         dev.counters.add("disk", "cpu", nbytes, dt, requests=len(jobs))
         if dev.is_cuda:
             dev.counters.add("cpu", "compute", nbytes, requests=len(jobs))
+
+    def _read_raw_disk(self, runs: list, out: torch.Tensor) -> None:
+        """Short raw disk runs (first slot, slots, first row, first block of out) read into one
+        page-aligned host buffer (shares over the read depth, a direct request each), then placed in
+        out ([planes, B, Hkv, T, D], its blocks bs-aligned) by one indexed copy, converting from the
+        stored dtype: per run, Python makes one read call and no tensor op (a selection's scattered
+        blocks are thousands of runs a step; long runs go through _read_disk, copied by their reader)."""
+        dev, piece, bs = self.devices, self._disk.slot_bytes, self.bs
+        planes, b_all, h, _, d = self.block_shape
+        counts = [c for _, c, _, _ in runs]
+        at = list(itertools.accumulate((c * piece for c in counts), initial=0))
+        host = self._read_buffer(at[-1])
+        depth = min(self._disk_store.read_depth, len(runs))
+        ranges = [(slot, c) for slot, c, _, _ in runs]
+        t0 = time.perf_counter()
+        self._disk_store.map(lambda k: self._disk.read_ranges(ranges[k::depth], host, at[k::depth]), list(range(depth)))
+        dt = time.perf_counter() - t0
+        data = dev.host.to_compute_new(host).view(self.store_dtype)
+        nb = max(b0 + c for _, c, _, b0 in runs)
+        out6 = out[:, :, :, :nb * bs].unflatten(3, (nb, bs))  # out6: [planes, B, Hkv, nb, bs, D]
+        blk = torch.tensor([b0 + x for _, c, _, b0 in runs for x in range(c)], device=out.device)
+        if self._seq_disk:  # a unit: one sequence's share of a block, [planes, Hkv, bs, D]
+            row = torch.tensor([r for _, c, r, _ in runs for _ in range(c)], device=out.device)
+            out6[:, row, :, blk] = data.view(len(blk), planes, h, bs, d).to(out.dtype)  # [U, planes, Hkv, bs, D]
+        else:  # a unit: a whole block, [B, planes, Hkv, bs, D]
+            out6[:, :, :, blk] = data.view(len(blk), b_all, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5).to(out.dtype)
+        dev.counters.add("disk", "cpu", at[-1], dt, requests=len(runs))
+        if dev.is_cuda:
+            dev.counters.add("cpu", "compute", at[-1], requests=len(runs))
 
     def _read_buffer(self, nbytes: int) -> torch.Tensor:
         """A page-aligned host buffer for one batch of disk reads: fresh and pinned when a device

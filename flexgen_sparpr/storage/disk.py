@@ -211,6 +211,31 @@ class DiskFile:
             raise ValueError(f"slot {short[0]} holds {self._lens[short[0]]} bytes, not a whole {self.slot_bytes}")
         return self._read_into(off, out)
 
+    def read_ranges(self, ranges: list[tuple[int, int]], out: torch.Tensor, at: list[int]) -> int:
+        """Slot ranges (first, count) of a packed file into contiguous page-aligned CPU `out`, range k
+        at byte at[k] (with O_DIRECT: multiples of 4096): one request each, checked once for all (a decode step issues thousands of
+        small ones: per-request Python is what they cost). Returns the bytes read."""
+        direct = self.direct_mode == "o_direct"
+        if not (out.is_cpu and out.is_contiguous() and (_is_aligned(out) or not direct)) or not self.is_packed:
+            raise ValueError("DiskFile.read_ranges needs a packed file and a contiguous CPU tensor (page-aligned "
+                             "for O_DIRECT)")
+        sb, fd, mv, total = self.slot_bytes, self._fd, _np_bytes(out), 0
+        if fd < 0:
+            raise ValueError(f"{self.path} is closed")
+        if self.direct_mode == "fadvise":  # the page cache dropped first: the bytes come from the disk
+            for first, count in ranges:
+                self._drop_cache(first * sb, count * sb)
+        for (first, count), pos in zip(ranges, at):
+            if count < 1 or first < 0 or first + count > self.num_slots or pos + count * sb > len(mv):
+                raise IndexError(f"slots [{first}, {first + count}) or byte {pos} out of range")
+            n = count * sb
+            if os.preadv(fd, [mv[pos:pos + n]], first * sb) != n:  # short (a signal, a huge range): finish it
+                _pio(os.preadv, fd, mv[pos:pos + n], first * sb)
+            total += n
+        with self._lock:
+            self.bytes_read += total
+        return total
+
     def read_at(self, slot: int, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill contiguous `out` with bytes [start, start + out.nbytes) of `slot` (part of what
         was written there); with O_DIRECT `start` must be a multiple of 4096."""

@@ -313,3 +313,38 @@ def test_o_direct_per_sequence_reads_need_aligned_rows(tmp_path):
                 assert not kv[:, 1].any() and not kv[:, 0, :, 16:].any()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "reader-copies"])
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
+def test_scattered_per_sequence_disk_reads_land_where_they_belong(tmp_path, placed, direct, monkeypatch):
+    """A selection's scattered runs, per sequence, short and long (a run of BIG_RUN blocks goes
+    through its reader's copy): the same bytes in the same places whether the short runs are placed
+    by one indexed copy or copied by their readers; the stored dtype converted on the way."""
+    from flexgen_sparpr.kv import tier_store
+    monkeypatch.setattr(tier_store.TierStore, "placed_reads", placed)
+    store = DiskStore(tmp_path / "offload", direct=direct)
+    try:
+        n, bs, hd = 24, 16, 64  # a sequence's share of a float16 block: 2 x 2 x 16 x 64 x 2 = 8 KiB (pages)
+        t = BlockTable(name="s", batch=B, num_kv_heads=HKV, head_dim=hd, block_size=bs, max_len=n * bs,
+                       dtype=torch.float32, homes=[Tier.DISK] * n, devices=Devices(torch.device("cpu")), disk=store,
+                       store_dtype=torch.float16)
+        g = torch.Generator().manual_seed(1)
+        k, v = torch.randn(2, B, HKV, n * bs - 3, hd, generator=g)
+        for job in t.append(k, v):
+            job()
+        ref = torch.stack([k, v]).half().float()  # what float16 storage keeps
+        blocks = [0, 2, 3, 5, *range(8, 8 + tier_store.BIG_RUN), 17, 19, 20, 23]
+        seqs = torch.tensor([[i % 3 != 1 for i in range(len(blocks))],
+                             [i % 2 == 0 or 8 <= blocks[i] < 16 for i in range(len(blocks))]])  # [B, n]
+        kv, pos = t.gather(blocks, seqs=seqs)
+        for x, b in enumerate(blocks):
+            for s in range(B):
+                got = kv[:, s, :, x * bs:x * bs + t.block_len(b)]
+                want = ref[:, s, :, b * bs:b * bs + t.block_len(b)]
+                whole = b == n - 1  # the open block: on compute, whole, in the compute dtype
+                exp = torch.stack([k, v])[:, s, :, b * bs:b * bs + t.block_len(b)] if whole else \
+                    (want if seqs[s, x] else torch.zeros_like(want))
+                torch.testing.assert_close(got, exp, rtol=0, atol=0)
+    finally:
+        store.close()

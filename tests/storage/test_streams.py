@@ -14,6 +14,7 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.engine.io import IOPool
 from flexgen_sparpr.engine.recovery import Fetched
 from flexgen_sparpr.kv.block_table import BlockTable
+from flexgen_sparpr.kv.tier_store import TierStore
 from flexgen_sparpr.kv.policy import Selection
 from flexgen_sparpr.storage.disk import DiskStore
 from flexgen_sparpr.storage.streams import Streams
@@ -34,12 +35,16 @@ def _old_carry(self, fn):
     return run
 
 
+@pytest.mark.parametrize("placed", [False, True], ids=["reader-copies", "placed"])
 @pytest.mark.parametrize("fixed", [True, False])
-def test_disk_readers_copy_on_the_io_stream(fixed, tmp_path, monkeypatch):
+def test_disk_readers_copy_on_the_io_stream(fixed, placed, tmp_path, monkeypatch):
     """A gather into a buffer just filled on the I/O stream: the disk readers' copies must be
-    ordered after the fill (old code: they ran on their thread's default stream, racing it)."""
+    ordered after the fill (old code: they ran on their thread's default stream, racing it).
+    Placed raw reads (the default) copy nothing on the readers: the calling thread places every
+    run in one copy, so they cannot race even with the old code."""
     if not fixed:
         monkeypatch.setattr(Streams, "carry", _old_carry)
+    monkeypatch.setattr(TierStore, "placed_reads", placed)
     disk = DiskStore(tmp_path / "offload", read_depth=4)
     try:
         with StreamDouble() as cuda:
@@ -58,7 +63,7 @@ def test_disk_readers_copy_on_the_io_stream(fixed, tmp_path, monkeypatch):
     finally:
         disk.close()
     races = [p for p in cuda.problems if p.startswith("race")]
-    assert (races == []) == fixed, cuda.problems
+    assert (races == []) == (fixed or placed), cuda.problems
 
 
 @pytest.mark.parametrize("adopt", [True, False])
