@@ -23,6 +23,7 @@ from ..cli.prompts import is_token_ids, load_tokenizer, text_ids
 from ..cli.validate import typed_flag_values
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
+from ..engine.sampling import STOP_DEFAULT
 from ..engine.state import GenerationResult, GenState
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress as bar
@@ -118,7 +119,7 @@ class LLM:
 
     # --- public calls ---
     def generate(self, prompts, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, stop="eos", seed: int | None = None, progress: bool | None = None) -> list[Output]:
+                 top_p: float = 1.0, stop=STOP_DEFAULT, seed: int | None = None, progress: bool | None = None) -> list[Output]:
         """Generate for one prompt or a list (texts or token-id lists): one Output per prompt, in
         input order. Prompts are sorted by length into batches of batch_size. stop: "eos" (the
         model's end token), a token id, or None; seed: the sampler's (default: the LLM's seed);
@@ -129,7 +130,7 @@ class LLM:
         return [self._output(i, ids[i], rows[i], params) for i in range(len(ids))]
 
     def stream(self, prompts, max_new_tokens: int = 32, *, do_sample: bool = False, temperature: float = 1.0,
-               top_p: float = 1.0, stop="eos", seed: int | None = None, progress: bool | None = None):
+               top_p: float = 1.0, stop=STOP_DEFAULT, seed: int | None = None, progress: bool | None = None):
         """Yield a StreamEvent per new token of every prompt as it is decoded (batch by batch; in
         a batch, step by step). Same arguments and tokens as generate(); no decode bar. The
         arguments are checked at once; the engine runs as the events are taken."""
@@ -154,7 +155,7 @@ class LLM:
                 ended[i] = reason is not None
                 yield StreamEvent(i, t, texts[i].push(t, final=ended[i]), ended[i], reason)
 
-    def compare(self, prompts, kv_policies: dict[str, dict], max_new_tokens: int = 32, *, stop="eos",
+    def compare(self, prompts, kv_policies: dict[str, dict], max_new_tokens: int = 32, *, stop=STOP_DEFAULT,
                 progress: bool | None = None) -> dict[str, tuple[list[Output], Stats]]:
         """Decode one batch of prompts greedily under this LLM's KV policy and under each of
         kv_policies (label -> flag values, e.g. {"sparpr": {"kv_policy": "sparpr", "keep_ratio":
@@ -281,7 +282,7 @@ class LLM:
         return out
 
     def params(self, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-               stop="eos", seed: int | None = None) -> Params:
+               stop=STOP_DEFAULT, seed: int | None = None) -> Params:
         """generate()'s settings, checked as their flags are (--gen-len, --temperature, ...)."""
         return make_params(self.spec, self.opts.seed, _parser(), max_new_tokens, do_sample, temperature, top_p,
                            stop, seed)

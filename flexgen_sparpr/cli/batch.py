@@ -17,6 +17,7 @@ import sys
 import time
 
 from ..api.llm import LLM
+from ..engine.sampling import STOP_DEFAULT
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress
 from ..weights.resolve import DUMMY, resolve_source
@@ -68,6 +69,8 @@ def batch(argv=None) -> int:
             raise ConfigError(f"--{key.replace('_', '-')} is a `run` flag: a batch job reads --input and writes --output")
     if same_file(inp, outp):
         raise ConfigError(f"--output {outp} is the same file as --input {inp}: give the outputs a file of their own")
+    if args.get("stop") is None:
+        args["stop"] = STOP_DEFAULT  # every line is a user's prompt: it ends at the end token
     opts, pol, ecfg = resolve(args)
     out_path = writable_file(outp, "--output")
     dummy = DUMMY in opts.path

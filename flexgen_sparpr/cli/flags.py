@@ -104,7 +104,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, help="sampling temperature with --do-sample, at least 1e-4 "
                    "(lower is greedy decoding: leave out --do-sample) (default 1.0)")
     g.add_argument("--top-p", type=float, help="nucleus sampling threshold with --do-sample (default 1.0)")
-    g.add_argument("--stop", help="stop token id, or 'eos' for the model's end token (default: none, as FlexGen)")
+    g.add_argument("--stop", help="stop token id, 'eos' (the model's end token) or 'none' (default: eos for your "
+                   "prompts, as batch, chat, serve and the API; none for FlexGen's benchmark prompt, which generates "
+                   "--gen-len tokens)")
     g.add_argument("--warmup", type=str2bool, nargs="?", const=True, help="one short warm-up generation "
                    "before the timed one (default: true for FlexGen's benchmark prompt, as FlexGen does; false "
                    "with --prompt, --prompt-file or --prompt-ids-file)")

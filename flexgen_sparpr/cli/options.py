@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from ..engine.config import EngineConfig, Policy
+from ..engine.sampling import STOP_DEFAULT
 from ..errors import ConfigError
 from ..kv import policies
 from ..kv.knobs import knobs
@@ -156,6 +157,8 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
     one_of_flags(merged, asked, "prompt", "prompt_file", "prompt_ids_file")
     if merged["warmup"] is None:  # FlexGen's benchmark (its own prompt) warms up first; a user's prompts do not
         merged["warmup"] = not any(merged[k] for k in ("prompt", "prompt_file", "prompt_ids_file"))
+    if merged["stop"] is None and any(merged[k] for k in ("prompt", "prompt_file", "prompt_ids_file")):
+        merged["stop"] = STOP_DEFAULT  # a user's prompt ends at the end token; FlexGen's benchmark runs --gen-len
     for key in ("temperature", "top_p"):  # sampling knobs do nothing in greedy decoding
         if key in given and not merged["do_sample"]:
             raise ConfigError(f"{flag_name(key)} {merged[key]} does nothing without --do-sample (greedy decoding): "

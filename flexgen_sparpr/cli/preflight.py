@@ -16,7 +16,7 @@ from ..storage.leftovers import sweep_dead_runs
 
 def stop_token(stop: str | None, spec, name: str = "--stop") -> int | None:
     """--stop (or the API's `name`) as a token id of the model's vocabulary, or None."""
-    if stop is None:
+    if stop is None or stop == "none":
         return None
     if stop == "eos":
         if spec.eos_id is None:

@@ -180,8 +180,8 @@ def check_names(given: dict) -> None:
 
 
 def check_stop(stop, name: str = "--stop") -> None:
-    if stop is not None and stop != "eos" and not re.fullmatch(r"\d{1,18}", str(stop)):
-        raise ConfigError(f"{name} takes a token id or 'eos' (got {stop!r})")
+    if stop is not None and stop not in ("eos", "none") and not re.fullmatch(r"\d{1,18}", str(stop)):
+        raise ConfigError(f"{name} takes a token id, 'eos' or 'none' (got {stop!r})")
 
 
 def one_of_flags(merged: dict, asked, *keys: str) -> None:

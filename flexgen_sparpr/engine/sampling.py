@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+# where a generation ends unless told otherwise: the model's end token, for a user's prompts in
+# `run`, `batch`, `chat`, `serve` and the Python API alike (FlexGen's benchmark prompt: none, so it
+# generates --gen-len tokens); "none" asks for no stop token
+STOP_DEFAULT = "eos"
+
 
 @dataclass
 class Sampler:

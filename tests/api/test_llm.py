@@ -157,7 +157,7 @@ def test_bad_constructor_arguments(tiny_opt_dir, tmp_path, kwargs, fragment):
     (dict(max_new_tokens=0), "max_new_tokens must be in [1, 2147483647] (got 0)"),
     (dict(temperature=0.0), "temperature must be a finite number >= 0.0001 (lower is greedy"),
     (dict(top_p=2.0), "top_p must be in (0, 1]"),
-    (dict(stop="never"), "stop takes a token id or 'eos'"),
+    (dict(stop="never"), "stop takes a token id, 'eos' or 'none'"),
     (dict(stop=300), "stop 300 is outside"),
     (dict(prompts=[[5, 300]]), "prompt 0: give a text or a non-empty list of token ids in [0, 300)"),
     (dict(prompts=[[1, 2], []]), "prompt 1:"),
