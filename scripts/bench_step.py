@@ -1,5 +1,5 @@
 """The decode step, dense vs SparPR, at the engine's defaults: where its time goes, KV resident or
-on disk (O_DIRECT), at 2k / 4k / 8k tokens, batch 1 and 4 (SmolLM2-135M, `LLM.compare`: one
+on disk (O_DIRECT), at 2k / 4k / 8000 tokens, batch 1 and 4 (SmolLM2-135M, `LLM.compare`: one
 prefill, then each policy decodes the same fixed number of steps from it).
 
 Per cell: the median decode step of each policy and its parts (select, read, rebuild, io_wait,
@@ -62,7 +62,8 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
 
 def main() -> int:
     ap = OneLineParser(description=__doc__)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000],
+                    help="prompt tokens (8000: room for the decode steps in an 8192-position model)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(PLACEMENTS))
     ap.add_argument("--keeps", type=float, nargs="+", default=[0.25, 0.1], help="SparPR keep ratios")

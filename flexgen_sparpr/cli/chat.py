@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from ..api.chat import ChatSession
 from ..api.llm import LLM
 from ..errors import ConfigError
+from ..weights.resolve import SMOLLM2
 from .flags import GLOSSARY, build_parser
 from .options import resolve
 
@@ -45,6 +46,8 @@ def build_chat_parser() -> argparse.ArgumentParser:
 
 def chat(argv=None) -> int:
     args = build_chat_parser().parse_args(argv)
+    if args.model is None and args.path is None and args.config is None:
+        args.model = SMOLLM2  # the instruction-tuned model `prepare` fetches (one line if it is not prepared)
     given = {k: v for k, v in vars(args).items() if v is not None and k not in OWN}
     for key in PER_TURN:
         if key in given:

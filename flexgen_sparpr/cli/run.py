@@ -19,7 +19,7 @@ from ..engine.state import GenerationResult
 from ..engine.step_clock import median_parts
 from ..runtime.stages import stage_spec
 from ..utils.progress import bars_wanted
-from ..weights.resolve import DUMMY, resolve_source
+from ..weights.resolve import DUMMY, SMOLLM2, resolve_source
 from . import preflight
 from . import report as fmt
 from .flags import build_parser
@@ -181,8 +181,19 @@ def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
 
 
 def run(argv=None, prog: str = "flexgen-sparpr run") -> dict:
-    setup = set_up(*resolve(build_parser(prog).parse_args(argv)))
+    args = build_parser(prog).parse_args(argv)
+    if prog == "flexgen-sparpr run":
+        default_model(args)
+    setup = set_up(*resolve(args))
     return report(setup, generate(setup))
+
+
+def default_model(args) -> None:
+    """A user's prompt with no --model, --path or --config runs the prepared SmolLM2 (resolve_source
+    says in one line how to prepare it); FlexGen's benchmark (no prompt, or flex_opt) keeps opt-6.7b."""
+    if args.model is None and args.path is None and args.config is None and (
+            getattr(args, "prompt", None) or getattr(args, "prompt_file", None)):
+        args.model = SMOLLM2
 
 
 def engine_report(ecfg: EngineConfig) -> dict:

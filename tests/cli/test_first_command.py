@@ -1,0 +1,49 @@
+"""A newcomer's first commands: `run --prompt` with no model flag runs the prepared SmolLM2 (or
+says in one line how to prepare it) and gives one answer that ends at the end token; `models`
+lists every known name, what it needs and whether it is ready; one stop default everywhere."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexgen_sparpr.cli.flags import build_parser
+from flexgen_sparpr.cli.main import main
+from flexgen_sparpr.cli.options import resolve
+from flexgen_sparpr.engine.sampling import STOP_DEFAULT
+from flexgen_sparpr.weights.resolve import KNOWN_NAMES
+
+
+def test_models_lists_every_known_name_and_what_is_ready(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLEXGEN_SPARPR_CACHE", str(tmp_path))  # nothing prepared here
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in KNOWN_NAMES)
+    assert "smollm2-135m  not prepared" in out and "flexgen-sparpr prepare" in out
+
+
+def test_run_with_a_prompt_and_no_model_says_how_to_prepare(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLEXGEN_SPARPR_CACHE", str(tmp_path))
+    assert main(["run", "--prompt", "Hi", "--no-log"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "smollm2-135m is not prepared" in err[0] and "flexgen-sparpr prepare" in err[0]
+
+
+def test_the_stop_default_is_the_end_token_for_a_users_prompt_only():
+    def stop(*argv):
+        return resolve(build_parser().parse_args(["--model", "opt-125m", "--path", "_DUMMY_", *argv]))[0].stop
+    assert stop() is None  # FlexGen's benchmark prompt: --gen-len tokens, as upstream
+    assert stop("--prompt", "Hi") == STOP_DEFAULT == "eos"
+    assert stop("--prompt", "Hi", "--stop", "none") == "none"
+
+
+@pytest.mark.slow
+def test_run_hi_with_no_model_gives_one_answer_ending_at_the_end_token(smollm2_dir, tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert main(["run", "--prompt", "Hi", "--chat", "--gen-len", "64", "--no-log", "--offload-dir",
+                 str(tmp_path / "off"), "--output-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["output_ids"]) == 1  # one prompt, one row: no copies
+    ids = data["output_ids"][0]
+    from flexgen_sparpr.weights.resolve import resolve_source
+    assert ids[-1] == resolve_source("smollm2-135m", "").spec.eos_id and len(ids) < 64
