@@ -42,3 +42,23 @@ def test_pip_and_setup_py_build_the_same_wheel(tmp_path):
     assert _wheel_facts(setup_wheel) == (names, meta, entry)
     assert "flexgen_sparpr/api/llm.py" in names and "Name: flexgen-sparpr" in meta
     assert "flexgen-sparpr = flexgen_sparpr.cli.main:main" in entry
+
+
+def test_the_shipped_configs_are_found_outside_a_checkout(tmp_path, monkeypatch):
+    """configs/ is package data (flexgen_sparpr/configs; the checkout's configs/ links to it): a
+    documented `--config configs/...` or `--hardware configs/...` resolves from any folder, as from a
+    wheel install, and the wheel carries every file."""
+    from flexgen_sparpr.cli.options import load_yaml
+    from flexgen_sparpr.runtime.hardware import load_hardware
+    from flexgen_sparpr.utils.paths import SHIPPED_CONFIGS, config_file
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    shipped = sorted(p.relative_to(SHIPPED_CONFIGS) for p in SHIPPED_CONFIGS.rglob("*.yaml"))
+    assert len(shipped) >= 10 and (REPO / "configs").resolve() == SHIPPED_CONFIGS
+    for rel in shipped:
+        assert config_file(Path("configs") / rel) == SHIPPED_CONFIGS / rel
+    assert load_hardware("configs/hardware/cpu-only.yaml").name
+    assert load_yaml("configs/policies/opt-6.7b-cpu-only.yaml")
+    assert config_file("configs/nothing.yaml") == Path("configs/nothing.yaml")  # missing: its own error names it
+    import tomllib
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "configs/*/*.yaml" in data["flexgen_sparpr"]

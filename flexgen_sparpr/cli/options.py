@@ -11,6 +11,7 @@ import yaml
 from ..engine.config import EngineConfig, Policy
 from ..engine.sampling import STOP_DEFAULT
 from ..errors import ConfigError
+from ..utils.paths import config_file
 from ..kv import policies
 from ..kv.knobs import knobs
 from ..runtime.hardware import GiB, Hardware, hardware_from_dict, load_hardware
@@ -57,7 +58,7 @@ class RunOptions:
 
 
 def load_yaml(path: str) -> dict:
-    p = Path(path).expanduser()
+    p = config_file(path)
     if not p.is_file():
         raise ConfigError(f"--config file not found: {p}")
     try:

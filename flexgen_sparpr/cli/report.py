@@ -18,14 +18,15 @@ def size_label(spec) -> str:
     return f"{n / 1e9:.3g}b" if n >= 1e9 else f"{n / 1e6:.3g}m"
 
 
-def flexgen_log_name(run, policy, spec) -> str:
+def flexgen_log_name(run, policy, spec, prompt_len: int | None = None) -> str:
     """Upstream's automatic log name: fo-<size>-gbs<g>-ngbs<n>-prompt<p>-gen<g>-percent-<...>,
-    with the placement the run used (--policy auto's choice, not the default --percent)."""
+    with the placement the run used (--policy auto's choice, not the default --percent) and the
+    prompt length it ran (a user's prompt's own, not --prompt-len's)."""
     size = size_label(spec)
     pct = (policy.w_gpu_percent, policy.w_cpu_percent, policy.cache_gpu_percent, policy.cache_cpu_percent,
            policy.act_gpu_percent, policy.act_cpu_percent)
     percent = "".join(f"{p:g}-" for p in pct)
-    name = (f"fo-{size}-gbs{policy.gpu_batch_size}-ngbs{policy.num_gpu_batches}-prompt{run.prompt_len}-"
+    name = (f"fo-{size}-gbs{policy.gpu_batch_size}-ngbs{policy.num_gpu_batches}-prompt{prompt_len or run.prompt_len}-"
             f"gen{run.gen_len}-percent-{percent}")
     name += "cpu-cache" if policy.cpu_cache_compute else "gpu-cache"
     if policy.compress_weight:

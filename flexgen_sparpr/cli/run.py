@@ -49,6 +49,11 @@ class Setup:
     stage: object | None = None  # a distributed run: this rank's engine/pipeline.py Stage
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The run's compute dtype (what the summary's sizes are counted in)."""
+        return self.engine.torch_dtype(self.engine.torch_device())
+
+    @property
     def prompt_len(self) -> int:
         return max(self.pad_to, max(map(len, self.prompts)))
 
@@ -92,7 +97,8 @@ def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig, pipeline=None) 
     if plan is not None and opts.verbose >= 1:  # before the check, which would name the placement it refuses
         print(f"policy auto for {hw.name} ({hw.source}): {plan.describe(opts.gen_len)}", flush=True)
     log_path = None if opts.no_log else writable_file(
-        opts.log_file if opts.log_file != "auto" else fmt.flexgen_log_name(opts, policy, src.spec), "--log-file")
+        opts.log_file if opts.log_file != "auto" else fmt.flexgen_log_name(opts, policy, src.spec, prompt_len),
+        "--log-file")
     stop = preflight.stop_token(opts.stop, src.spec)
     s = Setup(opts, policy, ecfg, src, tok, prompts, pad_to, stop, plan, hw, output, log_path, stage)
     held = src.spec if stage is None else stage_spec(src.spec, stage.num_layers)  # what this process holds
@@ -106,10 +112,10 @@ def generate(s: Setup, link=None) -> Generated:
     Python API (api/llm.py), the one path of every generation. --stream prints as it decodes.
     link: a distributed run's engine/pipeline.py StageLink for s.stage (its micro-batches, its
     neighbours)."""
-    opts, spec, n = s.opts, s.source.spec, len(s.prompts)
+    opts, spec, n, dt = s.opts, s.source.spec, len(s.prompts), s.dtype
     total = s.prompt_len + opts.gen_len
-    s.say(f"model size: {spec.model_bytes() / fmt.GB:.3f} GB, cache size: {spec.cache_bytes(n, total) / fmt.GB:.3f} "
-          f"GB, hidden size (prefill): {spec.hidden_bytes(n, total) / fmt.GB:.3f} GB")
+    s.say(f"model size: {spec.model_bytes(dt) / fmt.GB:.3f} GB, cache size: {spec.cache_bytes(n, total, dt) / fmt.GB:.3f} "
+          f"GB, hidden size (prefill): {spec.hidden_bytes(n, total, dt) / fmt.GB:.3f} GB")
     s.say("init weight...")
     bars = bars_wanted(opts.quiet) and opts.verbose >= 1
     with LLM.loaded(opts, s.policy, s.engine, s.source, s.tokenizer, progress=bars, link=link) as llm:
@@ -139,7 +145,8 @@ def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
     decode_lat = fmt.project_decode_latency(times, opts.gen_len) if opts.cut_gen_len else sum(times[1:])
     steps_done = opts.gen_len if opts.cut_gen_len else len(times)
     total_lat = prefill_lat + decode_lat
-    cache_b, hidden_b = spec.cache_bytes(n, plen + opts.gen_len), spec.hidden_bytes(n, plen + opts.gen_len)
+    # in the run's compute dtype (upstream's formula assumes float16, which it always runs in)
+    cache_b, hidden_b = spec.cache_bytes(n, plen + opts.gen_len, s.dtype), spec.hidden_bytes(n, plen + opts.gen_len, s.dtype)
     tok = s.tokenizer
     texts = [tok.decode(t, skip_special_tokens=True) for t in g.result.tokens] if tok is not None else None
     if texts is not None and opts.verbose >= 2:
@@ -149,7 +156,7 @@ def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
         print(show)
     if opts.debug_mode:
         s.say("step times (s): " + " ".join(f"{t:.4f}" for t in times))
-    log = fmt.summary(spec.model_bytes(), cache_b, hidden_b, g.memory["gpu_peak_bytes"],
+    log = fmt.summary(spec.model_bytes(s.dtype), cache_b, hidden_b, g.memory["gpu_peak_bytes"],
                       projected, prefill_lat, n * plen / prefill_lat, decode_lat,
                       n * (steps_done - 1) / max(decode_lat, 1e-10), total_lat, n * steps_done / total_lat)
     s.say(log)

@@ -15,6 +15,7 @@ import yaml
 
 from ..errors import ConfigError
 from ..utils.files import write_atomic
+from ..utils.paths import config_file
 
 GiB = 1 << 30
 GB = 1e9
@@ -192,7 +193,7 @@ def _per_dtype(d, scale: float, name: str) -> dict[str, float]:
 def load_hardware(path) -> Hardware:
     """Read a hardware YAML file (a top-level `hardware:` section); ConfigError with one line
     when the file is missing, not YAML, or its values are wrong."""
-    p = Path(path).expanduser()
+    p = config_file(path)
     if not p.is_file():
         raise ConfigError(f"hardware file not found: {p}")
     try:

@@ -47,3 +47,21 @@ def test_run_hi_with_no_model_gives_one_answer_ending_at_the_end_token(smollm2_d
     ids = data["output_ids"][0]
     from flexgen_sparpr.weights.resolve import resolve_source
     assert ids[-1] == resolve_source("smollm2-135m", "").spec.eos_id and len(ids) < 64
+
+
+def test_the_summary_counts_sizes_in_the_runs_dtype_and_the_log_names_the_real_prompt(tmp_path, capsys,
+                                                                                     monkeypatch):
+    from flexgen_sparpr.models.spec import opt_spec
+    monkeypatch.chdir(tmp_path)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[5, 6, 7, 8, 9, 10, 11]]))  # 7 tokens, not --prompt-len's 16
+    assert main(["run", "--model", "opt-125m", "--path", "_DUMMY_", "--prompt-len", "16", "--gen-len", "3",
+                 "--gpu-batch-size", "1", "--dtype", "float32", "--prompt-ids-file", str(ids),
+                 "--offload-dir", str(tmp_path / "off"), "--verbose", "1"]) == 0
+    out = capsys.readouterr().out
+    import re
+    got = float(re.search(r"model size: ([\d.]+) GB", out).group(1))
+    fp16 = opt_spec("opt-125m").num_params() * 2 / (1 << 30)  # upstream's formula (it always runs float16)
+    assert got == pytest.approx(2 * fp16, rel=0.02)  # float32: 4 bytes a parameter (a smaller position table)
+    logs = list(tmp_path.glob("fo-*.log"))
+    assert len(logs) == 1 and "-prompt7-" in logs[0].name, logs
