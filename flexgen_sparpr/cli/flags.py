@@ -11,6 +11,7 @@ import sys
 
 from ..kv import policies
 from ..utils.args import OneLineParser
+from ..weights.resolve import KNOWN_NAMES, SMOLLM2
 
 DEFAULTS = {
     "model": "facebook/opt-6.7b", "path": "~/opt_weights", "offload_dir": "~/flexgen_offload_dir",
@@ -41,10 +42,10 @@ def str2bool(v: str) -> bool:
 def add_flexgen_flags(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("FlexGen flags (upstream names, defaults and meaning)")
-    g.add_argument("--model", help=f"model: a known name (opt-125m ... opt-175b, smollm2-135m), a local HF "
-                   f"checkpoint directory, or a .gguf file (default {d['model']}, FlexGen's; `run --prompt` "
-                   "or --prompt-file without --model, --path or --config: smollm2-135m; `flexgen-sparpr models` "
-                   "lists them)")
+    g.add_argument("--model", help=f"model: a known name ({', '.join(KNOWN_NAMES)}; OPT also as "
+                   f"facebook/opt-...), a local HF checkpoint directory, or a .gguf file (default {d['model']}, "
+                   f"FlexGen's; `run --prompt` or --prompt-file without --model, --path or --config: {SMOLLM2}; "
+                   "`flexgen-sparpr models` says what each needs and which are ready)")
     g.add_argument("--path", help=f"weights folder: FlexGen's <path>/<model>-np layout or a HF checkpoint; "
                    f"'_DUMMY_' for deterministic random weights (default {d['path']})")
     g.add_argument("--offload-dir", help=f"folder for the disk tier (default {d['offload_dir']})")

@@ -4,6 +4,7 @@ lists every known name, what it needs and whether it is ready; one stop default 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -20,6 +21,15 @@ def test_models_lists_every_known_name_and_what_is_ready(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert all(name in out for name in KNOWN_NAMES)
     assert "smollm2-135m  not prepared" in out and "flexgen-sparpr prepare" in out
+
+
+def test_run_help_lists_every_known_model_name(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    listed = re.search(r"a known name \(([^)]*)\)", out).group(1)
+    assert [n.strip() for n in listed.split(";")[0].split(",")] == list(KNOWN_NAMES)
+    assert "flexgen-sparpr models" in out
 
 
 def test_run_with_a_prompt_and_no_model_says_how_to_prepare(tmp_path, monkeypatch, capsys):
@@ -65,3 +75,25 @@ def test_the_summary_counts_sizes_in_the_runs_dtype_and_the_log_names_the_real_p
     assert got == pytest.approx(2 * fp16, rel=0.02)  # float32: 4 bytes a parameter (a smaller position table)
     logs = list(tmp_path.glob("fo-*.log"))
     assert len(logs) == 1 and "-prompt7-" in logs[0].name, logs
+
+
+@pytest.mark.parametrize("argv, model", [
+    (["run", "--prompt", "Hi"], "smollm2-135m"),  # a newcomer's first command
+    (["run"], "facebook/opt-6.7b"),  # FlexGen's benchmark prompt: FlexGen's default model
+    (["run", "--prompt", "Hi", "--model", "opt-125m"], "opt-125m"),
+    (["run", "--prompt", "Hi", "--path", "_DUMMY_"], "facebook/opt-6.7b"),  # --path names FlexGen's weights
+    (["flex_opt", "--prompt", "Hi"], "facebook/opt-6.7b"),  # upstream's entry keeps upstream's default
+])
+def test_which_model_a_command_runs_when_none_is_named(argv, model, monkeypatch):
+    import flexgen_sparpr.cli.run as run_mod
+    from flexgen_sparpr import flex_opt
+    seen = []
+
+    def stop_here(args):  # the options resolved, before anything loads
+        seen.append(real(args)[0].model)
+        raise SystemExit(0)
+    real = run_mod.resolve
+    monkeypatch.setattr(run_mod, "resolve", stop_here)
+    with pytest.raises(SystemExit):
+        (flex_opt.main if argv[0] == "flex_opt" else main)(argv[1:] if argv[0] == "flex_opt" else argv)
+    assert seen == [model]
