@@ -41,6 +41,16 @@ class Ticket:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
 
+def default_stop(llm) -> int | None:
+    """The stop token a request ends at: the API's default (engine/sampling.py STOP_DEFAULT, the
+    model's end token), as in run, batch and chat; a model that names no end token runs each request
+    to its max_tokens (its stop strings still apply)."""
+    try:
+        return llm.params(1).stop
+    except ConfigError:  # "--stop eos: ... names no end token"
+        return None
+
+
 class Batcher:
     """Owns the LLM's engine: submit() queues a Ticket (429 past max_queue waiting), the worker
     runs batches; close() refuses new tickets, finishes the queued ones, then returns.
@@ -49,7 +59,7 @@ class Batcher:
 
     def __init__(self, llm, max_queue: int, window_s: float = 0.0, on_batch=None):
         self.llm, self.max_queue, self.window_s, self.on_batch = llm, max_queue, window_s, on_batch
-        self.stop_id = llm.spec.eos_id
+        self.stop_id = default_stop(llm)
         self.limit = llm.spec.context_limit()[0]
         self.cond = threading.Condition()
         self.waiting: list[Ticket] = []

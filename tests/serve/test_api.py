@@ -68,13 +68,13 @@ def test_models_and_health(server, client, tiny_chat_dir):
 def test_greedy_completion_and_chat_equal_llm_generate(client, llm, chat_llm):
     model = client.models.list().data[0].id
     prompt = "The capital of France is"
-    want = llm.generate(prompt, 12, stop="eos")[0]
+    want = llm.generate(prompt, 12)[0]
     got = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
     assert got.usage.completion_tokens == len(want.token_ids)
     question = "What is a KV cache?"
-    want = chat_llm.generate(question, 10, stop="eos")[0]
+    want = chat_llm.generate(question, 10)[0]
     got = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                          max_tokens=10, temperature=0)
     assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
@@ -102,7 +102,7 @@ def test_streams_join_to_the_whole_answer(server, client):
 def test_four_concurrent_requests_share_one_batch_each_with_its_own_answer(server, llm):
     prompts = ["Red apples grow on", "Blue whales swim in", "Green grass needs some", "The cat sat on"]
     assert len({len(llm.encode(p)[0]) for p in prompts}) == 1  # one length: no padding, the same batch shape
-    want = [o.text for o in llm.generate(prompts, 8, stop="eos")]
+    want = [o.text for o in llm.generate(prompts, 8)]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: server.post("/v1/completions", {"prompt": p, "max_tokens": 8,
                                                                        "temperature": 0})[1], prompts))
@@ -112,7 +112,7 @@ def test_four_concurrent_requests_share_one_batch_each_with_its_own_answer(serve
 
 def test_a_bad_request_does_not_disturb_its_batch(server, llm):
     prompts = ["Red apples grow on", "Blue whales swim in", "Green grass needs some"]
-    want = [o.text for o in llm.generate(prompts, 6, stop="eos")]
+    want = [o.text for o in llm.generate(prompts, 6)]
     bodies = [{"prompt": p, "max_tokens": 6, "temperature": 0} for p in prompts] + [{"prompt": "x", "max_tokens": 0}]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda b: server.post("/v1/completions", b), bodies))
