@@ -42,6 +42,9 @@ def test_pip_and_setup_py_build_the_same_wheel(tmp_path):
     assert _wheel_facts(setup_wheel) == (names, meta, entry)
     assert "flexgen_sparpr/api/llm.py" in names and "Name: flexgen-sparpr" in meta
     assert "flexgen-sparpr = flexgen_sparpr.cli.main:main" in entry
+    configs = REPO / "flexgen_sparpr" / "configs"  # policy and hardware files: package data, in the wheel
+    shipped = {f"flexgen_sparpr/configs/{p.relative_to(configs).as_posix()}" for p in configs.rglob("*.yaml")}
+    assert len(shipped) >= 10 and shipped <= set(names), sorted(shipped - set(names))
 
 
 def test_the_shipped_configs_are_found_outside_a_checkout(tmp_path, monkeypatch):
