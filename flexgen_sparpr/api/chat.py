@@ -1,20 +1,21 @@
 """A multi-turn conversation on one LLM whose KV cache is kept between turns.
 
-The first turn prefills the chat-templated conversation; each later turn appends only its own
-tokens onto the cache (`Engine.step` with a token fed: one position a step, under any KV policy
-and placement, the cache's blocks staying on whichever tier holds them), then decodes the answer.
-So a long conversation never prefills its earlier turns again: `stats()["last_turn"]
-["positions_prefilled"]` says how many positions the last turn computed before its answer.
+The first turn prefills the chat-templated conversation; each later turn is the whole
+conversation's tokens again, which the LLM's prefix cache (LLM.keep_prefixes, engine/reuse.py: the
+server's prefix reuse, one mechanism) finds kept: only the last answer's final token and the turn's
+own tokens are prefilled onto the kept cache, in one pass, under any KV policy and placement, the
+cache's blocks staying on whichever tier holds them. So a long conversation never prefills its
+earlier turns again: `stats()["last_turn"]["positions_prefilled"]` says how many positions the last
+turn computed before its answer.
 
-The cache is made once for `max_context` tokens (the conversation's ceiling); past it, a turn is
-refused with a ConfigError and `reset()` starts over.
+The cache is made for `max_context` tokens (the conversation's ceiling); past it, a turn is
+refused with a ConfigError and `reset()` starts over. A policy that cannot go on from a kept
+cache (H2O, DKV: `reuses_prefix`) prefills each turn whole.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from ..errors import ConfigError
 from ..storage.tiers import Tier
@@ -65,75 +66,75 @@ class ChatSession:
         if self.max_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1 (got {self.max_tokens})")
         self.eos = self.llm.spec.eos_id
-        self._state = None  # the engine's GenState: the cache holds every position but st.tokens[-1]
-        self._prompt: list[int] = []  # the first turn's prefilled ids
+        if not self.llm.prefix_cache.enabled:
+            self.llm.keep_prefixes(None)  # the conversation's cache, kept between turns
+        self._ids: list[int] = []  # the conversation's tokens: the cache holds all but the last
 
     # --- the conversation ---
     def reset(self) -> None:
         """Forget the conversation and free its cache."""
         self.messages.clear()
-        self._state, self._prompt = None, []
+        self._ids = []
+        self.llm.prefix_cache.close()
         self.llm.engine.free_tables()
 
     @property
     def context_tokens(self) -> int:
-        """Positions in the cache (the last sampled token joins it with the next step)."""
-        st = self._state
-        return 0 if st is None else st.plen + len(st.tokens) - 1
+        """Positions in the cache (the last sampled token joins it with the next turn)."""
+        return max(0, len(self._ids) - 1)
 
     def context_ids(self) -> list[int]:
         """The token ids in the cache, in order (the first prompt, then every token fed or sampled)."""
-        st = self._state
-        return [] if st is None else self._prompt + [int(t[0]) for t in st.tokens[:-1]]
+        return self._ids[:-1]
 
     def send(self, text: str, interrupted=lambda: False):
         """Add a user message and stream the answer's text pieces. interrupted(): checked between
         steps; True ends the answer there (the cache stays whole). The answer joins the messages."""
         if not isinstance(text, str) or not text.strip():
             raise ConfigError("an empty message: type some text")
-        eng, sampler = self.llm.engine, self.llm.params(self.max_tokens, **self.sampling).sampler()
-        new_ids = self._new_ids(text)
-        room = self.max_context - self.context_tokens - len(new_ids) - 1
+        llm = self.llm
+        ids = self._ids + self._new_ids(text)
+        room = self.max_context - len(ids)
         if room < 1:
             raise ConfigError(f"the conversation would pass --max-context {self.max_context} tokens: /reset starts over")
         self.messages.append({"role": "user", "content": text})
-        turn = self.last = Turn(positions_prefilled=len(new_ids))
-        read0 = list(eng.reader.blocks_read)
-        t0 = time.perf_counter()
-        if self._state is None:
-            self._state = eng.prefill([new_ids], self.max_context - len(new_ids), sampler)
-            self._prompt = list(new_ids)
-        else:
-            st = self._state
-            turn.positions_prefilled += 1  # the last answer's final token joins the cache too
-            st.sampler, st.done = sampler, torch.zeros_like(st.done)
-            eng.step(st)  # the last answer's final token in; what it samples is replaced by the feed
-            for t in new_ids:
-                eng.step(st, feed=torch.tensor([t], device=st.done.device))
-        turn.prefill_s = time.perf_counter() - t0
-        yield from self._answer(min(room, self.max_tokens), interrupted, turn)
-        read, cached = (n - n0 for n, n0 in zip(eng.reader.blocks_read, read0))
+        turn = self.last = Turn()
+        read0 = list(llm.engine.reader.blocks_read)
+        params = llm.params(min(room, self.max_tokens), **self.sampling)
+        # the one prefix-reuse path (engine/reuse.py): the kept cache holds every token before the
+        # last answer's final one, so only that token and this turn's are computed
+        steps = llm.batch_steps([ids], [params], capacity=self.max_context)
+        yield from self._answer(steps, ids, params.max_new, interrupted, turn)
+        read, cached = (n - n0 for n, n0 in zip(llm.engine.reader.blocks_read, read0))
         turn.kv_read_share = read / cached if cached else None
 
-    def _answer(self, limit: int, interrupted, turn: Turn):
-        eng, st, text = self.llm.engine, self._state, TextStream(self.llm.tokenizer)
-        ids, t0 = [int(st.tokens[-1][0])], time.perf_counter()
+    def _answer(self, steps, ids: list[int], limit: int, interrupted, turn: Turn):
+        text, out, t0 = TextStream(self.llm.tokenizer), [], time.perf_counter()
+        t1 = None
         try:
-            while True:
-                done = ids[-1] == self.eos
-                piece = text.push(ids[-1], final=done)
+            for step in steps:
+                if step.result is not None:
+                    break
+                if t1 is None:
+                    t1 = time.perf_counter()
+                    turn.prefill_s, turn.positions_prefilled = t1 - t0, len(ids) - self.llm.last_stats.reused_tokens
+                out.append(int(step.state.tokens[-1][0]))
+                done = out[-1] == self.eos
+                piece = text.push(out[-1], final=done)
                 if piece:
                     yield piece
-                if done or len(ids) >= limit:
+                if done or len(out) >= limit:
                     turn.ended = "stop" if done else "length"
                     break
                 if interrupted():
                     turn.ended = "interrupted"
                     break
-                ids.append(int(eng.step(st)[0]))
         finally:
-            turn.answer_tokens, turn.decode_s, turn.answer_ids = len(ids), time.perf_counter() - t0, ids
-            answer = self.llm.tokenizer.decode(ids, skip_special_tokens=True)
+            steps.close()  # the cache is kept (LLM.keep_prefixes) with every token but the last sampled
+            self._ids = ids + out
+            turn.answer_tokens, turn.answer_ids = len(out), out
+            turn.decode_s = time.perf_counter() - (t1 or t0)
+            answer = self.llm.tokenizer.decode(out, skip_special_tokens=True)
             self.messages.append({"role": "assistant", "content": answer})
 
     def _new_ids(self, text: str) -> list[int]:
@@ -144,7 +145,7 @@ class ChatSession:
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
         new = tok.apply_chat_template(msgs + [{"role": "user", "content": text}], add_generation_prompt=True,
                                       tokenize=False)
-        if self._state is None:
+        if not self._ids:
             return self._encode(new)
         before = tok.apply_chat_template(msgs, tokenize=False)
         eos_text = tok.decode([self.eos])
@@ -152,8 +153,7 @@ class ChatSession:
         if cut < len(eos_text) or not new.startswith(before[:cut]):
             raise ConfigError("the chat template does not extend the conversation it rendered: /reset starts over")
         ids = self._encode(new[cut:])
-        last = int(self._state.tokens[-1][0])
-        return ids if last == self.eos else [self.eos, *ids]
+        return ids if self._ids[-1] == self.eos else [self.eos, *ids]
 
     def _encode(self, text: str) -> list[int]:
         ids = self.llm.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -165,7 +165,8 @@ class ChatSession:
     def stats(self) -> dict:
         """Tokens in the context, KV bytes per tier (all layers), and the last turn's costs."""
         eng, t = self.llm.engine, self.last
-        tiers = {tier.name.lower(): sum(tab.nbytes_on(tier) for tab in eng.tables.values()) for tier in Tier}
+        tables = [tab for kept in self.llm.prefix_cache.kept() for tab in kept.tables.values()]
+        tiers = {tier.name.lower(): sum(tab.nbytes_on(tier) for tab in tables) for tier in Tier}
         return {"context_tokens": self.context_tokens, "max_context": self.max_context, "kv_bytes": tiers,
                 "kv_policy": eng.kv_policy.name,
                 "last_turn": {"positions_prefilled": t.positions_prefilled, "answer_tokens": t.answer_tokens,

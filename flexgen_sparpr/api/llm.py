@@ -21,8 +21,10 @@ from ..cli.flags import build_parser
 from ..cli.options import apply_auto_policy, resolve
 from ..cli.prompts import is_token_ids, load_tokenizer, text_ids
 from ..cli.validate import typed_flag_values
+from ..engine import reuse
 from ..engine.executor import Engine
 from ..engine.memory import PeakMemory
+from ..engine.prefix_cache import PrefixCache
 from ..engine.sampling import STOP_DEFAULT
 from ..engine.state import GenerationResult, GenState
 from ..errors import ConfigError
@@ -69,6 +71,7 @@ class LLM:
         given = {k: v for k, v in given.items() if v is not None}
         for key in sorted(set(given) & set(_PER_CALL)):
             raise ConfigError(f"LLM() takes no {key!r}: {_PER_CALL[key]}")
+        keep = given.pop("prefix_cache_gb", None)
         given = typed_flag_values(given, _parser())
         opts, pol, ecfg = resolve(given)
         src = resolve_source(opts.model, opts.path, opts.max_seq_len, opts.seed)
@@ -78,6 +81,8 @@ class LLM:
         tok = load_tokenizer(src.tokenizer_dir) if DUMMY not in opts.path else None
         preflight.ready_to_load(opts, pol, ecfg, src.spec, opts.prompt_len, cap)
         self._open(opts, pol, ecfg, src, tok, given)
+        if keep is not None:
+            self.keep_prefixes(keep)
 
     @classmethod
     def loaded(cls, opts, policy, engine_config, source, tokenizer, progress: bool | None = None,
@@ -95,7 +100,9 @@ class LLM:
         self._dummy = DUMMY in opts.path
         self.engine = Engine(source, policy, ecfg, progress=self._bars(progress),
                              micro_batches=link.micro_batches if link is not None else 1, link=link)
-        self._finalizer = weakref.finalize(self, self.engine.close)  # GC and exit remove the offload files
+        self.prefix_cache = PrefixCache(ecfg.block_size, 0)  # off until keep_prefixes
+        # GC and exit remove the offload files
+        self._finalizer = weakref.finalize(self, _close, self.prefix_cache, self.engine)
 
     # --- lifetime ---
     def close(self) -> None:
@@ -111,6 +118,16 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+    def keep_prefixes(self, gib: float | None) -> None:
+        """Prefix reuse (engine/reuse.py): keep each finished one-prompt batch's KV cache, up to
+        `gib` GiB on each tier (None: no bound; 0: off, the default), so that a prompt starting as
+        a kept one did (a conversation's earlier turns, a shared system prompt) computes only the
+        rest. llm.prefix_cache.stats counts what was reused."""
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not gib >= 0):
+            raise ConfigError(f"prefix_cache_gb must be a number of GiB >= 0 or None (got {gib!r})")
+        self.prefix_cache.limit = None if gib is None else int(gib * 2 ** 30)
+        self.prefix_cache.put_bound()
 
     @property
     def batch_size(self) -> int:
@@ -163,13 +180,15 @@ class LLM:
         from .compare import compare
         return compare(self, prompts, kv_policies, max_new_tokens, stop, self._bars(progress))
 
-    def batch_steps(self, ids: list[list[int]], params: list[Params], *, kv_policy=None):
+    def batch_steps(self, ids: list[list[int]], params: list[Params], *, kv_policy=None, capacity: int = 0,
+                    keep=None):
         """One engine batch of 1 to batch_size token-id prompts, each with its own Params (length,
         sampling, seed, logprobs; one stop token for all): a Step after the prefill and each decode
         step (step.state.sampler.logprobs[row] holds the asked log-probabilities), then one with the
         result. Closing the iterator early ends the batch there; either way the batch's KV blocks and
-        offload files are freed at its end. kv_policy: one from kv_policy_for, for this batch only.
-        (Appending to a cached prefix would plug in here: the engine prefills whole prompts today.)"""
+        offload files are freed at its end (or kept, one prompt with keep_prefixes on). kv_policy: one
+        from kv_policy_for, for this batch only. capacity: tokens a kept cache has room for; keep():
+        asked at the end whether to keep it (e.g. not when its client left)."""
         if not 0 < len(ids) <= self.batch_size or len(params) != len(ids) or len({p.stop for p in params}) > 1:
             raise ConfigError(f"batch_steps runs one batch: 1 to {self.batch_size} prompts, one Params each, "
                               "one stop token")
@@ -177,7 +196,7 @@ class LLM:
         if kv_policy is not None:
             eng.set_kv_policy(kv_policy, attach=False)  # the prefill attaches it to the batch's new tables
         try:
-            yield from self._steps(ids, params, sort=False)
+            yield from self._steps(ids, params, sort=False, capacity=capacity, keep=keep)
         finally:
             eng.set_kv_policy(own, attach=False)
             eng.free_tables()
@@ -207,10 +226,11 @@ class LLM:
         return out
 
     def _steps(self, ids: list[list[int]], params: Params | list[Params], *, progress: bool = False,
-               pad_to: int = 0, sort: bool = True, decode_bar: bool = True):
+               pad_to: int = 0, sort: bool = True, decode_bar: bool = True, capacity: int = 0, keep=None):
         """Every batch through the engine's loop, yielding a Step after the prefill, after each decode
         step, and once more when the batch is done (with its result); fills last_stats. params: one
-        for all prompts, or one per prompt (rows then sample apart: engine/sampling.py RowSampler)."""
+        for all prompts, or one per prompt (rows then sample apart: engine/sampling.py RowSampler).
+        A batch of one prompt goes through the prefix cache when it is on (keep_prefixes)."""
         if self.closed:
             raise ConfigError("this LLM is closed: make a new one")
         eng, size = self.engine, self.batch_size
@@ -233,11 +253,26 @@ class LLM:
                     max_new, stop = max(p.max_new for p in each), each[0].stop
                     rows_in = len(rows) if eng.can_shrink else size  # a short batch runs short, or is filled up
                     choose = sampler if sampler is not None else row_sampler(each, rows_in)
-                    st = eng.prefill(fill([ids[i] for i in rows], rows_in), max_new, choose, pad_to=pad_to,
-                                     progress=progress)
-                    yield Step(rows, st)
-                    for _ in eng.decode_steps(st, stop, progress and decode_bar):
+                    kept = rows_in == 1 and self.prefix_cache.enabled and not pad_to
+                    if kept:
+                        st, reused = reuse.start(eng, self.prefix_cache, ids[rows[0]], max_new, choose,
+                                                 self._room(len(ids[rows[0]]) + max_new, capacity))
+                        stats.reused_tokens += reused
+                    else:
+                        st = eng.prefill(fill([ids[i] for i in rows], rows_in), max_new, choose, pad_to=pad_to,
+                                         progress=progress)
+                    whole = False  # the state matches the tables (between steps)
+                    try:
                         yield Step(rows, st)
+                        for _ in eng.decode_steps(st, stop, progress and decode_bar):
+                            yield Step(rows, st)
+                        whole = True
+                    except GeneratorExit:
+                        whole = True
+                        raise
+                    finally:
+                        if kept and whole and (keep is None or keep()):
+                            reuse.keep(eng, st, ids[rows[0]], self.prefix_cache)
                     res = st.result()
                     stats.step_times.append(res.step_times)
                     stats.step_parts.append(res.step_parts)
@@ -298,10 +333,22 @@ class LLM:
         text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
         return Output(index, prompt, toks, text, reason)
 
+    def _room(self, need: int, capacity: int) -> int:
+        """Tokens a kept cache's tables hold: `capacity` if given, else twice what this prompt needs
+        (a conversation grows), in 1024s, up to the model's positions."""
+        if capacity:
+            return max(need, capacity)
+        return min(self.spec.context_limit()[0], -(-2 * need // 1024) * 1024)
+
     def _bars(self, progress: bool | None) -> bool:
         if progress is not None and not isinstance(progress, bool):
             raise ConfigError(f"progress must be True, False or None (got {progress!r})")
         return bars_wanted(self.opts.quiet) if progress is None else progress
+
+
+def _close(cache: PrefixCache, engine: Engine) -> None:
+    cache.close()
+    engine.close()
 
 
 @functools.cache

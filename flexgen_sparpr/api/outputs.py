@@ -49,6 +49,7 @@ class Stats:
     peak_memory: dict = field(default_factory=dict)  # engine/memory.py PeakMemory.report()
     kv_policy_stats: dict | None = None
     kv_blocks_read: tuple[int, int] = (0, 0)  # over the decode cells: KV blocks attention read, blocks cached
+    reused_tokens: int = 0  # prompt tokens a kept cache held (LLM.keep_prefixes), not computed again
     disk_io_mode: list[str] | None = None
     device: str = ""
     dtype: str = ""

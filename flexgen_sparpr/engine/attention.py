@@ -3,6 +3,7 @@ engine/cell.py's; the new token joins the cache there)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kv.block_table import BlockTable
 from ..models.layers import attention_with_lse, decode_attention, merge_attention, topk_sparse_attention
@@ -31,6 +32,17 @@ def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0) -> t
     if sparsity < 1:
         return topk_sparse_attention(q, kv[0], kv[1], valid, sparsity)
     return decode_attention(q, kv[0], kv[1], valid)
+
+
+def append_attention(table: BlockTable, q, k, v) -> torch.Tensor:
+    """A prefill onto a kept cache (engine/reuse.py): q: [B, H, S, D] and the new k, v: [B, Hkv, S, D]
+    attend every cached token (read from its tier) and, causally, each other; no left padding (one
+    sequence). Returns o: [B, H, S, D]."""
+    kv, _ = table.gather()  # kv: [2, B, Hkv, T, D]
+    t, s = kv.shape[3], q.shape[2]
+    keys, values = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)  # [B, Hkv, T+S, D]
+    mask = torch.ones(s, t + s, dtype=torch.bool, device=q.device).tril(diagonal=t)  # mask: [S, T+S]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def split_by_home(table: BlockTable, q, k, v, pads):

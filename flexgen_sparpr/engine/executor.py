@@ -26,7 +26,7 @@ from ..models.layers import causal_attention
 from ..storage.device_memory import apply_cap
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier
-from .attention import decode_attention_step, pads_valid, split_by_home
+from .attention import append_attention, decode_attention_step, pads_valid, split_by_home
 from .cell import KVReader
 from .config import EngineConfig, Policy
 from .io import Done, IOPool, to_compute
@@ -180,7 +180,9 @@ class Engine:
         t = self.tables[(layer_idx, k)]
         pol = self.kv_policy
         ckpt_jobs = t.checkpoints.append(h[:, None]) if t.checkpoints is not None else []  # [B, 1, S, hidden]
-        if prefill:
+        if prefill and t.length:  # onto a kept cache (a reused prefix, one sequence): its blocks read whole
+            o, jobs = append_attention(t, q, kk, vv), t.append(kk, vv)
+        elif prefill:
             valid = pads_valid(pos, pads)
             o = pol.prefill(t, layer_idx, q, kk, vv, valid)
             if o is None:
@@ -236,10 +238,11 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
                 keep_logits: bool = False, observers: tuple[KVPolicy, ...] = (), pad_to: int = 0,
-                progress: bool = False) -> "GenState":
+                progress: bool = False, capacity: int = 0) -> "GenState":
         """Step 0: build the block tables and run the prompt. `observers` are further KV policies
         that see the prefill too (attach + on_prefill), so one prefill can serve several;
-        `progress`: a bar over the layers (a long prompt's prefill takes a while)."""
+        `progress`: a bar over the layers (a long prompt's prefill takes a while); capacity: tokens
+        the tables hold at least (room for a kept cache's later turns; engine/reuse.py)."""
         p, dev = self.policy, self.devices.compute
         if len(prompts) != p.batch_size:
             if not (self.can_shrink and 0 < len(prompts) < p.batch_size):
@@ -255,7 +258,7 @@ class Engine:
             raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {self.spec.name}'s {what}")
         # a policy that is also an observer sees each hook once
         self._observers = tuple(o for o in dict.fromkeys(observers) if o is not self.kv_policy)
-        self._new_tables(plen + max_new_tokens)
+        self._new_tables(max(plen + max_new_tokens, min(capacity, limit)))
         for obs in self._observers:
             for (i, _), t in self.tables.items():
                 obs.attach(t, i)
@@ -305,27 +308,14 @@ class Engine:
                 steps.close()
 
     @torch.inference_mode()
-    def step(self, st: "GenState", stop: int | None = None, feed: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step of a prefilled state: its input st.tokens[-1] (or `feed` [B], put in
-        its place: an append-prefill feeds a conversation's next tokens onto the cache this way,
-        one position a step, on any placement) joins the cache, and the token sampled after it is
-        appended to st.tokens and returned [B]. A fed position reads every block, as a prefill
-        does (a selecting policy's summaries still see the blocks it seals); a policy that
-        attends itself (DKV) attends it."""
+    def step(self, st: "GenState", stop: int | None = None) -> torch.Tensor:
+        """One decode step of a prefilled state: its input st.tokens[-1] joins the cache, and the
+        token sampled after it is appended to st.tokens and returned [B]."""
         i = len(st.tokens)
         if i >= st.max_new:
             raise ConfigError(f"the cache holds {st.plen + st.max_new - 1} tokens: it is full")
-        own = self.kv_policy
-        if feed is not None:
-            st.tokens[-1] = feed
-            if not own.reads_all and not own.attends:
-                self.set_kv_policy(policies.resolve("dense", {}), attach=False)
         length = st.plen + i - 1  # tokens cached before this step's input
-        try:
-            self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
-        finally:
-            if self.kv_policy is not own:
-                self.set_kv_policy(own, attach=False)
+        self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
         return st.tokens[-1]
 
     def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None, bar=None) -> None:

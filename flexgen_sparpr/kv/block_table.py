@@ -187,9 +187,40 @@ class BlockTable:
         if raw is not None:
             self.raw_copies.rewind(raw)
 
+    def exact_cut(self, length: int) -> int:
+        """The most tokens, at most `length`, that truncate keeps exactly: a cut inside a sealed
+        block opens it again, which a block stored encoded cannot be (the cut then goes back to its
+        start)."""
+        b = length // self.bs
+        if length % self.bs and b < self.sealed and self.homes[b] in self.store.coded:
+            length = b * self.bs
+        return min([length] + [t.exact_cut(length) for t in (self.checkpoints, self.raw_copies) if t is not None])
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (a reused prefix): later appends overwrite the rest, and
+        re-seal its blocks (their hooks, e.g. summaries, see them again). A cut inside a sealed block
+        reads it back into the open buffer (an offloaded one from its tier)."""
+        if not 0 <= length <= self.length or length != self.exact_cut(length):
+            raise ValueError(f"cannot truncate {self.length} tokens to {length}")
+        b = length // self.bs
+        if length % self.bs and b < self.sealed and not self.store.is_raw_on_compute(b):
+            kv, _ = self.gather([b])  # kv: [planes, B, Hkv, bs, D]
+            self.store.writable(b).copy_(kv)
+        self.length = length
+        self.rewinds += 1
+        for side in (self.checkpoints, self.raw_copies):
+            if side is not None:
+                side.truncate(length)
+
     def nbytes_on(self, tier: Tier) -> int:
         """Bytes of the sealed blocks homed on a tier (for reports)."""
         return self.store.nbytes_on(tier, self.sealed)
+
+    def held_on(self, tier: Tier) -> int:
+        """Bytes the table holds on a tier whatever its length (every block's room, its side tables'
+        too): what keeping it costs."""
+        own = self.store.nbytes_on(tier, len(self.homes))
+        return own + sum(t.held_on(tier) for t in (self.checkpoints, self.raw_copies) if t is not None)
 
     def close(self) -> None:
         for side in (self.checkpoints, self.raw_copies):

@@ -47,6 +47,9 @@ class KVPolicy:
     knob_prefix: ClassVar[str] = ""  # prefix of its knobs' flags (dkv: --dkv-rank)
     needs_checkpoints = False  # True: the engine keeps each block's K/V-projection input
     attends = False  # True: the policy computes decode attention itself (`attend`), e.g. DKV
+    # False: its per-table state covers every cached token (H2O's scores), so a cache cut back to a
+    # shared prefix (engine/prefix_cache.py) cannot go on under it: such prompts are prefilled whole
+    reuses_prefix = True
 
     # --- facts the engine, the CLI and the placement search ask ---
     @classmethod

@@ -85,6 +85,7 @@ class DKV(KVPolicy):
     to "error"), or half each ("mixed")."""
 
     name = "dkv"
+    reuses_prefix = False  # its decode attention keeps its own copies of the newest rows (not built for a cut-back cache)
     knob_prefix = "dkv"  # --dkv-rank ...: the same knobs serve --cold-codec dkv
     block: int = knob(256, "tokens per DKV block; with DKV in use this is the KV block size unless "
                       "--block-size is given", block_size=True)

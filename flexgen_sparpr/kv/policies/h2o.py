@@ -76,6 +76,7 @@ class H2O(BudgetPolicy):
     """
 
     name = "h2o"
+    reuses_prefix = False  # its scores cover every cached token
     heavy_fraction: float = knob(0.5, "share of the budget given to the heavy hitters (the rest: recent tokens)")
     prefill_chunk_elems: int = 1 << 24  # floats per chunk of the prefill statistics
 
