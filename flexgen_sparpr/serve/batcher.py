@@ -4,11 +4,15 @@ Static batching: the engine prefills a whole batch at once and decodes it in loc
 request waits for the batch in flight, then joins the next one with every request waiting then
 (up to gpu_batch_size x num_gpu_batches, the same per-request KV policy, and a padded prompt plus
 the longest answer within the model's positions). A batch ends when each of its requests has
-ended or been cancelled; its KV blocks and offload files are freed then.
+ended or been cancelled; its KV blocks and offload files are freed then, except a one-request
+batch's with --prefix-cache-gb on: its cache is kept (engine/prefix_cache.py), and a later request
+whose prompt starts as its did (at least half of it) runs as a batch of its own, prefilling only
+the rest onto the kept cache (prefix reuse is per sequence: a batch's rows are left-padded apart).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -55,7 +59,8 @@ class Batcher:
     """Owns the LLM's engine: submit() queues a Ticket (429 past max_queue waiting), the worker
     runs batches; close() refuses new tickets, finishes the queued ones, then returns.
     window_s: how long the first waiting request waits for others before its batch starts.
-    on_batch(tickets, stats, info) runs after each batch (metrics)."""
+    on_batch(tickets, stats, info, prefix) runs after each batch (metrics; prefix: the prefix cache's
+    counts and kept bytes then)."""
 
     def __init__(self, llm, max_queue: int, window_s: float = 0.0, on_batch=None):
         self.llm, self.max_queue, self.window_s, self.on_batch = llm, max_queue, window_s, on_batch
@@ -67,6 +72,7 @@ class Batcher:
         self.closing = False
         self.num_batches = 0
         self._policies: dict = {}
+        self.own_policy = llm.engine.kv_policy
         self.thread = threading.Thread(target=self._loop, name="flexgen-batcher", daemon=True)
         self.thread.start()
 
@@ -129,13 +135,23 @@ class Batcher:
         if not self.waiting:
             return []
         batch = [self.waiting[0]]
-        for t in self.waiting[1:]:
+        for t in self.waiting[1:] if not self._reuses(batch[0]) else ():
             if len(batch) == self.llm.batch_size:
                 break
-            if t.kv_key == batch[0].kv_key and self._fits(batch + [t]):
+            if t.kv_key == batch[0].kv_key and self._fits(batch + [t]) and not self._reuses(t):
                 batch.append(t)
         self.waiting = [t for t in self.waiting if t not in batch]
         return batch
+
+    def _reuses(self, t: Ticket) -> bool:
+        """Whether a kept cache holds at least half of t's prompt (t then runs alone, to reuse it)."""
+        cache = self.llm.prefix_cache
+        if not cache.enabled or not len(cache):
+            return False
+        ids = t.req.ids
+        pol = self._policy(t.kv_key) if t.kv_key else self.own_policy
+        hit = cache.lookup(ids, pol, len(ids) + (t.req.max_new or self.limit - len(ids)), count=False)
+        return hit is not None and 2 * hit.tokens >= len(ids)
 
     def _fits(self, batch: list[Ticket]) -> bool:
         plen = max(len(t.req.ids) for t in batch)  # the batch's prompts are left-padded to one length
@@ -155,7 +171,8 @@ class Batcher:
         t_prefilled = None
         try:
             pol = self._policy(batch[0].kv_key) if batch[0].kv_key else None
-            steps = llm.batch_steps([t.req.ids for t in batch], params, kv_policy=pol)
+            steps = llm.batch_steps([t.req.ids for t in batch], params, kv_policy=pol,
+                                    keep=lambda: not all(t.cancelled for t in batch))  # a left client's KV goes
             try:
                 for step in steps:
                     if t_prefilled is None:
@@ -179,14 +196,16 @@ class Batcher:
         decoded = sum(max(0, len(t.answer.token_ids) - 1) for t in batch)  # the prefill gave each its first
         rate = decoded / (t1 - t_prefilled) if t_prefilled is not None and decoded else None
         info = {"batch_id": self.num_batches, "batch_rows": len(batch), "kv_read_share": stats.kv_read_share,
-                "decode_tokens_per_s": rate, "kv_policy": dict(batch[0].kv_key or ()) or None}
+                "decode_tokens_per_s": rate, "kv_policy": dict(batch[0].kv_key or ()) or None,
+                "prefix_reused_tokens": stats.reused_tokens}
         with self.cond:
             following = self._pick()
         for t in batch:
             if not t.cancelled:
                 t.send("done", info)
         if self.on_batch is not None:
-            self.on_batch(batch, stats, info)
+            cache = llm.prefix_cache
+            self.on_batch(batch, stats, info, {"stats": dataclasses.replace(cache.stats), "held": cache.held()})
         return following
 
     def _take(self, batch: list[Ticket], step) -> bool:

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 PER_REQUEST = ("prompt", "prompt_file", "prompt_ids_file", "gen_len", "cut_gen_len", "do_sample", "temperature",
                "top_p", "stop", "stream", "output_json", "log_file", "no_log", "verbose", "warmup", "debug_mode",
                "chat")
-SERVER = ("host", "port", "api_key", "max_queue", "batch_window")
+SERVER = ("host", "port", "api_key", "max_queue", "batch_window", "prefix_cache_gb")
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
@@ -47,6 +47,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
                    "429 (default 64)")
     g.add_argument("--batch-window", type=float, default=0.01, help="seconds the first waiting request waits "
                    "for others to share its batch (default 0.01)")
+    g.add_argument("--prefix-cache-gb", type=float, default=4.0, help="GiB per tier (compute, CPU, disk) of "
+                   "finished one-request batches' KV kept for prefix reuse: a request starting as a kept one did "
+                   "(a conversation sent again, a shared system prompt) prefills only the rest; least recently "
+                   "used out first; 0: off (default 4)")
     return p
 
 
@@ -56,8 +60,9 @@ def serve(argv=None) -> int:
     for key in PER_REQUEST:
         if key in given:
             raise ConfigError(f"serve takes no --{key.replace('_', '-')}: each request gives its own")
-    if not 0 <= args.port < 65536 or args.max_queue < 1 or args.batch_window < 0:
-        raise ConfigError("--port must be in [0, 65535], --max-queue >= 1 and --batch-window >= 0")
+    if not 0 <= args.port < 65536 or args.max_queue < 1 or args.batch_window < 0 or not args.prefix_cache_gb >= 0:
+        raise ConfigError("--port must be in [0, 65535], --max-queue >= 1, --batch-window >= 0 and "
+                          "--prefix-cache-gb >= 0")
     opts, _, _ = resolve(given)  # every flag checked before the port is taken or anything loads
     model_args = {k: v for k, v in given.items() if k != "model"}
     sock = _listen(args.host, args.port)
@@ -65,7 +70,8 @@ def serve(argv=None) -> int:
 
     from .app import ServerState, build_app
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
-    state = ServerState(lambda: LLM(opts.model, quiet=True, **model_args), opts.model, args.api_key,
+    state = ServerState(lambda: LLM(opts.model, quiet=True, prefix_cache_gb=args.prefix_cache_gb, **model_args),
+                        opts.model, args.api_key,
                         args.max_queue, args.batch_window)
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="info", access_log=False,
                                            timeout_graceful_shutdown=None))

@@ -34,8 +34,19 @@ class Metrics:
                                  registry=r)
         self._peaks: dict[str, int] = {}
         self.loaded = Gauge(P + "model_loaded", "1 once the model is loaded", registry=r)
+        self.prefix_tokens = Counter(P + "prefix_cache_tokens", "Prompt tokens of one-request batches: reused from "
+                                     "a kept cache (hit) or computed (computed)", ["kind"], registry=r)
+        self.prefix_hits = Counter(P + "prefix_cache_hits", "One-request batches that went on from a kept cache",
+                                   registry=r)
+        self.prefix_read = Counter(P + "prefix_cache_read_bytes", "Bytes moved off the CPU and disk tiers while "
+                                   "prefilling onto kept caches", registry=r)
+        self.prefix_evictions = Counter(P + "prefix_cache_evictions", "Kept caches let go (least recently used "
+                                        "first, past --prefix-cache-gb on a tier)", registry=r)
+        self.prefix_held = Gauge(P + "prefix_cache_bytes", "Bytes the kept caches hold, per tier", ["tier"],
+                                 registry=r)
+        self._prefix_seen = None
 
-    def on_batch(self, tickets, stats, info) -> None:
+    def on_batch(self, tickets, stats, info, prefix=None) -> None:
         self.batches.inc()
         self.batch_rows.observe(len(tickets))
         if info["decode_tokens_per_s"] is not None:
@@ -50,6 +61,20 @@ class Metrics:
             if value is not None:
                 self._peaks[tier] = max(self._peaks.get(tier, 0), value)
                 self.peak_memory.labels(tier).set(self._peaks[tier])
+        if prefix is not None:
+            self._on_prefix(prefix)
+
+    def _on_prefix(self, prefix) -> None:
+        """The prefix cache's counts since the last batch (they only grow), and its bytes now."""
+        now, seen = prefix["stats"], self._prefix_seen
+        for metric, field in ((self.prefix_tokens.labels("hit"), "hit_tokens"),
+                              (self.prefix_tokens.labels("computed"), "computed_tokens"),
+                              (self.prefix_hits, "hits"), (self.prefix_read, "reuse_read_bytes"),
+                              (self.prefix_evictions, "evictions")):
+            metric.inc(getattr(now, field) - (getattr(seen, field) if seen is not None else 0))
+        self._prefix_seen = now
+        for tier, n in prefix["held"].items():
+            self.prefix_held.labels(tier.name.lower()).set(n)
 
     def on_answer(self, ticket, end: float) -> None:
         """A request that ended (answered or cancelled)."""

@@ -152,6 +152,31 @@ def test_per_request_kv_policy(server):
     assert server.metric("flexgen_sparpr_bytes_moved_total") > 0  # half the cache lives on disk
 
 
+def test_a_conversation_sent_again_prefills_only_its_new_turn(server, client, chat_llm):
+    """Prefix reuse: turn 2 repeats turn 1 and its answer; the kept cache (half on disk here) holds
+    them, so only the new turn is prefilled, and the answer is generate()'s for the same messages."""
+    model = client.models.list().data[0].id
+    hits = server.metric("flexgen_sparpr_prefix_cache_tokens_total")
+    msgs = [{"role": "user", "content": "Tell me about the sea, the sky and the mountains."}]
+    one = server.post("/v1/chat/completions", {"model": model, "messages": msgs, "max_tokens": 12,
+                                               "temperature": 0})[1]
+    msgs += [{"role": "assistant", "content": one["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "And the rivers?"}]
+    two = server.post("/v1/chat/completions", {"model": model, "messages": msgs, "max_tokens": 12,
+                                               "temperature": 0})[1]
+    prompt_tokens = two["usage"]["prompt_tokens"]
+    reused = two["flexgen"]["prefix_reused_tokens"]
+    assert one["usage"]["prompt_tokens"] < reused < prompt_tokens  # turn 1 and (most of) its answer
+    assert server.metric("flexgen_sparpr_prefix_cache_tokens_total") > hits
+    assert server.metric("flexgen_sparpr_prefix_cache_hits_total") >= 1
+    assert server.metric("flexgen_sparpr_prefix_cache_bytes") > 0
+    text = chat_llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ids = chat_llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == prompt_tokens
+    want = chat_llm.generate([ids], 12)[0]
+    assert two["choices"][0]["message"]["content"] == want.text
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
@@ -184,7 +209,10 @@ def test_bad_chat_requests_and_other_errors(server):
 
 
 def test_disconnect_cancels_and_frees_the_kv(server):
+    """The left request's own offload files go; earlier answered requests' kept caches (prefix
+    reuse) stay until evicted or shutdown."""
     before = server.metric("flexgen_sparpr_requests_cancelled_total")
+    kept = set(kv_files(server.offload_dir))
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "Go on and on", "max_tokens": 480,
                                                         "stream": True}),
@@ -193,14 +221,14 @@ def test_disconnect_cancels_and_frees_the_kv(server):
     for _ in range(3):
         assert r.readline().startswith(b"data: ")
         r.readline()
-    assert kv_files(server.offload_dir)  # the batch's disk blocks exist while it runs
+    assert set(kv_files(server.offload_dir)) - kept  # the batch's disk blocks exist while it runs
     conn.sock.shutdown(2)
     conn.close()
     end = time.monotonic() + 30
-    while (kv_files(server.offload_dir) or server.metric("flexgen_sparpr_running_requests")) \
+    while (set(kv_files(server.offload_dir)) - kept or server.metric("flexgen_sparpr_running_requests")) \
             and time.monotonic() < end:
         time.sleep(0.2)
-    assert not kv_files(server.offload_dir)
+    assert not set(kv_files(server.offload_dir)) - kept
     assert server.metric("flexgen_sparpr_requests_cancelled_total") == before + 1
     assert server.metric("flexgen_sparpr_generation_tokens_total") < 480 * 10  # it did not run to the end
     # a whole (not streamed) answer's client leaving cancels it too
@@ -214,10 +242,10 @@ def test_disconnect_cancels_and_frees_the_kv(server):
     while server.metric("flexgen_sparpr_requests_cancelled_total") < before + 2 and time.monotonic() < end:
         time.sleep(0.2)
     assert server.metric("flexgen_sparpr_requests_cancelled_total") == before + 2
-    while (kv_files(server.offload_dir) or server.metric("flexgen_sparpr_running_requests")) \
+    while (set(kv_files(server.offload_dir)) - kept or server.metric("flexgen_sparpr_running_requests")) \
             and time.monotonic() < end:
         time.sleep(0.2)
-    assert not kv_files(server.offload_dir)
+    assert not set(kv_files(server.offload_dir)) - kept
 
 
 def test_queue_full_is_a_clean_429_and_queued_requests_still_answer(server):
