@@ -11,41 +11,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, OneLineParser, die, engine_commit, int_list, load_average, machine_info  # noqa: E402
 from _common import md_table, write_results  # noqa: E402
 
-from flexgen_sparpr.bench.serve_load import mixed_prompts, run_level  # noqa: E402
+from flexgen_sparpr.bench.serve_load import mixed_prompts, run_level, start_server  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def start_server(flags: list[str], timeout: float) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "flexgen_sparpr", "serve", "--port", "0", *flags], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if "http://" not in line:
-        proc.kill()
-        die(f"the server did not start: {line.strip() or 'no output'}")
-    port = int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.5)
-        if proc.poll() is not None:
-            die(f"the server exited with {proc.returncode} while loading")
-    proc.kill()
-    die("the model did not load in time")
 
 
 def main(argv=None) -> None:
@@ -66,7 +41,10 @@ def main(argv=None) -> None:
              str(args.max_queue), *[f for flag in args.server_flag for f in flag.split()]]
     prompts = mixed_prompts(args.lengths, 64, seed=0)
     load_before, commit = load_average(), engine_commit()  # the commit the server runs
-    proc, port = start_server(flags, timeout=300)
+    try:
+        proc, port = start_server(flags, REPO, timeout=300)
+    except RuntimeError as e:
+        die(str(e))
     levels = []
     try:
         for n in args.clients:

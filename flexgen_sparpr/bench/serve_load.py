@@ -10,6 +10,8 @@ import http.client
 import json
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -148,3 +150,27 @@ def run_level(port: int, clients: int, seconds: float, prompts: list[str], max_t
     level.seconds = time.perf_counter() - t0
     level.server_counted = served_requests(port) - before
     return level
+
+
+def start_server(flags: list[str], cwd: Path, timeout: float) -> tuple[subprocess.Popen, int]:
+    """A `flexgen-sparpr serve` child on a free port, once /health says the model is loaded;
+    RuntimeError (one line) when it does not start or load."""
+    proc = subprocess.Popen([sys.executable, "-m", "flexgen_sparpr", "serve", "--port", "0", *flags], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if "http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"the server did not start: {line.strip() or 'no output'}")
+    port = int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} while loading")
+    proc.kill()
+    raise RuntimeError("the model did not load in time")
