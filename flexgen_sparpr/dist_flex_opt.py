@@ -9,7 +9,7 @@ def main(argv=None) -> int:
     # this rank's one error line says it instead (read when torch loads: set before the import)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from .cli.dist import run_dist
-    from .cli.guard import guarded
+    from .utils.guard import guarded
     from .cli.launch import label
     argv = sys.argv[1:] if argv is None else argv
     return guarded(run_dist, argv, label=label(argv))

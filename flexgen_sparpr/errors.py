@@ -1,6 +1,6 @@
 """The errors a user can cause or meet, at the bottom of the stack so every layer can raise them.
 
-The command line (cli/guard.py) prints any of them as one `error: ...` line and exits 2.
+The command line (utils/guard.py) prints any of them as one `error: ...` line and exits 2.
 """
 from __future__ import annotations
 

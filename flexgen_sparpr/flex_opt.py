@@ -1,7 +1,7 @@
 """Drop-in for upstream `python -m flexgen.flex_opt`: same flags, summary lines and log file."""
 import sys
 
-from .cli.guard import guarded
+from .utils.guard import guarded
 from .cli.run import run
 
 

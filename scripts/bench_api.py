@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             or not 1 <= args.min_len <= args.max_len:
         die("--prompts, --batch, --repeats, --gen-len must be >= 1, --serial in [1, --prompts], "
             "1 <= --min-len <= --max-len")
-    from flexgen_sparpr.cli.prompts import load_tokenizer
+    from flexgen_sparpr.config.prompts import load_tokenizer
     from flexgen_sparpr.weights.resolve import resolve_source
     tok = load_tokenizer(resolve_source(args.model, None, None, 0).tokenizer_dir)
     prompts = mixed_prompts(tok, args.prompts, args.min_len, args.max_len, args.seed)
@@ -154,5 +154,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from flexgen_sparpr.cli.guard import guarded
+    from flexgen_sparpr.utils.guard import guarded
     sys.exit(guarded(main))

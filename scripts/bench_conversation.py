@@ -25,7 +25,7 @@ DOC = Path("/usr/share/common-licenses/GPL-3")
 
 
 def document(model: str, tokens: int) -> str:
-    from flexgen_sparpr.cli.prompts import load_tokenizer
+    from flexgen_sparpr.config.prompts import load_tokenizer
     from flexgen_sparpr.weights.resolve import resolve_source
     tok = load_tokenizer(resolve_source(model, "~/opt_weights", None, 0).tokenizer_dir)
     ids = tok(DOC.read_text(), add_special_tokens=False)["input_ids"]

@@ -305,5 +305,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from flexgen_sparpr.cli.guard import guarded
-    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)
+    from flexgen_sparpr.utils.guard import guarded
+    sys.exit(guarded(main))  # one error line for any failure, signals included (utils/guard.py)

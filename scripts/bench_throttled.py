@@ -217,5 +217,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from flexgen_sparpr.cli.guard import guarded
+    from flexgen_sparpr.utils.guard import guarded
     sys.exit(guarded(main))

@@ -136,5 +136,5 @@ def render_md(p: dict) -> str:
 
 
 if __name__ == "__main__":
-    from flexgen_sparpr.cli.guard import guarded
+    from flexgen_sparpr.utils.guard import guarded
     sys.exit(guarded(main))

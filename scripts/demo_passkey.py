@@ -22,7 +22,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not its warning abou
 
 from flexgen_sparpr import LLM  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, random_key  # noqa: E402
-from flexgen_sparpr.cli.guard import guarded  # noqa: E402
+from flexgen_sparpr.utils.guard import guarded  # noqa: E402
 from flexgen_sparpr.utils.args import OneLineParser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,4 +84,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)
+    sys.exit(guarded(main))  # one error line for any failure, signals included (utils/guard.py)

@@ -4,6 +4,9 @@ branches on a KV policy's name (a policy's facts are methods on it)."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from flexgen_sparpr.kv.policies import POLICIES
@@ -17,7 +20,9 @@ LAYERS = [
     {"weights", "runtime"},
     {"kv"},
     {"engine"},
-    {"cli", "api", "serve", "upstream", "bench", "flex_opt", "dist_flex_opt", "__main__"},
+    {"config"},  # options, validation, preflight, prompts: under every face
+    {"api", "upstream", "bench"},
+    {"cli", "serve", "flex_opt", "dist_flex_opt", "__main__"},
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -55,6 +60,18 @@ def graph() -> dict[str, set[str]]:
 
 def folder(name: str) -> str:
     return name.split(".")[1] if "." in name else name
+
+
+def test_import_linter_contracts_hold():
+    """The same floors as import-linter's contracts in pyproject.toml (a layers contract, and no
+    face but the command line's own importing cli/), checked by import-linter itself (a test
+    dependency: requirements.txt)."""
+    exe = Path(sys.executable).with_name("lint-imports")
+    assert exe.exists(), "import-linter is not installed: pip install -r requirements.txt"
+    repo = ROOT.parent
+    r = subprocess.run([str(exe), "--no-cache"], cwd=repo, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0 and "0 broken" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def test_every_folder_has_a_layer():

@@ -51,7 +51,7 @@ def test_the_shipped_configs_are_found_outside_a_checkout(tmp_path, monkeypatch)
     """configs/ is package data (flexgen_sparpr/configs; the checkout's configs/ links to it): a
     documented `--config configs/...` or `--hardware configs/...` resolves from any folder, as from a
     wheel install, and the wheel carries every file."""
-    from flexgen_sparpr.cli.options import load_yaml
+    from flexgen_sparpr.config.options import load_yaml
     from flexgen_sparpr.runtime.hardware import load_hardware
     from flexgen_sparpr.utils.paths import SHIPPED_CONFIGS, config_file
     monkeypatch.chdir(tmp_path)  # no configs/ here

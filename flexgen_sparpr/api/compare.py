@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from ..cli.flags import build_parser
-from ..cli.options import resolve
-from ..cli.validate import typed_flag_values
+from ..config.flags import build_parser
+from ..config.options import resolve
+from ..config.validate import typed_flag_values
 from ..engine.memory import PeakMemory
 from ..errors import ConfigError
 from ..kv import policies

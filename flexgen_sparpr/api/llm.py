@@ -14,11 +14,11 @@ import numbers
 import os
 import weakref
 
-from ..cli import preflight
-from ..cli.flags import build_parser
-from ..cli.options import apply_auto_policy, resolve
-from ..cli.prompts import is_token_ids, load_tokenizer, text_ids
-from ..cli.validate import typed_flag_values
+from ..config import preflight
+from ..config.flags import build_parser
+from ..config.options import apply_auto_policy, resolve
+from ..config.prompts import is_token_ids, load_tokenizer, text_ids
+from ..config.validate import typed_flag_values
 from ..engine.executor import Engine
 from ..engine.prefix_cache import PrefixCache
 from ..engine.sampling import STOP_DEFAULT

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from ..cli import preflight
-from ..cli.validate import check_range, check_stop, typed_flag_values
+from ..config import preflight
+from ..config.validate import check_range, check_stop, typed_flag_values
 from ..engine.sampling import Sampler
 from ..errors import ConfigError
 

@@ -210,5 +210,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from ..cli.guard import guarded
+    from ..utils.guard import guarded
     sys.exit(guarded(main))

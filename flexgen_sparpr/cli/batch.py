@@ -21,12 +21,12 @@ from ..engine.sampling import STOP_DEFAULT
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted, progress
 from ..weights.resolve import DUMMY, resolve_source
-from . import preflight
+from ..config import preflight
 from .batch_files import Appender, read_done, read_input, same_file
-from .flags import build_parser
-from .options import apply_auto_policy, resolve
+from ..config.flags import build_parser
+from ..config.options import apply_auto_policy, resolve
 from .outputs import writable_file
-from .prompts import load_tokenizer
+from ..config.prompts import load_tokenizer
 
 # run flags that a batch job replaces (its prompts and its output are files of its own)
 _NOT_HERE = ("prompt", "prompt_file", "prompt_ids_file", "output_json", "cut_gen_len", "debug_mode", "stream")
@@ -104,7 +104,7 @@ def batch(argv=None) -> int:
                 new_tokens += sum(len(r["token_ids"]) for r in recs)
                 bar.update(len(recs))
                 bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.1f} tok/s")
-        except KeyboardInterrupt:  # a stop signal (cli/guard.py): say what is kept, then unwind
+        except KeyboardInterrupt:  # a stop signal (utils/guard.py): say what is kept, then unwind
             print(f"note: {len(done) + out.written} of {len(jobs)} prompts are in {out_path}; the same command "
                   "finishes the rest", file=sys.stderr, flush=True)
             raise

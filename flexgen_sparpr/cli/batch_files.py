@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from .preflight import check_context
-from .prompts import is_token_ids, text_ids
+from ..config.preflight import check_context
+from ..config.prompts import is_token_ids, text_ids
 
 _KEYS = {"id", "prompt", "prompt_ids", "max_new_tokens"}
 

@@ -16,8 +16,8 @@ from ..api.chat import ChatSession
 from ..api.llm import LLM
 from ..errors import ConfigError
 from ..weights.resolve import SMOLLM2
-from .flags import GLOSSARY, build_parser
-from .options import resolve
+from ..config.flags import GLOSSARY, build_parser
+from ..config.options import resolve
 
 # run's flags a chat has no use for: its prompts are typed, its answers end at the end token
 PER_TURN = ("prompt", "prompt_file", "prompt_ids_file", "gen_len", "cut_gen_len", "stop", "stream", "output_json",

@@ -1,7 +1,7 @@
 """`python -m flexgen_sparpr.dist_flex_opt`: pipeline parallelism over torch.distributed, one rank
 per stage, launched by torchrun (or upstream's --head-ip/--port/--world-size/--rank flags).
 
-Every rank resolves the same flags (cli/options.py), joins the others (cli/launch.py), checks that
+Every rank resolves the same flags (config/options.py), joins the others (cli/launch.py), checks that
 they all resolved the same options (cli/peers.py), takes its stage (the split: --stage-layers, or
 even by weight bytes, or --policy auto's choice, made on rank 0 and shared), then runs cli/run.py's
 set_up and generate on its layers with a StageLink to its neighbours (engine/pipeline.py). Rank 0
@@ -20,10 +20,10 @@ from ..engine.config import EngineConfig, Policy
 from ..engine.pipeline import Stage, StageLink
 from ..errors import ConfigError
 from ..runtime.stages import StagePlan, StageSplit, check_stages, even_by_bytes, parse_stage_layers
-from .flags import build_parser
-from .guard import describe
+from ..config.flags import build_parser
+from ..utils.guard import describe
 from .launch import DIST_FLAGS, Launch, add_dist_flags, choose_backend, init_group, launch_from, rendezvous
-from .options import RunOptions, resolve, workload_for
+from ..config.options import RunOptions, resolve, workload_for
 from .peers import Peers
 from .run import engine_report, generate, report, set_up
 

@@ -1,13 +1,13 @@
 """The `flexgen-sparpr` console script: `run`, `chat`, `batch`, `serve`, `prepare` and `profile` subcommands.
 
-Every failure prints one `error:` line (cli/guard.py): exit 2 for bad input or a run that cannot
+Every failure prints one `error:` line (utils/guard.py): exit 2 for bad input or a run that cannot
 fit, 128 + n for a stop signal, 1 for a bug (FLEXGEN_SPARPR_TRACEBACK=1 shows its traceback).
 """
 from __future__ import annotations
 
 import sys
 
-from .guard import guarded
+from ..utils.guard import guarded
 
 USAGE = """usage: flexgen-sparpr {run,chat,batch,serve,models,prepare,profile} [options]
 

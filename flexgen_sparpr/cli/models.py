@@ -7,7 +7,7 @@ from ..models.spec import OPT_NAMES, opt_spec
 from ..utils.paths import default_cache_dir
 from ..weights.prepare import is_prepared
 from ..weights.resolve import DUMMY, SMOLLM2
-from .flags import DEFAULTS
+from ..config.flags import DEFAULTS
 
 
 def models(argv=None) -> int:

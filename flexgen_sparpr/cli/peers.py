@@ -19,7 +19,7 @@ from pathlib import Path
 from ..engine.pipeline import LinkFailed
 from ..errors import ConfigError, PeerFailed
 from ..storage.leftovers import sweep_dead_runs
-from .guard import Interrupted, describe
+from ..utils.guard import Interrupted, describe
 
 FAILED = "failed"
 GRACE_S = 1.0  # how long a rank that lost a link waits for the failed rank's own record

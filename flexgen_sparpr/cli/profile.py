@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..runtime.hardware import dump_hardware, save_hardware
 from ..storage.tiers import resolve_device
 from ..utils.args import OneLineParser
-from .flags import DEFAULTS
+from ..config.flags import DEFAULTS
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ reported as upstream FlexGen reports it; a thin user of the Python API (api/llm.
 Three steps, each callable from Python without argparse: `set_up` (the weights, the tokenizer,
 the prompts and, with --policy auto, the placement), `generate` (the engine's warm-up and timed
 generation) and `report` (FlexGen's summary lines and log, the JSON). `run` is the CLI: flags
-(cli/options.py `resolve`, which also takes a plain dict of flag values), then the three.
+(config/options.py `resolve`, which also takes a plain dict of flag values), then the three.
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ from ..engine.step_clock import median_parts
 from ..runtime.stages import stage_spec
 from ..utils.progress import bars_wanted
 from ..weights.resolve import DUMMY, SMOLLM2, resolve_source
-from . import preflight
+from ..config import preflight
 from . import report as fmt
-from .flags import build_parser
-from .options import RunOptions, apply_auto_policy, resolve
+from ..config.flags import build_parser
+from ..config.options import RunOptions, apply_auto_policy, resolve
 from .outputs import deliver, writable_file
-from .prompts import build_prompts, load_tokenizer
+from ..config.prompts import build_prompts, load_tokenizer
 from .stream import StreamPrinter
 
 
@@ -77,7 +77,7 @@ class Generated:
 
 def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig, pipeline=None) -> Setup:
     """The weight source, tokenizer and prompt ids; --policy auto's placement; every check that
-    needs no weights (cli/preflight.py: output paths, context, offload folder, capacity).
+    needs no weights (config/preflight.py: output paths, context, offload folder, capacity).
     pipeline: a distributed run's stage choice (cli/dist.py Pipeline): this rank's layers and,
     with --policy auto, its placement; the capacity check is then the stage's."""
     output = writable_file(opts.output_json, "--output-json") if opts.output_json else None

@@ -1,6 +1,6 @@
 """Run configuration: FlexGen's Policy (same fields, same meaning) and the engine's own knobs.
 
-Both are frozen; they are filled once (YAML file, then CLI overrides) in cli/options.py.
+Both are frozen; they are filled once (YAML file, then CLI overrides) in config/options.py.
 """
 from __future__ import annotations
 

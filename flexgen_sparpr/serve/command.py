@@ -15,9 +15,9 @@ import socket
 import sys
 
 from ..api.llm import LLM
-from ..cli.flags import GLOSSARY, build_parser
-from ..cli.guard import Interrupted, describe
-from ..cli.options import resolve
+from ..config.flags import GLOSSARY, build_parser
+from ..utils.guard import Interrupted, describe
+from ..config.options import resolve
 from ..errors import ConfigError
 
 # run's flags that a request gives instead (its prompt, length and sampling) or that only a run reports

@@ -297,5 +297,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ..cli.guard import guarded
-    sys.exit(guarded(main))  # one error line for any failure, signals included (cli/guard.py)
+    from ..utils.guard import guarded
+    sys.exit(guarded(main))  # one error line for any failure, signals included (utils/guard.py)

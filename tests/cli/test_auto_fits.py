@@ -1,5 +1,5 @@
-"""`--policy auto` through the command line's own steps (cli/options.py apply_auto_policy, then
-cli/preflight.py's check, as `run` makes them): the plan passes the check, and where nothing
+"""`--policy auto` through the command line's own steps (config/options.py apply_auto_policy, then
+config/preflight.py's check, as `run` makes them): the plan passes the check, and where nothing
 fits it says so in one line (tests/runtime/test_plan_passes_check.py: the arithmetic alone)."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_sparpr.cli import preflight
-from flexgen_sparpr.cli.flags import build_parser
-from flexgen_sparpr.cli.options import apply_auto_policy, resolve
+from flexgen_sparpr.config import preflight
+from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.config.options import apply_auto_policy, resolve
 from flexgen_sparpr.errors import ConfigError
 from flexgen_sparpr.models.spec import opt_spec
 from flexgen_sparpr.runtime import capacity

@@ -16,7 +16,7 @@ import yaml
 from flexgen_sparpr import LLM, ConfigError
 from flexgen_sparpr.cli import outputs
 from flexgen_sparpr.cli.main import main
-from flexgen_sparpr.cli.options import resolve
+from flexgen_sparpr.config.options import resolve
 from tests.cli.bad_inputs import _with_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from flexgen_sparpr.api.llm import LLM
-from flexgen_sparpr.cli.flags import build_parser
-from flexgen_sparpr.cli.options import resolve
+from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.errors import CapacityError, ConfigError
 from flexgen_sparpr.kv import policies
 from flexgen_sparpr.models.hf_config import spec_from_hf_config

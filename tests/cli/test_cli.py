@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_sparpr.cli.flags import build_parser
+from flexgen_sparpr.config.flags import build_parser
 from flexgen_sparpr.cli.main import main
-from flexgen_sparpr.cli.options import resolve
+from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.cli.report import flexgen_log_name, project_decode_latency, size_label
 from flexgen_sparpr.errors import ConfigError
 from flexgen_sparpr.models.spec import opt_spec
@@ -187,8 +187,8 @@ def test_log_name_uses_the_size_and_the_placement_run():
 
 
 def test_warm_up_only_for_flexgens_benchmark_prompt_unless_asked():
-    from flexgen_sparpr.cli.flags import build_parser
-    from flexgen_sparpr.cli.options import resolve
+    from flexgen_sparpr.config.flags import build_parser
+    from flexgen_sparpr.config.options import resolve
 
     def warmup(*argv):
         return resolve(build_parser().parse_args(["--model", "opt-125m", "--path", "_DUMMY_", *argv]))[0].warmup

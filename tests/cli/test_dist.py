@@ -214,7 +214,7 @@ def peers():
 
 
 def test_the_first_failure_recorded_is_named(peers, tmp_path):
-    from flexgen_sparpr.cli.guard import Interrupted
+    from flexgen_sparpr.utils.guard import Interrupted
     # a lost link with no record: the peer waited on is named, and recorded
     e = peers.explain(LinkFailed(2, "receive of hidden states", RuntimeError("Connection closed by peer")), None)
     assert isinstance(e, PeerFailed) and "rank 2 failed (it exited or died" in str(e)

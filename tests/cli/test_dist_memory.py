@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flexgen_sparpr.cli import preflight
-from flexgen_sparpr.cli.flags import build_parser
-from flexgen_sparpr.cli.options import resolve
+from flexgen_sparpr.config import preflight
+from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.cli.peers import Peers
 from flexgen_sparpr.errors import CapacityError, ConfigError
 from flexgen_sparpr.runtime import capacity

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from flexgen_sparpr.cli.flags import build_parser
+from flexgen_sparpr.config.flags import build_parser
 from flexgen_sparpr.cli.main import main
-from flexgen_sparpr.cli.options import resolve
+from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.engine.sampling import STOP_DEFAULT
 from flexgen_sparpr.weights.resolve import KNOWN_NAMES
 

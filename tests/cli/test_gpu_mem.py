@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flexgen_sparpr.cli import options
-from flexgen_sparpr.cli.flags import build_parser
+from flexgen_sparpr.config.flags import build_parser
 from flexgen_sparpr.cli.main import main
-from flexgen_sparpr.cli.options import apply_auto_policy, resolve
+from flexgen_sparpr.config.options import apply_auto_policy, resolve
 from flexgen_sparpr.models.spec import opt_spec
 from flexgen_sparpr.runtime import capacity
 from flexgen_sparpr.runtime.hardware import GiB, load_hardware

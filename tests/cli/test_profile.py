@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexgen_sparpr.cli.flags import build_parser
+from flexgen_sparpr.config.flags import build_parser
 from flexgen_sparpr.cli.main import main
-from flexgen_sparpr.cli.options import apply_auto_policy, resolve
+from flexgen_sparpr.config.options import apply_auto_policy, resolve
 from flexgen_sparpr.engine.config import ConfigError
 from flexgen_sparpr.models.spec import opt_spec
 from flexgen_sparpr.runtime.costs import CostModel

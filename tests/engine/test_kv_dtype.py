@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexgen_sparpr.cli.prompts import load_tokenizer, text_ids
+from flexgen_sparpr.config.prompts import load_tokenizer, text_ids
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.errors import ConfigError

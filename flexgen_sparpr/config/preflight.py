@@ -22,7 +22,7 @@ def stop_token(stop: str | None, spec, name: str = "--stop") -> int | None:
         if spec.eos_id is None:
             raise ConfigError(f"{name} eos: {spec.name} names no end token; give a token id")
         return spec.eos_id
-    tok = int(stop)  # cli/validate.py let only digits through
+    tok = int(stop)  # config/validate.py let only digits through
     if not 0 <= tok < spec.vocab:
         raise ConfigError(f"{name} {tok} is outside {spec.name}'s vocabulary [0, {spec.vocab})")
     return tok

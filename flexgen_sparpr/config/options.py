@@ -196,7 +196,7 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
 
 def workload_for(spec, prompt_len: int, gen_len: int, policy: Policy, engine: EngineConfig, dtype: str):
     """The Workload of a run, what `--policy auto` plans and the check before loading
-    (cli/preflight.py) tests: with the KV block size (the cache is allocated in whole blocks),
+    (config/preflight.py) tests: with the KV block size (the cache is allocated in whole blocks),
     what the KV policy keeps on the device (its resident_share) and in host memory (host_share),
     and the share of the cache a decode step reads (its read_share)."""
     from ..runtime.placement import DTYPE_BYTES, Workload
@@ -221,7 +221,7 @@ def apply_auto_policy(opts: RunOptions, policy: Policy, engine: EngineConfig, sp
     `live_capacity`: the plan passes that check). The total batch stays gpu_batch_size x
     num_gpu_batches. prompt_len: the prompts' padded length (default opts.prompt_len). Returns
     (policy, engine, plan, hardware, capacity): capacity is the measurement planned within, for
-    the check (cli/preflight.py) to test the plan against."""
+    the check (config/preflight.py) to test the plan against."""
     from ..runtime.capacity import live_capacity, planning_hardware
     from ..runtime.placement import NoPlacementFits, choose, tier_capacity
     from ..runtime.profile import hardware_from_probe
