@@ -164,6 +164,7 @@ def needle_ids(path: Path) -> bool:
 
 def hook_cases() -> dict:
     """The upstream hook's block choice (pick_blocks over its summaries) on random inputs, with left padding."""
+    from flexgen_sparpr.kv.policies.sparpr import SparPR
     from flexgen_sparpr.upstream.sparpr_hook import SparPRConfig, _Summaries, pick_blocks
     out = {}
     g = torch.Generator().manual_seed(3)
@@ -172,7 +173,7 @@ def hook_cases() -> dict:
         q = torch.randn(b, h, 1, d, generator=g)
         k = torch.randn(s - 1, b * h, d, generator=g)  # k: [S-1, B*H, D] the cached keys
         mask = torch.arange(s)[None, :] >= torch.tensor(pads)[:, None]
-        cfg = SparPRConfig(keep_ratio=keep, block_size=bs)
+        cfg = SparPRConfig(SparPR(keep_ratio=keep), block_size=bs)
         summ = _Summaries(s, b * h, d, b, cfg.run, torch.float32, torch.device("cpu"))
         summ.add(k, mask[:, :s - 1], 0)
         out[f"hook/{case}"] = pick_blocks(q, summ, mask, cfg)

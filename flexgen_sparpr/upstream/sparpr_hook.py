@@ -35,39 +35,35 @@ from __future__ import annotations
 import importlib
 import math
 import weakref
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
-from ..kv.knobs import at_least, in_unit
 from ..kv.policies.base import token_budget
 from ..kv.policies.scoring import budgeted_pick
 from ..kv.policies.sparpr import SparPR, block_scores
 from ..runtime.costs import keep_target
 
 
-def _default_summary_tokens() -> int:
-    return next(f.default for f in fields(SparPR) if f.name == "summary_tokens")
-
-
 @dataclass
 class SparPRConfig:
-    keep_ratio: float = 0.5
-    min_keep: float = 0.1
-    block_size: int = 64
-    recent_blocks: int = 1
-    summary_tokens: int = field(default_factory=_default_summary_tokens)
+    """The hook's settings: the engine's own SparPR policy (its knobs, defaults and checks, one
+    home: kv/policies/sparpr.py) and upstream's KV block size, which is not a SparPR knob."""
 
-    def __post_init__(self):  # the engine's SparPR knobs' rules (kv/knobs.py)
-        in_unit(self, "keep_ratio")
-        in_unit(self, "min_keep")
+    policy: SparPR = field(default_factory=SparPR)
+    block_size: int = 64
+
+    def __post_init__(self):
         if int(self.block_size) != self.block_size or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer (got {self.block_size})")
-        at_least(self, "recent_blocks", 0)
-        at_least(self, "summary_tokens", 0)
         st = self.summary_tokens
         if 0 < st < self.block_size and self.block_size % st:
             raise ValueError(f"summary_tokens must be 0 or divide block_size {self.block_size} (got {st})")
+
+    keep_ratio = property(lambda self: self.policy.keep_ratio)
+    min_keep = property(lambda self: self.policy.min_keep)
+    recent_blocks = property(lambda self: self.policy.recent_blocks)
+    summary_tokens = property(lambda self: self.policy.summary_tokens)
 
     @property
     def run(self) -> int:
@@ -287,13 +283,15 @@ def _forward(self, hidden, cache_read_buf, weight_read_buf, attention_mask, cach
     return out
 
 
-def apply_sparpr(keep_ratio: float = 0.5, min_keep: float = 0.1, block_size: int = 64,
-                 recent_blocks: int = 1, summary_tokens: int | None = None) -> SparPRConfig:
+def apply_sparpr(policy: SparPR | None = None, block_size: int = 64, **knobs) -> SparPRConfig:
     """Make upstream FlexGen's decode steps move and attend only SparPR's selected blocks (this
-    process; call again to change the knobs, `remove_sparpr()` to undo). Works with or without
-    `apply_cpu_patches()`. keep_ratio 1.0 leaves upstream's outputs bit-identical."""
-    st = _default_summary_tokens() if summary_tokens is None else summary_tokens
-    config = SparPRConfig(keep_ratio, min_keep, block_size, recent_blocks, st)
+    process; call again to change the knobs, `remove_sparpr()` to undo). policy: the engine's SparPR
+    object, or its knobs as keyword arguments (keep_ratio, min_keep, recent_blocks, summary_tokens;
+    SparPR's own defaults and checks). Works with or without `apply_cpu_patches()`. keep_ratio 1.0
+    leaves upstream's outputs bit-identical."""
+    if policy is not None and knobs:
+        raise ValueError("give a SparPR policy or its knobs, not both")
+    config = SparPRConfig(policy if policy is not None else SparPR(**knobs), block_size)
     flex = importlib.import_module("flexgen.flex_opt")
     if _state["originals"] is None:
         _state["originals"] = {"load_cache": flex.SelfAttention.load_cache, "forward": flex.SelfAttention.forward}

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 import torch
 
+from flexgen_sparpr.kv.policies.sparpr import SparPR
 from flexgen_sparpr.upstream.sparpr_hook import (SparPRConfig, _Summaries, apply_sparpr, pick_blocks,
                                                  remove_sparpr, sparpr_stats)
 from tests.upstream.recording import B, G, P, run_recording
@@ -92,9 +93,9 @@ def test_pick_keeps_sink_recent_and_the_best_block_for_the_batch():
     mask = torch.ones(b, 10, dtype=torch.bool)
     s = _Summaries(10, b * h, d, b, 2, torch.float32, torch.device("cpu"))
     s.add(k, mask[:, :9], 0)
-    cfg = SparPRConfig(keep_ratio=0.7, block_size=2, recent_blocks=1, summary_tokens=0)
+    cfg = SparPRConfig(SparPR(keep_ratio=0.7, recent_blocks=1, summary_tokens=0), block_size=2)
     assert pick_blocks(q, s, mask, cfg) == [0, 1, 3]  # sink, best, recent (budget 7 of 9 tokens)
-    assert pick_blocks(q, s, mask, SparPRConfig(keep_ratio=1.0, block_size=2)) == [0, 1, 2, 3]
+    assert pick_blocks(q, s, mask, SparPRConfig(SparPR(keep_ratio=1.0), block_size=2)) == [0, 1, 2, 3]
 
 
 def test_apply_and_remove():
@@ -109,6 +110,14 @@ def test_apply_and_remove():
                 dict(recent_blocks=-1), dict(block_size=64, summary_tokens=5)):
         with pytest.raises(ValueError):
             apply_sparpr(**bad)
+    # the engine's own SparPR object: its knobs have one home (kv/policies/sparpr.py)
+    own = SparPR(keep_ratio=0.3, min_keep=0.2)
+    cfg = apply_sparpr(own, block_size=16)
+    assert cfg.policy is own and (cfg.keep_ratio, cfg.min_keep, cfg.block_size) == (0.3, 0.2, 16)
+    assert apply_sparpr().keep_ratio == SparPR().keep_ratio  # the policy's default, not a second one
+    with pytest.raises(ValueError, match="not both"):
+        apply_sparpr(own, keep_ratio=0.5)
+    remove_sparpr()
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/sys/fs/cgroup/blkio/cgroup.procs"),
