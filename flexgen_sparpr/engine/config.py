@@ -148,3 +148,21 @@ class EngineConfig:
         if self.kv_dtype == "auto":
             return torch.bfloat16 if compute == torch.bfloat16 else torch.float16
         return getattr(torch, self.kv_dtype)
+
+
+def check_engine(policy: Policy, spec, link, micro_batches: int, kv_policy: KVPolicy, cold_codec,
+                 is_cuda: bool) -> None:
+    """What an engine's configuration may not combine (one ConfigError line each)."""
+    if policy.num_gpu_batches % micro_batches:
+        raise ConfigError(f"{micro_batches} micro-batches do not divide --num-gpu-batches {policy.num_gpu_batches}")
+    if link is not None and link.stage.layers.stop > spec.num_layers:
+        raise ConfigError(f"stage {link.stage.index} runs layers up to {link.stage.layers.stop - 1}; "
+                          f"{spec.name} has {spec.num_layers}")
+    if policy.cpu_cache_compute and not kv_policy.is_full_attention and is_cuda:
+        raise ConfigError("--cpu-cache-compute attends CPU blocks in place and cannot apply a "
+                          f"--kv-policy selection ({kv_policy.name}); use one or the other")
+    if policy.compress_cache + kv_policy.has_codec + (cold_codec is not None) > 1:
+        raise ConfigError("one KV codec at a time: --compress-cache, a --kv-policy with its own codec "
+                          f"({', '.join(policies.codec_names())}) and --cold-codec each choose how blocks "
+                          "are stored")
+

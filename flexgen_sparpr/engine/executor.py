@@ -9,26 +9,23 @@ micro-batch after micro-batch, with a StageLink at the slice's ends (engine/pipe
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
-from ..kv import policies
 from ..kv.block_table import BlockTable
-from ..kv.policy import KVPolicy, Selection
+from ..kv.policy import KVPolicy
 from ..models import build_arch
-from ..models.layers import causal_attention
-from ..storage.device_memory import apply_cap
+from ..storage.device_memory import cap_device
 from ..storage.disk import DiskStore
 from ..storage.tiers import Devices, Tier
-from .attention import append_attention, decode_attention_step, pads_valid, split_by_home
+from .compute import Layer, compute, park, schedule_layers
+from .prefill import prefill
 from .cell import KVReader
-from .config import EngineConfig, Policy
+from .config import EngineConfig, Policy, check_engine
 from .io import Done, IOPool, to_compute
 from .kv_tables import build_tables
 from .pipeline import StageLink, schedule
@@ -36,14 +33,7 @@ from .prefetch import Ahead
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
 from .step_clock import StepClock
-from .weights import WeightStore, sub_weights
-
-
-@dataclass
-class Layer:
-    kind: str  # embed | attn | mlp | block (attn + mlp, when not sep_layer) | head
-    index: int
-    names: dict[str, str]
+from .weights import WeightStore
 
 
 class Engine:
@@ -57,25 +47,14 @@ class Engine:
         self.spec, self.policy, self.cfg = source.spec, policy, cfg
         self.run_policy = policy  # the current generation's: a batch of fewer prompts is a smaller batch
         self.link, self.micro_batches = link, micro_batches
-        if policy.num_gpu_batches % micro_batches:
-            raise ConfigError(f"{micro_batches} micro-batches do not divide --num-gpu-batches {policy.num_gpu_batches}")
-        if link is not None and link.stage.layers.stop > self.spec.num_layers:
-            raise ConfigError(f"stage {link.stage.index} runs layers up to {link.stage.layers.stop - 1}; "
-                              f"{self.spec.name} has {self.spec.num_layers}")
         self.arch = build_arch(self.spec)
         self.devices = Devices(cfg.torch_device(), pin_memory=policy.pin_weight, stream_api=stream_api)
-        self.gpu_limit = self._cap_device(cfg.gpu_mem)
+        self.gpu_limit = cap_device(self.devices, cfg.gpu_mem)
         self.dtype = cfg.torch_dtype(self.devices.compute)
         self.kv_policy: KVPolicy = cfg.make_kv_policy()
         self.cold_codec: KVPolicy | None = cfg.make_cold_codec()  # its codec stores the CPU / disk blocks
-        if policy.cpu_cache_compute and not self.kv_policy.is_full_attention and self.devices.is_cuda:
-            raise ConfigError("--cpu-cache-compute attends CPU blocks in place and cannot apply a "
-                              f"--kv-policy selection ({self.kv_policy.name}); use one or the other")
-        if policy.compress_cache + self.kv_policy.has_codec + (self.cold_codec is not None) > 1:
-            raise ConfigError("one KV codec at a time: --compress-cache, a --kv-policy with its own codec "
-                              f"({', '.join(policies.codec_names())}) and --cold-codec each choose how blocks "
-                              "are stored")
-        self.layers = self._layers()
+        check_engine(policy, self.spec, link, micro_batches, self.kv_policy, self.cold_codec, self.devices.is_cuda)
+        self.layers = schedule_layers(self.arch, self.spec, policy.sep_layer, link.stage if link else None)
         needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0 or \
             any(self.kv_policy.raw_copies(i) == Tier.DISK for i in range(self.spec.num_layers))  # DKV's raw copies
         self.disk = DiskStore(Path(cfg.offload_dir).expanduser(), direct=cfg.direct_io) if needs_disk else None
@@ -111,36 +90,10 @@ class Engine:
         filled up by the caller."""
         return self.policy.num_gpu_batches == 1 and self.link is None
 
-    def _cap_device(self, gpu_mem: float | None) -> int | None:
-        """--gpu-mem: the bytes torch's allocator may reserve (the card's size less this
-        process's context), enforced before anything is allocated; None without a cap."""
-        if gpu_mem is None:
-            return None
-        if not self.devices.is_cuda:
-            raise ConfigError("--gpu-mem caps a CUDA device; the compute device here is the CPU")
-        try:
-            return apply_cap(self.devices.compute, gpu_mem)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
     def _transpose_weights(self) -> bool:
         """One sequence per batch on CPU: every decode product is a single row, which CPU BLAS
         runs fastest against [in, out] weights (measured 1.6x); other shapes keep [out, in]."""
         return not self.devices.is_cuda and self.policy.gpu_batch_size == 1
-
-    def _layers(self) -> list[Layer]:
-        """The schedule's layers: this stage's decoder layers, the embeddings on the first stage
-        and the LM head on the last (every one without a link)."""
-        a, sep, stage = self.arch, self.policy.sep_layer, self.link.stage if self.link else None
-        layers = [Layer("embed", -1, a.embed_names())] if stage is None or stage.is_first else []
-        for i in (stage.layers if stage else range(self.spec.num_layers)):
-            if sep:
-                layers += [Layer("attn", i, a.attn_names(i)), Layer("mlp", i, a.mlp_names(i))]
-            else:
-                names = {f"a.{k}": v for k, v in a.attn_names(i).items()}
-                names |= {f"m.{k}": v for k, v in a.mlp_names(i).items()}
-                layers.append(Layer("block", i, names))
-        return layers + ([Layer("head", -1, a.head_names())] if stage is None or stage.is_last else [])
 
     # --- I/O tasks ---
     def _load_weights(self, j: int) -> Future:
@@ -173,58 +126,6 @@ class Engine:
         return self.reader.prefetch(self.tables[(layer.index, k)], layer.index, layer.kind, ahead)
 
     # --- compute ---
-    def _attention(self, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bool):
-        a = self.arch
-        h = a.attn_input(w, x)
-        q, kk, vv = a.qkv(w, h, pos)
-        t = self.tables[(layer_idx, k)]
-        pol = self.kv_policy
-        ckpt_jobs = t.checkpoints.append(h[:, None]) if t.checkpoints is not None else []  # [B, 1, S, hidden]
-        if prefill and t.length:  # onto a kept cache (a reused prefix, one sequence): its blocks read whole
-            o, jobs = append_attention(t, q, kk, vv), t.append(kk, vv)
-        elif prefill:
-            valid = pads_valid(pos, pads)
-            o = pol.prefill(t, layer_idx, q, kk, vv, valid)
-            if o is None:
-                o = causal_attention(q, kk, vv, valid)
-            jobs = t.append(kk, vv)
-            if valid is None:
-                valid = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
-            for observer in (pol, *self._observers):
-                observer.on_prefill(t, layer_idx, q, kk, valid)
-        elif pol.attends:  # the policy owns the decode attention, and the append (DKV)
-            o, jobs = pol.attend(t, layer_idx, q, kk, vv, pads)
-        elif self.reader.splits_by_home(t):  # --cpu-cache-compute: CPU blocks attended where they live
-            o, jobs = split_by_home(t, q, kk, vv, pads), t.append(kk, vv)
-        else:
-            fetched = self.reader.read(t, layer_idx, q, fetched, w, pads)
-            kv, kpos, mask, jobs = self.reader.add_token(t, fetched, kk, vv)
-            o = decode_attention_step(q, kv, kpos, mask, pads, sparsity=self.policy.attn_sparsity)
-            pol.observe(t, layer_idx, q, kv, kpos, fetched.sel if fetched else Selection.all(t))
-        return a.attn_output(w, x, o), jobs + ckpt_jobs
-
-    def _compute(self, layer: Layer, w, x, ids, k: int, pos, pads, fetched, prefill: bool):
-        a = self.arch
-        if layer.kind == "embed":
-            return a.embed(w, ids, pos), []
-        if layer.kind == "attn":
-            return self._attention(w, x, layer.index, k, pos, pads, fetched, prefill)
-        if layer.kind == "mlp":
-            return a.mlp(w, x), []
-        if layer.kind == "block":
-            wa, wm = sub_weights(w, "a."), sub_weights(w, "m.")
-            x, jobs = self._attention(wa, x, layer.index, k, pos, pads, fetched, prefill)
-            return a.mlp(wm, x), jobs
-        return a.head(w, x[:, -1]).float(), []  # logits: [B, vocab]
-
-    def _park(self, x: torch.Tensor) -> torch.Tensor:
-        """Move a batch's hidden state to its activation tier between layers."""
-        if self.act_home == Tier.CPU and x.device != torch.device("cpu"):
-            self.devices.counters.add("compute", "cpu", x.nbytes)
-            return x.to("cpu", non_blocking=True)
-        return x
-
-
     # --- the generation loop ---
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
                  stop: int | None = None, progress: bool = False, keep_logits: bool = False,
@@ -243,43 +144,7 @@ class Engine:
         that see the prefill too (attach + on_prefill), so one prefill can serve several;
         `progress`: a bar over the layers (a long prompt's prefill takes a while); capacity: tokens
         the tables hold at least (room for a kept cache's later turns; engine/reuse.py)."""
-        p, dev = self.policy, self.devices.compute
-        if len(prompts) != p.batch_size:
-            if not (self.can_shrink and 0 < len(prompts) < p.batch_size):
-                raise ConfigError(f"got {len(prompts)} prompts; the policy runs batches of "
-                                  f"{p.gpu_batch_size} x {p.num_gpu_batches} = {p.batch_size}")
-            p = dataclasses.replace(p, gpu_batch_size=len(prompts))  # fewer rows: a smaller batch, no copies
-        self.run_policy = p
-        if max_new_tokens < 1 or any(len(s) == 0 for s in prompts):
-            raise ConfigError("need at least one prompt token and one new token")
-        plen = max(pad_to, max(len(s) for s in prompts))
-        limit, what = self.spec.context_limit()  # every architecture: past it the maths would differ
-        if plen + max_new_tokens > limit:
-            raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {self.spec.name}'s {what}")
-        # a policy that is also an observer sees each hook once
-        self._observers = tuple(o for o in dict.fromkeys(observers) if o is not self.kv_policy)
-        self._new_tables(max(plen + max_new_tokens, min(capacity, limit)))
-        for obs in self._observers:
-            for (i, _), t in self.tables.items():
-                obs.attach(t, i)
-        ids = torch.full((p.batch_size, plen), self.spec.pad_id, dtype=torch.long)
-        for b, seq in enumerate(prompts):
-            ids[b, plen - len(seq):] = torch.tensor(seq)
-        pads = torch.tensor([plen - len(seq) for seq in prompts], device=dev)
-        st = GenState(plen=plen, max_new=max_new_tokens, pads=pads, sampler=sampler or Sampler(),
-                      keep_logits=keep_logits, done=torch.zeros(p.batch_size, dtype=torch.bool, device=dev))
-        pos = (torch.arange(plen, device=dev)[None, :] - pads[:, None]).clamp(min=0)  # pos: [B, S]
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(self.layers), desc="prefill", unit="layer", leave=False)
-        try:
-            self._advance(st, ids.to(dev), pos, prefill=True, stop=None, bar=bar)
-        finally:
-            self._observers = ()
-            if bar is not None:
-                bar.close()
-        return st
+        return prefill(self, prompts, max_new_tokens, sampler, keep_logits, observers, pad_to, progress, capacity)
 
     @torch.inference_mode()
     def decode(self, st: "GenState", stop: int | None = None, progress: bool = False) -> GenerationResult:
@@ -402,12 +267,12 @@ class Engine:
             x = to_compute(self.devices, hidden[k])
             with self.clock.timed("io_wait"):
                 got = self.io.adopt(fetched.result()) if fetched is not None else None
-            y, jobs = self._compute(layer, w, x, ids[sl], k, pos[k], pads[k], got, prefill)
+            y, jobs = compute(self, layer, w, x, ids[sl], k, pos[k], pads[k], got, prefill)
             stores += [self.io.submit(job) for job in jobs]
             if layer.kind == "head":
                 logits[k] = y
             else:
-                hidden[k] = self._park(y)
+                hidden[k] = park(self, y)
             fetched = cache_next
             if nj != j:  # a layer's last cell: its sealed blocks are home before it runs again
                 with self.clock.timed("io_wait"):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
 from ..storage.tiers import Tier
+from .prefill import prefill_onto
 from .prefix_cache import Kept, PrefixCache
 from .sampling import Sampler
 from .state import GenState
@@ -54,21 +54,6 @@ def start(eng, cache: PrefixCache, prompt: list[int], max_new: int, sampler: Sam
         prompt) - reused
     s.reuse_read_bytes += _offloaded_reads(eng) - moved0
     return st, reused
-
-
-@torch.inference_mode()
-def prefill_onto(eng, prompt: list[int], reused: int, max_new: int, sampler: Sampler | None) -> GenState:
-    """The prefill of a prompt whose first `reused` tokens the current tables already hold."""
-    limit, what = eng.spec.context_limit()
-    if len(prompt) + max_new > limit:
-        raise ConfigError(f"{len(prompt)}+{max_new} tokens exceed {eng.spec.name}'s {what}")
-    dev = eng.devices.compute
-    st = GenState(plen=len(prompt), max_new=max_new, pads=torch.zeros(1, dtype=torch.long, device=dev),
-                  sampler=sampler or Sampler(), keep_logits=False, done=torch.zeros(1, dtype=torch.bool, device=dev))
-    ids = torch.tensor(prompt[reused:], dtype=torch.long, device=dev)[None]  # ids: [1, S]
-    pos = torch.arange(reused, len(prompt), device=dev)[None]  # pos: [1, S]
-    eng._advance(st, ids, pos, prefill=True, stop=None)
-    return st
 
 
 def keep(eng, st: GenState | None, prompt: list[int], cache: PrefixCache) -> None:

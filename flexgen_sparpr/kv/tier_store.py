@@ -19,17 +19,15 @@ count the bytes and the requests (`LinkCounters.requests`).
 from __future__ import annotations
 
 import itertools
-import threading
-import time
 
 import torch
 
 from ..storage.codec import Codec, RawCodec
 from ..storage.disk import ALIGN, aligned_empty
 from ..storage.tiers import Devices, Tier
+from .disk_reads import read_disk, read_raw_disk
 
 BIG_RUN = 8  # blocks: a disk run this long is copied out by its reader; shorter ones together, by index
-_READ_BUFFERS = threading.local()  # per thread: the host buffer its CPU-only disk reads land in
 
 
 class TierStore:
@@ -120,6 +118,16 @@ class TierStore:
     def disk_file(self):
         """The table's disk file (storage/disk.py), or None."""
         return self._disk
+
+    @property
+    def disk_store(self):
+        """The offload folder's store (its readers and read depth), or None."""
+        return self._disk_store
+
+    @property
+    def seq_disk(self) -> bool:
+        """Whether raw disk blocks are stored (and read) a sequence at a time."""
+        return self._seq_disk
 
     # --- writing ---
     def in_place(self, b: int) -> torch.Tensor:
@@ -239,9 +247,9 @@ class TierStore:
                 dst.copy_(self.codec.decode(row))
             i += 1
         if disk_reads:
-            self._read_disk(disk_reads)
+            read_disk(self, disk_reads)
         if raw_reads:
-            self._read_raw_disk(raw_reads, out)
+            read_raw_disk(self, raw_reads, out)
         return out[:, :, :, :total]
 
     def view(self, b: int, n: int, sealed: int) -> torch.Tensor | None:
@@ -317,75 +325,6 @@ class TierStore:
         return lambda data: dst.unflatten(3, (count, bs)).copy_(
             data.view(self.store_dtype).view(count, rows, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5))
 
-    def _read_disk(self, jobs: list) -> None:
-        """Disk requests (first slot, slots, sink): read into one page-aligned host buffer (O_DIRECT
-        reads land in place, no bounce copy), split over the store's read depth in shares that
-        each reader takes in turn (a hand-off per small request cost more than the read), then each
-        request's bytes handed to its sink on compute, on this thread. The link's bandwidth is timed
-        over the reads."""
-        dev, piece = self.devices, self._disk.slot_bytes
-        sizes = [count * piece for _, count, _ in jobs]
-        host = self._read_buffer(sum(sizes)).split(sizes)
-        reqs = [(slot, count, h, sink) for (slot, count, sink), h in zip(jobs, host)]
-        depth = min(self._disk_store.read_depth, len(reqs))
-
-        def read(share: list) -> None:
-            for slot, count, h, _ in share:
-                self._disk.read_slots(slot, count, h)
-            for _, _, h, sink in share:  # after the share's reads: a sink's copy never waits on a read
-                sink(dev.host.to_compute_new(h))
-        t0 = time.perf_counter()
-        # the readers copy on the caller's stream, in its inference mode (storage/streams.py, rule 4)
-        self._disk_store.map(dev.streams.carry(read), [reqs[k::depth] for k in range(depth)])
-        nbytes, dt = sum(sizes), time.perf_counter() - t0
-        dev.counters.add("disk", "cpu", nbytes, dt, requests=len(jobs))
-        if dev.is_cuda:
-            dev.counters.add("cpu", "compute", nbytes, requests=len(jobs))
-
-    def _read_raw_disk(self, runs: list, out: torch.Tensor) -> None:
-        """Short raw disk runs (first slot, slots, first row, first block of out) read into one
-        page-aligned host buffer (shares over the read depth, a direct request each), then placed in
-        out ([planes, B, Hkv, T, D], its blocks bs-aligned) by one indexed copy, converting from the
-        stored dtype: per run, Python makes one read call and no tensor op (a selection's scattered
-        blocks are thousands of runs a step; long runs go through _read_disk, copied by their reader)."""
-        dev, piece, bs = self.devices, self._disk.slot_bytes, self.bs
-        planes, b_all, h, _, d = self.block_shape
-        counts = [c for _, c, _, _ in runs]
-        at = list(itertools.accumulate((c * piece for c in counts), initial=0))
-        host = self._read_buffer(at[-1])
-        depth = min(self._disk_store.read_depth, len(runs))
-        ranges = [(slot, c) for slot, c, _, _ in runs]
-        t0 = time.perf_counter()
-        self._disk_store.map(lambda k: self._disk.read_ranges(ranges[k::depth], host, at[k::depth]), list(range(depth)))
-        dt = time.perf_counter() - t0
-        data = dev.host.to_compute_new(host).view(self.store_dtype)
-        nb = max(b0 + c for _, c, _, b0 in runs)
-        out6 = out[:, :, :, :nb * bs].unflatten(3, (nb, bs))  # out6: [planes, B, Hkv, nb, bs, D]
-        blk = torch.tensor([b0 + x for _, c, _, b0 in runs for x in range(c)], device=out.device)
-        if self._seq_disk:  # a unit: one sequence's share of a block, [planes, Hkv, bs, D]
-            row = torch.tensor([r for _, c, r, _ in runs for _ in range(c)], device=out.device)
-            out6[:, row, :, blk] = data.view(len(blk), planes, h, bs, d).to(out.dtype)  # [U, planes, Hkv, bs, D]
-        else:  # a unit: a whole block, [B, planes, Hkv, bs, D]
-            out6[:, :, :, blk] = data.view(len(blk), b_all, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5).to(out.dtype)
-        dev.counters.add("disk", "cpu", at[-1], dt, requests=len(runs))
-        if dev.is_cuda:
-            dev.counters.add("cpu", "compute", at[-1], requests=len(runs))
-
-    def _read_buffer(self, nbytes: int) -> torch.Tensor:
-        """A page-aligned host buffer for one batch of disk reads: fresh and pinned when a device
-        copy will read it (the copy records it), else this thread's, reused (its sinks copy out
-        before the batch returns; fresh pages would fault in on every read)."""
-        dev = self.devices
-        if dev.streams.active:
-            raw = dev.empty_host((nbytes + ALIGN,), torch.uint8)
-            skip = (-raw.data_ptr()) % ALIGN
-            return raw[skip:skip + nbytes]
-        buf = getattr(_READ_BUFFERS, "buf", None)
-        if buf is None or buf.numel() < nbytes:
-            with torch.inference_mode(False):  # written outside inference mode too
-                buf = _READ_BUFFERS.buf = aligned_empty((nbytes,), torch.uint8)
-        return buf[:nbytes]
-
     def holds_exact_rows(self) -> bool:
         """Whether any encoded block's exact rows are held on compute (`hold_exact_rows`)."""
         return bool(self._exact_rows)
@@ -426,7 +365,7 @@ class TierStore:
             else:
                 out[i].copy_(self._rows[home][slot])
         if disk_reads:
-            self._read_disk(disk_reads)
+            read_disk(self, disk_reads)
         return out
 
     # --- rewinding ---

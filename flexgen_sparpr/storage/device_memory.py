@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from ..errors import ConfigError
+
 GiB = 1 << 30
 
 
@@ -95,3 +97,17 @@ def apply_cap(device: torch.device, gpu_mem_gib: float) -> int:
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(limit / total, device)
     return limit
+
+
+def cap_device(devices, gpu_mem: float | None) -> int | None:
+    """--gpu-mem: the bytes torch's allocator may reserve (the card's size less this process's
+    context), enforced before anything is allocated; None without a cap."""
+    if gpu_mem is None:
+        return None
+    if not devices.is_cuda:
+        raise ConfigError("--gpu-mem caps a CUDA device; the compute device here is the CPU")
+    try:
+        return apply_cap(devices.compute, gpu_mem)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
