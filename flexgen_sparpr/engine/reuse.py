@@ -59,7 +59,8 @@ def start(eng, cache: PrefixCache, prompt: list[int], max_new: int, sampler: Sam
 def keep(eng, st: GenState | None, prompt: list[int], cache: PrefixCache) -> None:
     """After a one-sequence generation: hand its tables to the cache (which closes them when it
     keeps nothing), with the tokens they hold."""
-    if st is None or not eng.tables or eng.run_policy.batch_size != 1 or not st.tokens:
+    if st is None or not eng.tables or eng.run_policy.batch_size != 1 or not st.tokens or \
+            not eng.kv_policy.reuses_prefix:  # nothing could go on from it: freed with the batch
         return
     ids = list(prompt) + [int(t[0]) for t in st.tokens[:-1]]  # the last sampled token is not yet in
     tables = dict(eng.tables)

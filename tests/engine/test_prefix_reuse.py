@@ -112,6 +112,7 @@ def test_h2o_is_prefilled_whole(tiny_llama_dir, tmp_path):
         out = _gen(llm, a)
         _gen(llm, a + out + [7])
         assert llm.prefix_cache.stats.hits == 0 and llm.last_stats.reused_tokens == 0
+        assert len(llm.prefix_cache) == 0  # nothing kept that nothing could reuse
 
 
 def test_kept_bytes_stay_within_the_bound_least_recently_used_out(tiny_llama_dir, tmp_path):
