@@ -83,9 +83,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", help="compute device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
     g.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"],
                    help="compute dtype (auto: float16 on CUDA, float32 on CPU)")
-    g.add_argument("--kv-dtype", choices=["auto", "float16", "bfloat16", "float32"],
-                   help="how raw KV blocks on the CPU and disk tiers are stored, converted to the compute dtype "
-                        "on read (auto: float16, bfloat16 under --dtype bfloat16; float32 keeps them exact)")
+    g.add_argument("--kv-dtype", choices=["auto", "float16", "bfloat16", "float32", "q8", "q4"],
+                   help="how KV blocks on the CPU and disk tiers are stored, converted to the compute dtype "
+                        "on read (auto: float16, bfloat16 under --dtype bfloat16; float32 keeps them exact; "
+                        "q8 / q4: 8- / 4-bit codes with a min and scale per 64 values, as --compress-cache's q4, "
+                        "which also quantizes the compute tier's)")
     g.add_argument("--gpu-mem", type=float, help="cap the CUDA device at this many GiB, its context included, "
                    "so a bigger GPU runs like a card that size (placement and --policy auto plan for it too)"),
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16: the block selecting policies pick from)")

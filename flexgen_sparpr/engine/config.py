@@ -14,6 +14,10 @@ from ..kv.policy import KVPolicy
 from ..storage.tiers import resolve_device
 
 
+# --kv-dtype: how the CPU and disk tiers store KV blocks (raw in a float dtype, or group-quantized)
+KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "q8", "q4")
+
+
 @dataclass(frozen=True)
 class Policy:
     """FlexGen's placement/schedule policy. Percents: share of bytes on GPU (compute) and CPU;
@@ -110,8 +114,8 @@ class EngineConfig:
             raise ConfigError("--block-size must be >= 1")
         if self.dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype})")
-        if self.kv_dtype not in ("auto", "float16", "bfloat16", "float32"):
-            raise ConfigError(f"--kv-dtype must be auto, float16, bfloat16 or float32 (got {self.kv_dtype})")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-dtype must be {', '.join(KV_DTYPES[:-1])} or {KV_DTYPES[-1]} (got {self.kv_dtype})")
         if self.gpu_mem is not None and not self.gpu_mem > 0:
             raise ConfigError(f"--gpu-mem must be > 0 GiB (got {self.gpu_mem})")
         if isinstance(self.kv_policy, str) and self.kv_policy not in policies.POLICIES:
@@ -144,14 +148,22 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
     def torch_kv_dtype(self, compute: torch.dtype) -> torch.dtype:
-        """How offloaded raw KV blocks are stored under compute dtype `compute`."""
+        """How offloaded raw KV blocks are stored under compute dtype `compute` (q8 / q4: they are
+        not raw; the compute dtype is what their codec decodes to)."""
         if self.kv_dtype == "auto":
             return torch.bfloat16 if compute == torch.bfloat16 else torch.float16
+        if self.kv_bits:
+            return compute
         return getattr(torch, self.kv_dtype)
+
+    @property
+    def kv_bits(self) -> int | None:
+        """--kv-dtype q8 / q4: the bits of the group codec storing the CPU and disk blocks; None: raw."""
+        return {"q8": 8, "q4": 4}.get(self.kv_dtype)
 
 
 def check_engine(policy: Policy, spec, link, micro_batches: int, kv_policy: KVPolicy, cold_codec,
-                 is_cuda: bool) -> None:
+                 is_cuda: bool, kv_bits: int | None = None) -> None:
     """What an engine's configuration may not combine (one ConfigError line each)."""
     if policy.num_gpu_batches % micro_batches:
         raise ConfigError(f"{micro_batches} micro-batches do not divide --num-gpu-batches {policy.num_gpu_batches}")
@@ -161,8 +173,8 @@ def check_engine(policy: Policy, spec, link, micro_batches: int, kv_policy: KVPo
     if policy.cpu_cache_compute and not kv_policy.is_full_attention and is_cuda:
         raise ConfigError("--cpu-cache-compute attends CPU blocks in place and cannot apply a "
                           f"--kv-policy selection ({kv_policy.name}); use one or the other")
-    if policy.compress_cache + kv_policy.has_codec + (cold_codec is not None) > 1:
-        raise ConfigError("one KV codec at a time: --compress-cache, a --kv-policy with its own codec "
-                          f"({', '.join(policies.codec_names())}) and --cold-codec each choose how blocks "
-                          "are stored")
+    if policy.compress_cache + kv_policy.has_codec + (cold_codec is not None) + (kv_bits is not None) > 1:
+        raise ConfigError("one KV codec at a time: --compress-cache, --kv-dtype q8/q4, a --kv-policy with its "
+                          f"own codec ({', '.join(policies.codec_names())}) and --cold-codec each choose how "
+                          "blocks are stored")
 

@@ -53,7 +53,8 @@ class Engine:
         self.dtype = cfg.torch_dtype(self.devices.compute)
         self.kv_policy: KVPolicy = cfg.make_kv_policy()
         self.cold_codec: KVPolicy | None = cfg.make_cold_codec()  # its codec stores the CPU / disk blocks
-        check_engine(policy, self.spec, link, micro_batches, self.kv_policy, self.cold_codec, self.devices.is_cuda)
+        check_engine(policy, self.spec, link, micro_batches, self.kv_policy, self.cold_codec, self.devices.is_cuda,
+                     cfg.kv_bits)
         self.layers = schedule_layers(self.arch, self.spec, policy.sep_layer, link.stage if link else None)
         needs_disk = policy.w_disk_percent > 0 or policy.cache_disk_percent > 0 or \
             any(self.kv_policy.raw_copies(i) == Tier.DISK for i in range(self.spec.num_layers))  # DKV's raw copies
@@ -114,7 +115,8 @@ class Engine:
         self._generation += 1  # disk file names stay unique across generations
         self.tables.update(build_tables(
             self.spec, self.run_policy, block_size=self.cfg.block_size, dtype=self.dtype, devices=self.devices,
-            disk=self.disk, store_dtype=self.cfg.torch_kv_dtype(self.dtype), kv_policy=self.kv_policy,
+            disk=self.disk, store_dtype=self.cfg.torch_kv_dtype(self.dtype), kv_bits=self.cfg.kv_bits,
+            kv_policy=self.kv_policy,
             cold_codec=self.cold_codec, max_len=max_len,
             name=f"g{self._generation}", observers=self._observers,
             layers=self.link.stage.layers if self.link else None))

@@ -8,17 +8,20 @@ import torch
 from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy
 from ..models.spec import ModelSpec
+from ..storage.codec import kv_group_codec
 from ..storage.tiers import Devices, Tier, block_homes
 from .config import Policy
 
 
 def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: torch.dtype, devices: Devices,
-                 disk, store_dtype: torch.dtype | None = None, kv_policy: KVPolicy, cold_codec: KVPolicy | None, max_len: int, name: str,
+                 disk, store_dtype: torch.dtype | None = None, kv_bits: int | None = None, kv_policy: KVPolicy,
+                 cold_codec: KVPolicy | None, max_len: int, name: str,
                  observers: tuple[KVPolicy, ...] = (), layers: range | None = None) -> dict:
     """{(layer, batch): BlockTable} for `max_len` tokens homed by the placement's cache percents,
     attached to kv_policy; `cold_codec`'s codec stores the CPU and disk blocks of the layers
     kv_policy leaves raw; checkpoint tables where kv_policy or an observer wants them. `name`
-    prefixes the tables' disk files. store_dtype: how raw CPU and disk blocks are stored (--kv-dtype). layers: the decoder layers to make tables for (a pipeline
+    prefixes the tables' disk files. store_dtype: how raw CPU and disk blocks are stored (--kv-dtype);
+    kv_bits: --kv-dtype q8 / q4, the group codec that stores them instead. layers: the decoder layers to make tables for (a pipeline
     stage's; default all)."""
     homes = block_homes(-(-max_len // block_size), placement.cache_percents)
     keepers = [p for p in (kv_policy, *observers) if p.needs_checkpoints]
@@ -31,6 +34,8 @@ def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: 
         codec, coded = kv_policy.codec(kv_shape, dtype, i), None
         if codec is None and cold_codec is not None:  # cold blocks only: compute-tier ones stay raw
             codec, coded = cold_codec.codec(kv_shape, dtype, i), (Tier.CPU, Tier.DISK)
+        elif codec is None and kv_bits is not None:  # --kv-dtype q8 / q4: the offloaded blocks quantized
+            codec, coded = kv_group_codec(kv_shape, dtype, kv_bits), (Tier.CPU, Tier.DISK)
         for k in range(placement.num_gpu_batches):
             t = BlockTable(name=f"{name}-l{i}-b{k}", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                            compress=placement.compress_cache, codec=codec, coded_tiers=coded, **common)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.layers import Transposed
-from ..storage.codec import Int4Codec
+from ..storage.codec import GroupCodec
 from ..storage.compress import CompressionConfig
 from ..storage.tiers import Devices, Tier, split_by_percent
 
@@ -19,7 +19,7 @@ class StoredWeight:
     shape: tuple[int, ...]
     data: object  # a tensor (raw or packed row) on compute/CPU, or a disk slot index
     nbytes: int
-    codec: Int4Codec | None = None
+    codec: GroupCodec | None = None
     file: object = None
 
 
@@ -48,7 +48,7 @@ class WeightStore:
 
     def _put(self, name: str, t: torch.Tensor, home: Tier, disk, compress: bool, pin: bool) -> StoredWeight:
         dev = self.devices
-        codec = Int4Codec(tuple(t.shape), self.dtype, WEIGHT_COMPRESSION) if compress and t.dim() >= 2 else None
+        codec = GroupCodec(tuple(t.shape), self.dtype, WEIGHT_COMPRESSION) if compress and t.dim() >= 2 else None
         if codec:
             t = codec.encode(t.to(dev.compute) if home == Tier.COMPUTE else t)
         nbytes = t.numel() * t.element_size()

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..storage.codec import Int4Codec, RawCodec
+from ..storage.codec import GroupCodec, RawCodec
 from ..storage.tiers import Devices, Tier
 from .tier_store import TierStore
 
@@ -39,7 +39,7 @@ class BlockTable:
         self.rewinds = 0  # times rewound: what a policy's per-table copies of the cache key on
         self.on_seal: list[Callable[[int, torch.Tensor], None]] = []  # policy hooks: (block, kv)
         if codec is None:
-            codec = Int4Codec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
+            codec = GroupCodec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
         self.store = TierStore(name=name, block_shape=self.block_shape, dtype=dtype, homes=self.homes,
                                slots=self.slot, devices=devices, disk=disk, codec=codec, coded_tiers=coded_tiers,
                                store_dtype=store_dtype)

@@ -1,4 +1,4 @@
-"""How a tensor of fixed shape is laid out on a tier: raw, or packed 4-bit group-wise (FlexGen)."""
+"""How a tensor of fixed shape is laid out on a tier: raw, or packed 4- or 8-bit group-wise (FlexGen)."""
 from __future__ import annotations
 
 import torch
@@ -38,9 +38,10 @@ class RawCodec(Codec):
         self.nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
-class Int4Codec(Codec):
-    """A tensor packed into one flat uint8 row: 4-bit codes, then group minima, then scales.
-    KV blocks group along head_dim (FlexGen's cache config); weights along dim 0."""
+class GroupCodec(Codec):
+    """A tensor packed into one flat uint8 row: 4-bit (FlexGen's --compress-cache, --kv-dtype q4)
+    or 8-bit (--kv-dtype q8) codes, then group minima, then scales. KV blocks group along head_dim
+    (FlexGen's cache config); weights along dim 0."""
 
     compressed = True
 
@@ -72,3 +73,10 @@ class Int4Codec(Codec):
         c = CompressedTensor(data=parts[0], mn=parts[1], scale=parts[2], shape=self.shape,
                              dtype=self.dtype, config=self.cfg)
         return decompress(c, row.device)
+
+
+def kv_group_codec(shape: tuple[int, ...], dtype: torch.dtype, bits: int = 4) -> GroupCodec:
+    """A KV block's group codec: groups of 64 along head_dim (all of a smaller head), a min and a
+    scale in the block's dtype per group."""
+    return GroupCodec(shape, dtype, CompressionConfig(num_bits=bits, group_size=min(64, shape[-1]), group_dim=-1))
+

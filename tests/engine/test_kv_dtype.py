@@ -13,6 +13,7 @@ from flexgen_sparpr.config.prompts import load_tokenizer, text_ids
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.errors import ConfigError
+from flexgen_sparpr.storage.codec import RawCodec, kv_group_codec
 from flexgen_sparpr.storage.tiers import Devices
 from flexgen_sparpr.weights.resolve import resolve_source
 from tests.engine.test_vs_hf import C_DISK, C_SPLIT, LONG, MIXED, forced_logits, hf_greedy, run_engine
@@ -70,15 +71,79 @@ def test_float16_kv_moves_half_the_bytes(tiny_opt_dir, tmp_path, tiers):
 
 @pytest.mark.slow
 def test_real_model_greedy_tokens_equal_with_float16_kv(smollm2_dir, tmp_path):
-    """SmolLM2, KV on disk, a ~1.5k-token passage with a passkey: the default float16 storage picks
-    the same greedy tokens as float32."""
+    """SmolLM2, KV on disk, a ~1.5k-token passage with a passkey: the default float16 storage, and
+    q8, pick the same greedy tokens as float32."""
     src = resolve_source(str(smollm2_dir), "")
     text = (Path(__file__).parents[1] / "data" / "plrabn12.txt").read_text()[20000:26000]
     cut = len(text) // 2
     text = text[:cut] + " The passkey is 58213. Remember it. " + text[cut:] + "\nWhat is the passkey? The passkey is"
     ids = [text_ids(load_tokenizer(src.tokenizer_dir), text, chat=False, vocab=src.spec.vocab)]
     toks = {}
-    for kvd in ("float32", "float16"):
+    for kvd in ("float32", "float16", "q8"):
         toks[kvd], *_ = run_engine(src, Policy(gpu_batch_size=1, **C_DISK), tmp_path / kvd, ids, n=16,
                                    block_size=16, dtype="float32", kv_dtype=kvd)
     assert toks["float16"] == toks["float32"]
+    assert toks["q8"] == toks["float32"]
+
+
+# --- q8 / q4: the offloaded blocks group-quantized (64 values a group, min and scale each) -------
+def test_quantized_kv_dtypes_and_their_one_codec_rule(tiny_opt_dir, tmp_path):
+    assert (EngineConfig(kv_dtype="q8").kv_bits, EngineConfig(kv_dtype="q4").kv_bits) == (8, 4)
+    assert EngineConfig(kv_dtype="q8").torch_kv_dtype(torch.float32) == torch.float32  # decoded to compute
+    src = resolve_source(str(tiny_opt_dir), "")
+    with pytest.raises(ConfigError, match="one KV codec"):
+        Engine(src, Policy(gpu_batch_size=1, compress_cache=True, **C_DISK),
+               EngineConfig(kv_dtype="q8", offload_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("tiers", ["cache-30-30-40", "cache-all-disk"], indirect=True)
+def test_quantized_kv_logits_within_their_stated_tolerance(tiny_model_dir, tmp_path, tiers):
+    """q8 within 2e-2 of the logit scale of HF, q4 within 1e-1, each further than the one above
+    it (the blocks really went through the codes)."""
+    src = resolve_source(str(tiny_model_dir), "")
+    ref_tokens, ref_logits = hf_greedy(tiny_model_dir, LONG)
+    err = {}
+    for kvd in ("float16", "q8", "q4"):
+        eng = Engine(src, Policy(gpu_batch_size=2, **tiers),
+                     EngineConfig(block_size=4, dtype="float32", kv_dtype=kvd, offload_dir=str(tmp_path / kvd)))
+        try:
+            got = forced_logits(eng, LONG, ref_tokens)
+        finally:
+            eng.close()
+        err[kvd] = float((got - ref_logits).abs().max() / ref_logits.abs().max())
+    assert err["float16"] < err["q8"] < 2e-2 and err["q8"] < err["q4"] < 1e-1, err
+
+
+@pytest.mark.parametrize("tiers", ["cache-all-disk", "cache-all-cpu"], indirect=True)
+def test_quantized_kv_moves_fewer_bytes(tiny_opt_dir, tmp_path, tiers):
+    """Exactly the codec's bytes per block: per group of a head's values (up to 64), 8- or 4-bit codes
+    and a float32 min and scale (tiny OPT's 16-value heads: q8 24 bytes, q4 16, float16 32)."""
+    shape = (2, 2, 4, 4, 16)  # [planes, B, Hkv, bs, D] of tiny OPT at block 4
+    size = {kvd: kv_group_codec(shape, torch.float32, bits).nbytes for kvd, bits in (("q8", 8), ("q4", 4))}
+    size["float16"] = RawCodec(shape, torch.float16).nbytes
+    assert size["q4"] < size["q8"] < size["float16"]
+    src = resolve_source(str(tiny_opt_dir), "")
+    links = {}
+    for kvd in ("float16", "q8", "q4"):
+        *_, links[kvd] = run_engine(src, Policy(gpu_batch_size=2, **tiers), tmp_path / kvd, MIXED,
+                                    block_size=4, dtype="float32", kv_dtype=kvd)
+    moved = [k for k, v in links["float16"].items() if v and k != "disk->compute"]
+    assert moved
+    for link in moved:
+        for q in ("q8", "q4"):
+            assert links[q][link] * size["float16"] == links["float16"][link] * size[q], (link, links)
+
+
+@pytest.mark.parametrize("tiers", ["cache-all-disk"], indirect=True)
+def test_sparpr_selects_over_quantized_blocks(tiny_llama_dir, tmp_path, tiers):
+    """Under SparPR the q8 blocks are selected, read and decoded like raw ones: reading every block
+    (keep 1) gives dense's tokens over the same q8 cache; at keep 0.25 it reads fewer bytes."""
+    src = resolve_source(str(tiny_llama_dir), "")
+    out = {}
+    for name, knobs in (("dense", {}), ("sparpr@1", {"keep_ratio": 1.0}), ("sparpr@0.25", {"keep_ratio": 0.25})):
+        kw = dict(kv_policy="sparpr", policy_args=knobs) if knobs else {}
+        out[name] = run_engine(src, Policy(gpu_batch_size=2, **tiers), tmp_path / name, MIXED, block_size=4,
+                               dtype="float32", kv_dtype="q8", **kw)
+    assert out["sparpr@1"][0] == out["dense"][0]
+    assert out["sparpr@0.25"][-1]["disk->cpu"] < out["dense"][-1]["disk->cpu"]
+

@@ -16,7 +16,7 @@ from flexgen_sparpr.kv.policy import KVPolicy, Selection
 from flexgen_sparpr.models import build_arch
 from flexgen_sparpr.models.layers import decode_attention, topk_sparse_attention
 from flexgen_sparpr.models.spec import ModelSpec
-from flexgen_sparpr.storage.codec import Int4Codec
+from flexgen_sparpr.storage.codec import GroupCodec
 from flexgen_sparpr.storage.tiers import Devices
 from flexgen_sparpr.weights.resolve import resolve_source
 from flexgen_sparpr.weights.sources import DummySource
@@ -322,7 +322,7 @@ def test_compressed_disk_cache_moves_a_quarter_to_an_eighth_of_the_bytes(tmp_pat
                             prompts, block_size=bs)[2]
     block_shape = (2, 2, 1, bs, 64)
     raw_block = math.prod(block_shape) * 4  # float32
-    comp_block = Int4Codec(block_shape, torch.float32).nbytes
+    comp_block = GroupCodec(block_shape, torch.float32).nbytes
     for link in ("disk->cpu", "cpu->disk"):
         assert raw_links[link] % raw_block == 0 and comp_links[link] % comp_block == 0
         assert raw_links[link] // raw_block == comp_links[link] // comp_block  # same blocks moved
