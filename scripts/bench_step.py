@@ -30,7 +30,7 @@ from _common import engine_commit, machine_info, md_table, write_results  # noqa
 from flexgen_sparpr import LLM  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key  # noqa: E402
 from flexgen_sparpr.utils.guard import guarded  # noqa: E402
-from flexgen_sparpr.storage.disk import disk_bandwidth  # noqa: E402
+from flexgen_sparpr.storage.disk_store import disk_bandwidth  # noqa: E402
 from flexgen_sparpr.utils.args import OneLineParser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

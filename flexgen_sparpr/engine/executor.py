@@ -20,7 +20,7 @@ from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy
 from ..models import build_arch
 from ..storage.device_memory import cap_device
-from ..storage.disk import DiskStore
+from ..storage.disk_store import DiskStore
 from ..storage.tiers import Devices, Tier
 from .compute import Layer, compute, park, schedule_layers
 from .prefill import prefill

@@ -1,7 +1,7 @@
 """A short start-up probe of the machine's speeds, cached per machine.
 
 Measures host <-> device copy bandwidth (CUDA only), the O_DIRECT read bandwidth of a folder
-(storage/disk.py `disk_bandwidth`), and per dtype the matmul FLOP/s and one small matmul's
+(storage/disk_store.py `disk_bandwidth`), and per dtype the matmul FLOP/s and one small matmul's
 latency on the compute device. The answers are cached in
 `default_cache_dir()/probe-<hostname>-<device>.json` and extended when a new dtype or folder
 is asked for; `refresh=True` measures again.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..storage.disk import disk_bandwidth
+from ..storage.disk_store import disk_bandwidth
 from ..utils.files import write_json_atomic
 from ..utils.paths import default_cache_dir
 from .costs import dtype_name

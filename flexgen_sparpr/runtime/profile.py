@@ -1,7 +1,7 @@
 """Measure this machine into a Hardware object (`flexgen-sparpr profile`).
 
 Reuses the start-up probe's pieces (runtime/probe.py: pinned copies, matmul throughput and
-latency; storage/disk.py: O_DIRECT disk bandwidth) and adds what a placement needs beside them:
+latency; storage/disk_store.py: O_DIRECT disk bandwidth) and adds what a placement needs beside them:
 pageable copies, free memory per tier, free disk space and the compute device's memory
 bandwidth. `hardware_from_probe` builds a Hardware from the cached probe instead (what
 `--policy auto` uses when no hardware file is given).
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..storage.disk import disk_bandwidth
+from ..storage.disk_store import disk_bandwidth
 from ..utils.host import available_memory_bytes, cpu_count
 from .costs import dtype_name
 from .hardware import Hardware

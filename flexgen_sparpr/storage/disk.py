@@ -1,33 +1,27 @@
 """Disk tier: preallocated slot files for weights and KV-cache blocks.
 
 A `DiskFile` is one file cut into `num_slots` fixed-size slots; each slot holds
-the raw bytes of one contiguous tensor. A `DiskStore` owns the directory of one
-run, records its owner there (storage/leftovers.py) and removes it on close (or at interpreter exit).
+the raw bytes of one contiguous tensor (O_DIRECT where the filesystem allows it).
+The directory of one run and its readers: storage/disk_store.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import errno
 import mmap
 import os
-import shutil
-import tempfile
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .leftovers import write_owner
 
 ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the block size
 _MAX_IO = 1 << 30  # one syscall moves at most ~2 GiB on Linux; stay well below
 
 
-def _round_up(n: int, a: int = ALIGN) -> int:
+def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
@@ -66,7 +60,7 @@ class _Staging(threading.local):
             # anonymous mmap is page aligned; the tensor view keeps it alive. Made outside
             # inference mode, or a later write outside it would be refused.
             with torch.inference_mode(False):
-                self.buf = torch.from_numpy(np.frombuffer(mmap.mmap(-1, _round_up(n)), dtype=np.uint8))
+                self.buf = torch.from_numpy(np.frombuffer(mmap.mmap(-1, round_up(n)), dtype=np.uint8))
         return self.buf[:n]
 
 
@@ -98,7 +92,7 @@ class DiskFile:
         self.path = Path(path)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.slot_stride = slot_bytes if packed and not direct else _round_up(slot_bytes)
+        self.slot_stride = slot_bytes if packed and not direct else round_up(slot_bytes)
         self.bytes_read = 0
         self.bytes_written = 0
         self._lens = [-1] * num_slots  # payload bytes last written per slot; -1 = never
@@ -163,7 +157,7 @@ class DiskFile:
         off = self._check(slot, n)
         if n:
             if self.direct_mode == "o_direct" and not (t.is_cpu and _is_aligned(t)):
-                buf = _staging.get(_round_up(n))
+                buf = _staging.get(round_up(n))
                 buf[:n].copy_(_byte_view(t))  # CUDA: device-to-host straight into the bounce buffer
                 buf[n:].zero_()
                 _pio(os.pwritev, self._fd, memoryview(buf.numpy()), off)
@@ -256,7 +250,7 @@ class DiskFile:
             if out.is_cpu and (self.direct_mode != "o_direct" or _is_aligned(out)):
                 _pio(os.preadv, self._fd, _np_bytes(out), off)
             else:
-                buf = _staging.get(_round_up(n))
+                buf = _staging.get(round_up(n))
                 _pio(os.preadv, self._fd, memoryview(buf.numpy()), off)
                 _byte_view(out).copy_(buf[:n])
         with self._lock:
@@ -292,117 +286,3 @@ class DiskFile:
 
     def __repr__(self) -> str:
         return f"DiskFile({str(self.path)!r}, {self.num_slots}x{self.slot_bytes}B, {self.direct_mode})"
-
-
-class DiskStore:
-    """The directory of one run (`root/run-<pid>-<random>`) and the files in it. `read_depth`
-    reads may be in flight at once (`map`): a disk answers several outstanding requests faster
-    than one at a time (measured on this project's VM disk: 1.4 GB/s at depth 1, 2.2 at 4)."""
-
-    def __init__(self, root: Path, direct: bool = False, read_depth: int = 4):
-        root = Path(root)
-        self.direct = direct
-        self.read_depth = max(1, read_depth)
-        self._readers: ThreadPoolExecutor | None = None
-        self.created_root = not root.exists()  # then removed at close when empty
-        if self.created_root:
-            try:
-                root.mkdir(parents=True)
-            except FileExistsError:  # another run (a pipeline's other rank) made it meanwhile
-                pass
-            except OSError as e:
-                raise ValueError(f"cannot create offload directory {root}: {e.strerror}.") from None
-        if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
-            raise ValueError(f"offload directory {root} is not a writable directory.")
-        self.root = root
-        try:
-            self.dir = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=root))
-        except OSError as e:
-            raise ValueError(f"cannot write to offload directory {root}: {e.strerror}.") from None
-        try:  # who owns the folder, so a later run can tell it was left by a dead one
-            write_owner(self.dir)
-        except OSError:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            raise
-        self.files: dict[str, DiskFile] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        atexit.register(self.close)
-
-    def new_file(self, name: str, num_slots: int, slot_bytes: int, packed: bool = False) -> DiskFile:
-        """Create the slot file `name` inside this run's directory (`packed`: see DiskFile)."""
-        if not name or os.sep in name or name in (".", ".."):
-            raise ValueError(f"file name must be a plain name, got {name!r}")
-        with self._lock:
-            if self._closed:
-                raise ValueError("DiskStore is closed")
-            if name in self.files:
-                raise ValueError(f"file {name!r} already exists in {self.dir}")
-            f = DiskFile(self.dir / name, num_slots, slot_bytes, direct=self.direct, packed=packed)
-            self.files[name] = f
-            return f
-
-    def map(self, fn, items: list) -> list:
-        """fn over items, up to read_depth at once (in order; inline for one item)."""
-        if self.read_depth == 1 or len(items) <= 1:
-            return [fn(x) for x in items]
-        with self._lock:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(self.read_depth, thread_name_prefix="flexgen-disk")
-            pool = self._readers
-        return list(pool.map(fn, items))
-
-    def close(self) -> None:
-        """Close every file and remove the run directory; safe to call twice."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            files, self.files = list(self.files.values()), {}
-            readers, self._readers = self._readers, None
-        if readers is not None:
-            readers.shutdown(wait=True)
-        for f in files:
-            f.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if self.created_root:
-            try:
-                self.root.rmdir()  # only succeeds when empty
-            except OSError:
-                pass
-        atexit.unregister(self.close)
-
-    def __enter__(self) -> "DiskStore":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def disk_bandwidth(dir: Path, nbytes: int = 64 << 20, direct: bool = True,
-                   chunk_bytes: int = 8 << 20) -> dict:
-    """Sequential write (incl. fsync) then read of an `nbytes` temp file in `dir`.
-
-    Returns {"read_GBps", "write_GBps", "mode"}; the file is deleted afterwards.
-    """
-    chunk_bytes = min(_round_up(chunk_bytes), _round_up(nbytes))
-    n_chunks = max(1, -(-nbytes // chunk_bytes))
-    src = aligned_empty((chunk_bytes,), torch.uint8)
-    src.copy_(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8))  # incompressible
-    store = DiskStore(Path(dir), direct=direct)
-    try:
-        f = store.new_file("bandwidth.bin", n_chunks, chunk_bytes)
-        t0 = time.perf_counter()
-        for i in range(n_chunks):
-            f.write(i, src)
-        f.sync()
-        t1 = time.perf_counter()
-        for i in range(n_chunks):
-            f.read(i, src)
-        t2 = time.perf_counter()
-        total = n_chunks * chunk_bytes
-        return {"read_GBps": total / (t2 - t1) / 1e9,
-                "write_GBps": total / (t1 - t0) / 1e9,
-                "mode": f.direct_mode}
-    finally:
-        store.close()

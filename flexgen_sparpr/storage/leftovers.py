@@ -1,6 +1,6 @@
 """Offload folders of runs that died without cleaning up (SIGKILL, power loss).
 
-Each run's folder (`run-<pid>-<random>`, storage/disk.py) records its owner: pid, the process's
+Each run's folder (`run-<pid>-<random>`, storage/disk_store.py) records its owner: pid, the process's
 start time (so a reused pid is not mistaken for the owner), host and pid namespace. A new run
 removes the folders whose owner is gone; a folder of a live run, of another host or of another
 pid namespace (a container sharing the folder) is never touched.

@@ -15,7 +15,7 @@ from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policy import Selection
 from flexgen_sparpr.models.layers import decode_attention
 from flexgen_sparpr.runtime.costs import CostModel
-from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexgen_sparpr.kv.block_table import BlockTable
-from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
 
 C, P, D = Tier.COMPUTE, Tier.CPU, Tier.DISK

@@ -14,7 +14,7 @@ from flexgen_sparpr.kv.dkv.exact_routed import exact_blocks, split_route
 from flexgen_sparpr.kv.knobs import KnobError
 from flexgen_sparpr.kv.policies.dkv import DKV
 from flexgen_sparpr.models.layers import attention_with_lse
-from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
 

@@ -15,7 +15,7 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies import make_policy
 from flexgen_sparpr.kv.tier_store import TierStore
-from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
 

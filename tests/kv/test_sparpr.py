@@ -19,7 +19,7 @@ from flexgen_sparpr.kv.policies.base import token_budget
 from flexgen_sparpr.kv.policies.sparpr import SparPR
 from flexgen_sparpr.kv.policies.sparpr_plan import CKPT_MARGIN
 from flexgen_sparpr.runtime.costs import CostModel, kv_rebuild_flops
-from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.tiers import Tier
 from flexgen_sparpr.weights.resolve import resolve_source
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from flexgen_sparpr.storage import disk
-from flexgen_sparpr.storage.disk import DiskFile, DiskStore, aligned_empty, disk_bandwidth
+from flexgen_sparpr.storage.disk import DiskFile, aligned_empty
+from flexgen_sparpr.storage.disk_store import DiskStore, disk_bandwidth
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64, torch.bool]
 SHAPES = [(1,), (3, 5, 7), (1024,), (2, 4096)]  # (1024,) f32 / (2, 4096) hit the aligned fast path
@@ -243,7 +244,7 @@ def test_read_only_root_raises_value_error(tmp_path):
 def test_atexit_cleans_up_after_crash(tmp_path):
     code = (
         "import sys, torch\n"
-        "from flexgen_sparpr.storage.disk import DiskStore\n"
+        "from flexgen_sparpr.storage.disk_store import DiskStore\n"
         "s = DiskStore(sys.argv[1], direct=True)\n"
         "s.new_file('w.bin', 2, 4096).write(0, torch.ones(1024))\n"
         "raise RuntimeError('boom')\n"

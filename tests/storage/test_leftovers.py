@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.leftovers import OWNER_FILE, dead_owner, owner_record, sweep_dead_runs
 
 

@@ -16,7 +16,7 @@ from flexgen_sparpr.engine.recovery import Fetched
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.tier_store import TierStore
 from flexgen_sparpr.kv.policy import Selection
-from flexgen_sparpr.storage.disk import DiskStore
+from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.streams import Streams
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
