@@ -163,7 +163,7 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     from flexgen_sparpr.engine.config import EngineConfig, Policy
     from flexgen_sparpr.engine.executor import Engine
     from flexgen_sparpr.engine.memory import PeakMemory
-    from flexgen_sparpr.runtime.timemodel import TraceRecorder
+    from flexgen_sparpr.runtime.trace import TraceRecorder
 
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
     cfg = EngineConfig(device=device, dtype=dtype, block_size=block_size, direct_io=True,

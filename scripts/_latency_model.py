@@ -40,7 +40,8 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
     from flexgen_sparpr.models.spec import opt_spec
     from flexgen_sparpr.runtime.hardware import load_hardware
     from flexgen_sparpr.runtime.placement import NoPlacementFits, Workload, choose, device_bytes_needed
-    from flexgen_sparpr.runtime.timemodel import Calibration, Placement, analytic_trace, predict
+    from flexgen_sparpr.runtime.timemodel import Calibration, predict
+    from flexgen_sparpr.runtime.trace import Placement, analytic_trace
     hw, spec = load_hardware(hw_path(path)), opt_spec("opt-6.7b")
     dtype = "float16" if hw.is_cuda else "float32"
     nbytes = 2 if hw.is_cuda else 4

@@ -120,7 +120,8 @@ def model(args, hw, cal, gbs, ngb, stages: int) -> dict:
     from flexgen_sparpr.models.spec import opt_spec
     from flexgen_sparpr.runtime.stage_time import predict_pipeline, stage_trace
     from flexgen_sparpr.runtime.stages import even_by_bytes
-    from flexgen_sparpr.runtime.timemodel import Placement, analytic_trace, predict
+    from flexgen_sparpr.runtime.timemodel import predict
+    from flexgen_sparpr.runtime.trace import Placement, analytic_trace
     spec = opt_spec(args.model)
     pl = Placement.from_percent((100, 0, 0, 0, 100, 0), block_size=args.block_size, dtype_bytes=4)
     if stages == 1:
@@ -136,7 +137,8 @@ def calibrate_split(args, hw, calib_runs: list[dict]):
     import dataclasses
 
     from flexgen_sparpr.models.spec import opt_spec
-    from flexgen_sparpr.runtime.timemodel import Placement, analytic_trace, calibrate
+    from flexgen_sparpr.runtime.timemodel import calibrate
+    from flexgen_sparpr.runtime.trace import Placement, analytic_trace
     spec = opt_spec(args.model)
     pl = Placement.from_percent((100, 0, 0, 0, 100, 0), block_size=args.block_size, dtype_bytes=4)
     traces = []

@@ -220,7 +220,8 @@ def this_machine(args):
 
 def validate(cell: dict, spec, args, hw, cal) -> dict:
     """Model vs measurement for one engine run: from its recorded trace and from the analytic one."""
-    from flexgen_sparpr.runtime.timemodel import LINKS, Placement, analytic_trace, predict
+    from flexgen_sparpr.runtime.timemodel import predict
+    from flexgen_sparpr.runtime.trace import LINKS, Placement, analytic_trace
     tr = cell["trace"]
     pl = Placement(cache=(0, 0, 100), block_size=args.block_size, dtype_bytes=4,
                    # SparPR's, where a rebuild can pay (runs saved before that rule always kept them)
@@ -258,7 +259,8 @@ def calibration_runs(src, args, hw):
 def report(payload: dict, args, spec, hw, cal, out: Path) -> list[Path]:
     """The model on every engine run's trace, the modeled hardware files, then the files."""
     from flexgen_sparpr.runtime.hardware import save_hardware
-    from flexgen_sparpr.runtime.timemodel import Calibration, StepTrace
+    from flexgen_sparpr.runtime.timemodel import Calibration
+    from flexgen_sparpr.runtime.trace import StepTrace
     first = Calibration(**payload["calibration_first"]) if "calibration_first" in payload else None
     for cell in payload["cells"]:
         if "trace" in cell:

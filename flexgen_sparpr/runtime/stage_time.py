@@ -14,8 +14,8 @@ import dataclasses
 from ..models.spec import ModelSpec
 from .hardware import Hardware
 from .stages import StageSplit, activation_bytes, pipeline_step_s, stage_micro_s, stage_params, stage_spec
-from .timemodel import (LINKS, OPS, Calibration, Placement, StepTrace, analytic_trace, predict_step,
-                        weight_link_bytes)
+from .timemodel import Calibration, predict_step
+from .trace import LINKS, OPS, Placement, StepTrace, analytic_trace, weight_link_bytes
 
 
 def stage_trace(spec: ModelSpec, split: StageSplit, stage: int, batch: int, prompt_len: int, gen_len: int,

@@ -22,7 +22,7 @@ from ..errors import ConfigError, NoPlacementFits
 from ..models.spec import ModelSpec
 from .hardware import Hardware
 from .placement import DTYPE_BYTES, Workload, candidates
-from .timemodel import layer_weight_bytes
+from .trace import layer_weight_bytes
 
 
 @dataclass(frozen=True)

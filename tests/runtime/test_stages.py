@@ -14,7 +14,8 @@ from flexgen_sparpr.runtime.placement import Workload, candidates
 from flexgen_sparpr.runtime.stage_time import predict_pipeline, stage_trace
 from flexgen_sparpr.runtime.stages import (StageSplit, activation_bytes, choose_stages, even_by_bytes,
                                            parse_stage_layers, pipeline_step_s, stage_micro_s, stage_params)
-from flexgen_sparpr.runtime.timemodel import Calibration, Placement, analytic_trace, predict
+from flexgen_sparpr.runtime.timemodel import Calibration, predict
+from flexgen_sparpr.runtime.trace import Placement, analytic_trace
 
 HW_DIR = Path(__file__).parents[2] / "configs" / "hardware"
 OPT = opt_spec("opt-125m")  # 12 layers

@@ -13,9 +13,9 @@ from flexgen_sparpr.models.spec import ModelSpec, opt_spec
 from flexgen_sparpr.runtime.costs import CostModel
 from flexgen_sparpr.runtime.hardware import Hardware
 from flexgen_sparpr.runtime.placement import device_bytes_needed
-from flexgen_sparpr.runtime.timemodel import (LINKS, Calibration, Placement, StepTrace, TraceRecorder,
-                                              analytic_trace, calibrate, layer_weight_bytes,
-                                              predict, predict_step, step_flops, step_parts, weight_link_bytes)
+from flexgen_sparpr.runtime.timemodel import Calibration, calibrate, predict, predict_step, step_parts
+from flexgen_sparpr.runtime.trace import (LINKS, Placement, StepTrace, TraceRecorder, analytic_trace,
+                                          layer_weight_bytes, step_flops, weight_link_bytes)
 from flexgen_sparpr.weights.resolve import resolve_source
 
 TINY = ModelSpec(arch="opt", name="tiny", num_layers=2, hidden=8, num_heads=2, num_kv_heads=2, head_dim=4,
