@@ -321,7 +321,7 @@ def test_scattered_per_sequence_disk_reads_land_where_they_belong(tmp_path, plac
     """A selection's scattered runs, per sequence, short and long (a run of BIG_RUN blocks goes
     through its reader's copy): the same bytes in the same places whether the short runs are placed
     by one indexed copy or copied by their readers; the stored dtype converted on the way."""
-    from flexgen_sparpr.kv import tier_store
+    from flexgen_sparpr.kv import tier_reads, tier_store
     monkeypatch.setattr(tier_store.TierStore, "placed_reads", placed)
     store = DiskStore(tmp_path / "offload", direct=direct)
     try:
@@ -334,7 +334,7 @@ def test_scattered_per_sequence_disk_reads_land_where_they_belong(tmp_path, plac
         for job in t.append(k, v):
             job()
         ref = torch.stack([k, v]).half().float()  # what float16 storage keeps
-        blocks = [0, 2, 3, 5, *range(8, 8 + tier_store.BIG_RUN), 17, 19, 20, 23]
+        blocks = [0, 2, 3, 5, *range(8, 8 + tier_reads.BIG_RUN), 17, 19, 20, 23]
         seqs = torch.tensor([[i % 3 != 1 for i in range(len(blocks))],
                              [i % 2 == 0 or 8 <= blocks[i] < 16 for i in range(len(blocks))]])  # [B, n]
         kv, pos = t.gather(blocks, seqs=seqs)

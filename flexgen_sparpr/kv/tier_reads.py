@@ -1,0 +1,199 @@
+"""Reading a TierStore's blocks to the compute device (a mixin of TierStore, kv/tier_store.py,
+whose attributes it reads): a resident cache as a view, offloaded blocks as spans of adjacent
+blocks (one request a span, or a run of the rows a sequence needs), encoded blocks decoded or as
+rows, a lossy codec's exact copies and held exact rows in place of a read. Disk requests go
+through kv/disk_reads.py."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..storage.tiers import Tier
+from .disk_reads import read_disk, read_raw_disk
+
+BIG_RUN = 8  # blocks: a disk run this long is copied out by its reader; shorter ones together, by index
+
+
+class TierReads:
+    # --- reading ---
+    def resident_arena(self) -> torch.Tensor:
+        """A wholly resident cache's arena, every slot: [planes, B, Hkv, capacity, D], contiguous."""
+        return self._arena[Tier.COMPUTE]
+
+    def resident_view(self, length: int) -> torch.Tensor:
+        """A wholly resident cache's first `length` tokens, as a view: [planes, B, Hkv, length, D]."""
+        return self._arena[Tier.COMPUTE][:, :, :, :length]
+
+    def gather(self, blocks: list[int], lens: list[int], sealed: int, out: torch.Tensor | None,
+               need: list[list[bool]] | None, zero_unread: bool) -> torch.Tensor:
+        """Blocks (of lens tokens each; the first `sealed` blocks are sealed) into out (made when
+        None or short): [planes, B, Hkv, T, D] on compute. need: [n][B], the sequences that need
+        each block (None: all); see BlockTable.gather. Adjacent offloaded blocks go as spans."""
+        total = sum(lens)
+        if out is None or out.shape[3] < total:
+            out = torch.empty((*self.block_shape[:3], total, self.block_shape[4]), dtype=self.dtype,
+                              device=self.devices.compute)
+        starts = list(itertools.accumulate(lens, initial=0))
+        disk_reads: list = []  # encoded disk spans: (first slot, slots, sink)
+        # raw disk runs (first slot, slots, first row, first block), read as ranges of a packed file
+        raw_reads = [] if self.placed_reads and self._disk is not None and self._disk.is_packed else None
+        i = 0
+        while i < len(blocks):
+            b, n, t = blocks[i], lens[i], starts[i]
+            dst = out[:, :, :, t:t + n]
+            exact = self._exact_copy(b, sealed)
+            if n < self.bs:  # the partial open block is still on compute
+                dst.copy_(self.writable(b)[:, :, :, :n])
+            elif self.is_raw_on_compute(b):
+                dst.copy_(self.in_place(b))
+            elif need is not None and not any(need[i]) and b in self._exact_rows:
+                self._fill_exact_rows(b, dst, zero_unread)  # no sequence reads it whole: nothing moves
+            elif exact is not None:  # a first or recent block kept exact: the copy, nothing crosses a link
+                dst.copy_(exact)
+            elif self.homes[b] == Tier.DISK or self.homes[b] not in self.coded:  # disk, or raw CPU
+                j = self._span_end(blocks, i, sealed, need)
+                self._read_span(blocks[i:j], out[:, :, :, t:starts[j]], None if need is None else need[i:j],
+                                zero_unread, disk_reads, raw_reads, t)
+                i = j
+                continue
+            else:  # an encoded row on compute or the CPU
+                row = self._rows[self.homes[b]][self.slots[b]]
+                if self.homes[b] == Tier.CPU:
+                    row = self.devices.host.to_compute_new(row)
+                    self.devices.counters.add("cpu", "compute", row.nbytes)
+                dst.copy_(self.codec.decode(row))
+            i += 1
+        if disk_reads:
+            read_disk(self, disk_reads)
+        if raw_reads:
+            read_raw_disk(self, raw_reads, out)
+        return out[:, :, :, :total]
+
+    def view(self, b: int, n: int, sealed: int) -> torch.Tensor | None:
+        """Block b's first n tokens on compute with no copy, [planes, B, Hkv, n, D]: the open block's
+        buffer, a raw block in the compute arena, or the exact copy kept of an encoded block; else
+        None (it must be gathered)."""
+        if n < self.bs:
+            return self.writable(b)[:, :, :, :n]
+        if self.is_raw_on_compute(b):
+            return self.in_place(b)
+        return self._exact_copy(b, sealed)
+
+    def _exact_copy(self, b: int, sealed: int) -> torch.Tensor | None:
+        """The exact copy kept of encoded block b (the codec's first and recent blocks), or None."""
+        if b < self.codec.exact_first or b >= sealed - self.codec.exact_recent:
+            return self._exact.get(b)
+        return None
+
+    def _span_end(self, blocks: list[int], i: int, sealed: int, need: list[list[bool]] | None) -> int:
+        """End (exclusive) of the span of gather entries from i: adjacent sealed blocks of one home,
+        stored one after the other (a CPU arena always; a disk file when packed), none of them read
+        from an exact copy instead."""
+        home, j = self.homes[blocks[i]], i + 1
+        if not self.span_reads or (home == Tier.DISK and not self._disk.is_packed):
+            return j
+        while (j < len(blocks) and blocks[j] == blocks[j - 1] + 1 and blocks[j] < sealed and
+               self.homes[blocks[j]] == home and self._exact_copy(blocks[j], sealed) is None and
+               not (need is not None and not any(need[j]) and blocks[j] in self._exact_rows)):
+            j += 1
+        return j
+
+    def _read_span(self, span: list[int], out: torch.Tensor, need: list[list[bool]] | None, zero_unread: bool,
+                   disk_reads: list, raw_reads: list | None = None, at: int = -1) -> None:
+        """Adjacent sealed blocks of one home (disk, or raw CPU) into out: [planes, B, Hkv, k*bs, D].
+        One request per run of blocks a sequence needs (disk, sequence-major), or per span for all
+        sequences (CPU and whole-block disk files, when every sequence needs every block); a disk
+        request is queued on disk_reads."""
+        home, k, bs, b_all = self.homes[span[0]], len(span), self.bs, self.block_shape[1]
+        if home in self.coded:  # encoded disk blocks: one request, decoded block by block
+            nb = self.codec.nbytes
+            disk_reads.append((self.slots[span[0]], k, lambda data: [
+                out[:, :, :, x * bs:(x + 1) * bs].copy_(self.codec.decode(data[x * nb:(x + 1) * nb]))
+                for x in range(k)]))
+            return
+        whole = need is None or not self.reads_rows(span[0]) or all(all(x) for x in need)
+        if whole and (home == Tier.CPU or not self._seq_disk):
+            runs = [((0, b_all), 0, k)]
+        else:
+            if zero_unread and not whole:
+                for x in range(k):
+                    for r0, r1 in _runs([not v for v in need[x]]):
+                        out[:, r0:r1, :, x * bs:(x + 1) * bs].zero_()  # rows no sequence reads: zeros, never garbage
+            runs = [((r, r + 1), a, e) for r in range(b_all)
+                    for a, e in _runs([whole or need[x][r] for x in range(k)])]
+        for (r0, r1), a, e in runs:
+            dst = out[:, r0:r1, :, a * bs:e * bs]
+            if home == Tier.CPU:
+                s = self.slots[span[a]] * bs
+                src = self._arena[Tier.CPU][:, r0:r1, :, s:s + (e - a) * bs]
+                self.devices.host.to_compute(dst, src)
+                self.devices.counters.add("cpu", "compute", src.nbytes)
+            else:
+                slot = (r0 if self._seq_disk else 0) * self._n_disk + self.slots[span[a]]
+                if raw_reads is not None and at % bs == 0 and e - a < BIG_RUN:  # placed with the others in one copy
+                    raw_reads.append((slot, e - a, r0, at // bs + a))
+                else:
+                    disk_reads.append((slot, e - a, self._raw_sink(dst, e - a, r1 - r0)))
+
+    def _raw_sink(self, dst: torch.Tensor, count: int, rows: int):
+        """What a raw disk span's bytes go through: [count, rows, planes, Hkv, bs, D] on disk ->
+        dst: [planes, rows, Hkv, count*bs, D]."""
+        planes, _, h, bs, d = self.block_shape
+        return lambda data: dst.unflatten(3, (count, bs)).copy_(
+            data.view(self.store_dtype).view(count, rows, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5))
+
+    def holds_exact_rows(self) -> bool:
+        """Whether any encoded block's exact rows are held on compute (`hold_exact_rows`)."""
+        return bool(self._exact_rows)
+
+    def exact_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Encoded block b's exact rows held on compute (`hold_exact_rows`): (idx: [B, m] token
+        index within the block, kv: [2, B, Hkv, m, D]), or None."""
+        return self._exact_rows.get(b)
+
+    def _fill_exact_rows(self, b: int, out: torch.Tensor, zero_unread: bool) -> None:
+        """out: [2, B, Hkv, bs, D] <- block b's exact rows at their positions (the other rows zeros,
+        or left as they are when not zero_unread: a caller's mask must leave them out)."""
+        idx, kv = self._exact_rows[b]
+        if zero_unread:
+            out.zero_()
+        out.scatter_(3, idx[None, :, None, :, None].expand(kv.shape), kv.to(out.dtype))
+
+    def rows(self, blocks: list[int]) -> torch.Tensor:
+        """Encoded rows of sealed blocks on coded tiers, not decoded: [n, codec.nbytes] uint8 on
+        compute (for policies that attend the encoded form, e.g. DKV). Read-only: blocks that
+        live encoded on compute in consecutive slots come back as a view of their arena (no copy)."""
+        dev, nb = self.devices, self.codec.nbytes
+        if blocks and all(self.homes[b] == Tier.COMPUTE for b in blocks) and Tier.COMPUTE in self.coded:
+            s0 = self.slots[blocks[0]]
+            if all(self.slots[b] == s0 + i for i, b in enumerate(blocks)):
+                return self._rows[Tier.COMPUTE][s0:s0 + len(blocks)]
+        out = torch.empty((len(blocks), nb), dtype=torch.uint8, device=dev.compute)
+        disk_reads = []
+        for i, b in enumerate(blocks):
+            home, slot = self.homes[b], self.slots[b]
+            if home not in self.coded:
+                raise ValueError(f"block {b} is not a sealed encoded block")
+            if home == Tier.DISK:
+                disk_reads.append((slot, 1, out[i].copy_))  # read together, not decoded
+            elif home == Tier.CPU:
+                dev.host.to_compute(out[i], self._rows[home][slot])
+                dev.counters.add("cpu", "compute", nb)
+            else:
+                out[i].copy_(self._rows[home][slot])
+        if disk_reads:
+            read_disk(self, disk_reads)
+        return out
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """[r0, r1) runs of True in flags."""
+    runs, start = [], None
+    for i, f in enumerate([*flags, False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
