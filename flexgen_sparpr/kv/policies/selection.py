@@ -100,6 +100,26 @@ def _rows_selection(table: BlockTable, pick: torch.Tensor, per_seq: torch.Tensor
 
 
 @dataclass(eq=False)
+def shared_pick(score: torch.Tensor, view: StepView, room: torch.Tensor) -> torch.Tensor:
+    """One set of blocks for the whole batch: the sequences take turns by rank (rank 0 of every
+    sequence, then rank 1, ...) while every one's budget holds. score: [B, nb]; room: [B] tokens
+    each may add. Returns pick: [B, nb] (SparPR's --no-per-sequence ablation: a host loop)."""
+    counts, own = view.counts, view.own
+    budgets = (room + view.used).tolist()
+    cand = ~own.all(dim=0) & (counts > 0).any(dim=0)  # cand: [nb] (another's sink may be one)
+    ranked = score.masked_fill(~cand[None, :], -math.inf).argsort(dim=-1, descending=True)
+    ranked = ranked[:, :int(cand.sum())].T.tolist()  # [rank][sequence] -> block id
+    used = view.used.tolist()
+    cnt, picked = (counts * ~own).T.tolist(), {}  # what a block adds to each sequence's reads
+    for blk in (blk for row in ranked for blk in row):  # rank 0 of every sequence, then rank 1...
+        if blk not in picked and all(u + c <= m for u, c, m in zip(used, cnt[blk], budgets)):
+            picked[blk] = True
+            used = [u + c for u, c in zip(used, cnt[blk])]
+    pick = own.clone()
+    pick[:, list(picked)] = True
+    return pick
+
+
 class BlockSelectionPolicy(BlockScoringPolicy):
     """Base of the policies that pick sealed blocks by a query-aware score under a token budget."""
 

@@ -17,7 +17,7 @@ from ..block_table import BlockTable
 from ..knobs import KnobError, at_least, in_unit, knob, knobs, one_of
 from ..policy import Selection
 from .base import masked_mean_keys
-from .selection import BlockSelectionPolicy, StepView
+from .selection import BlockSelectionPolicy, StepView, shared_pick
 from .sparpr_lowrank import KeyBasis, encode, fit_basis, lowrank_block_scores, rank_for, summary_share
 from .sparpr_plan import CostPlan
 from .sparpr_stats import StepStats
@@ -260,20 +260,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         rare ablation: its loop runs on the host)."""
         if self.per_sequence:
             return super().pick(table, score, view, room)
-        counts, own = view.counts, view.own
-        budgets = (room + view.used).tolist()
-        cand = ~own.all(dim=0) & (counts > 0).any(dim=0)  # cand: [nb] (another's sink may be one)
-        ranked = score.masked_fill(~cand[None, :], -math.inf).argsort(dim=-1, descending=True)
-        ranked = ranked[:, :int(cand.sum())].T.tolist()  # [rank][sequence] -> block id
-        used = view.used.tolist()
-        cnt, picked = (counts * ~own).T.tolist(), {}  # what a block adds to each sequence's reads
-        for blk in (blk for row in ranked for blk in row):  # rank 0 of every sequence, then rank 1...
-            if blk not in picked and all(u + c <= m for u, c, m in zip(used, cnt[blk], budgets)):
-                picked[blk] = True
-                used = [u + c for u, c in zip(used, cnt[blk])]
-        pick = own.clone()
-        pick[:, list(picked)] = True
-        return pick
+        return shared_pick(score, view, room)
 
     def block_scores(self, table: BlockTable, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
         """[B, nb]: each sealed block's score for each sequence."""
