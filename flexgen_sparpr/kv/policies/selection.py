@@ -99,7 +99,6 @@ def _rows_selection(table: BlockTable, pick: torch.Tensor, per_seq: torch.Tensor
                      nseq=nseq)
 
 
-@dataclass(eq=False)
 def shared_pick(score: torch.Tensor, view: StepView, room: torch.Tensor) -> torch.Tensor:
     """One set of blocks for the whole batch: the sequences take turns by rank (rank 0 of every
     sequence, then rank 1, ...) while every one's budget holds. score: [B, nb]; room: [B] tokens
@@ -120,6 +119,7 @@ def shared_pick(score: torch.Tensor, view: StepView, room: torch.Tensor) -> torc
     return pick
 
 
+@dataclass(eq=False)
 class BlockSelectionPolicy(BlockScoringPolicy):
     """Base of the policies that pick sealed blocks by a query-aware score under a token budget."""
 
