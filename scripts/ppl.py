@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
 from _fidelity import (COMPOSED, engine_commit, engines, exact_routed_arg, float_list,  # noqa: E402
-                       plan_batches, resolve_split, resumed_batches, split_args)
+                       plan_batches, resolve_split, resolved_config, resolved_lines, resumed_batches,
+                       split_args)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -28,6 +29,7 @@ from flexgen_sparpr.bench.needle_prompt import normalise_filler  # noqa: E402
 from flexgen_sparpr.bench.perplexity import summarize, windows  # noqa: E402
 from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # noqa: E402
 from flexgen_sparpr.bench.sweep import PolicySweep, configs, known_policies  # noqa: E402
+from flexgen_sparpr.kv.policies.dkv import DKV  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 TARGET = ("sparpr", 0.1, 1.02)  # SparPR at keep 0.1 within +2 % of dense perplexity
@@ -43,7 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
     ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
-    ap.add_argument("--dkv-block", type=int, default=256, help="KV block of the dkv family")
+    ap.add_argument("--dkv-block", type=int, default=DKV().block,
+                    help="KV block of the dkv family (default: the dkv policy's --dkv-block)")
     exact_routed_arg(ap)
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/ppl.json")
@@ -97,9 +100,10 @@ def render(payload, png: Path) -> str:
         f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {engines(payload['batches'], cfg['engine_commit'])}.", "",
         *([f"Not run (time limit; run the same command again to resume): {len(payload['skipped'])} batches: "
            f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
-        "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
-                                               default=str), "```", "",
-        "Machine: " + json_compact(cfg.get("machine")), ""])
+        "## Config", "", "```json",
+        json.dumps({k: v for k, v in cfg.items() if k not in ("machine", "resolved")}, indent=1, default=str),
+        "```", "",
+        "Machine: " + json_compact(cfg.get("machine")), "", *resolved_lines(cfg)])
 
 
 def json_compact(x) -> str:
@@ -163,6 +167,7 @@ def main(argv=None) -> None:
     batches = plan_batches(wins, args.batch)
     config = dict(plan, keep=args.keep, policies=args.policy_names, device=args.device,
                   engine_commit=engine_commit(), machine=machine_info(),
+                  resolved=resolved_config(args.configs, args.device, args.block_size, args.dkv_block, dkv_args),
                   texts_detail={t.name: {"title": t.title, "file": t.file} for t in args.text_objs})
     payload = {"plan": plan, "config": config, "batches": resumed_batches(old),
                "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
