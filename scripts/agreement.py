@@ -80,7 +80,8 @@ def main(argv=None) -> None:
                 need = math.ceil(args.threshold * r["n"] - 1e-9)
                 verdicts.append({"task": task, "length": n, "agree": r["agree"], "n": r["n"], "need": need,
                                  "agree_lo": round(r["agree_lo"], 3), "met": r["agree"] >= need})
-    lines += ["## Verdict", "", f"{args.target} gives dense's answer in ≥ {100 * args.threshold:g} % of the trials:", "",
+    lines += ["## Verdict", "",
+              f"{args.target} gives dense's answer in ≥ {100 * args.threshold:g} % of the trials:", "",
               md_table(["task", "context", "agree / trials", "needed", "Wilson 95 % low", "met"],
                        [[v["task"], v["length"], f"{v['agree']}/{v['n']}", v["need"], f"{v['agree_lo']:.2f}",
                          "yes" if v["met"] else "**no**"] for v in verdicts])]

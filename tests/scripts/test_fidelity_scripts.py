@@ -181,7 +181,8 @@ def test_agreement_verdict_and_differing_trials(tmp_path):
     for j in range(20):
         base = {"trial": f"passkey:2048:0:{j}", "task": "passkey", "length": 2048, "expected": ["1"], "depth": 0.1,
                 "text": "gpl3"}
-        recs.append(base | {"label": "dense", "policy": "dense", "keep": 1.0, "hit": True, "canon": "1", "answer": "1."})
+        recs.append(base | {"label": "dense", "policy": "dense", "keep": 1.0, "hit": True, "canon": "1",
+                            "answer": "1."})
         miss = j == 3  # one trial of 20 differs: 19/20 = 95 % meets the bar
         recs.append(base | {"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1, "hit": not miss,
                             "canon": "7" if miss else "1", "answer": "7 | 7" if miss else "1."})
