@@ -9,6 +9,7 @@ answers from another. Writes <out>/frontier.{json,md,png}.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -180,7 +181,9 @@ def main(argv=None) -> None:
         + ("A `dkv-exactE` column is DKV with its E routed blocks of most attention mass read raw and attended "
            "exactly (`--dkv-exact-routed E`): the same bytes stored encoded, a raw copy of every block on a "
            "slower tier, E blocks a sequence read from it a step. " if len(dkvs) > 1 else "") +
-        f"With n trials a cell needs ⌈{args.threshold:g}·n⌉ agreements (all 10 of 10). Split "
+        f"With n trials a cell needs ⌈{args.threshold:g}·n⌉ agreements ("
+        + ", ".join(f"{math.ceil(args.threshold * k - 1e-9)} of {k}" for k in sorted(set(n.values()), reverse=True))
+        + "). Split "
         f"**{plan['split']}**: texts {', '.join(plan['texts'])}, depths {plan['depths']}, seed {plan['seed']}.", "",
         md_table(["task", "context", "trials", *[f"{p} keep" for p in POLICIES], *[f"{p} bytes" for p in dkvs]], table),
         f"Inputs: {', '.join(args.inputs)}; engine commits {', '.join(sorted(set(commits)))}. Plot: {png.name}.", ""])
