@@ -15,10 +15,13 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from flexgen_sparpr.utils.args import OneLineParser  # noqa: F401  (the scripts' parser: one-line errors)
-from flexgen_sparpr.utils.files import write_atomic
-
 REPO = Path(__file__).resolve().parent.parent
+# this checkout's engine, the one engine_commit() names (not another checkout's installed in editable mode)
+if str(REPO) not in sys.path[:1]:
+    sys.path.insert(0, str(REPO))
+
+from flexgen_sparpr.utils.args import OneLineParser  # noqa: E402,F401  (the scripts' parser: one-line errors)
+from flexgen_sparpr.utils.files import write_atomic  # noqa: E402
 
 
 def die(msg: str, code: int = 2) -> None:

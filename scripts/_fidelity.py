@@ -3,6 +3,7 @@ flags, --dkv-exact-routed, the engine commit for the config and for each batch, 
 plan into batches with stable ids (for resuming)."""
 from __future__ import annotations
 
+import json
 
 from _common import die, engine_commit  # noqa: F401  (engine_commit: re-exported for the fidelity scripts)
 
@@ -95,3 +96,48 @@ def engines(batches: list[dict], current: str) -> str:
     if len(count) <= 1:
         return next(iter(count), current)
     return ", ".join(f"{c} ({n} batch{'es' if n != 1 else ''})" for c, n in count.items())
+
+
+def resolved_config(cfgs, device: str, block_size: int, dkv_block: int, dkv_args: dict | None = None) -> dict:
+    """What a run's configurations resolve to, for its config: the compute and KV dtypes the
+    engine picks on `device` (EngineConfig's "auto"), the placement (every block on the compute
+    tier: Policy's default percents), and each configuration's KV block and every knob of its
+    policy after the policy resolved them (SparPR's summary "auto" -> lowrank, the floor it runs
+    with, ...); a composition "A+C" also lists the knobs of the codec policy C storing its blocks."""
+    import torch
+
+    from flexgen_sparpr.bench.sweep import RAW, new_policy
+    from flexgen_sparpr.engine.config import EngineConfig, Policy
+    from flexgen_sparpr.kv.knobs import knobs
+    from flexgen_sparpr.kv.policies import make_policy
+
+    def knob_values(p) -> dict:
+        return {k.name: getattr(p, k.name) for k in knobs(type(p))}
+    ec = EngineConfig(device=device, block_size=block_size)
+    compute = ec.torch_dtype(torch.device(device))
+    pl = Policy()
+    out = {"compute_dtype": str(compute).removeprefix("torch."),
+           "kv_dtype": str(ec.torch_kv_dtype(compute)).removeprefix("torch.") + " (raw blocks on the CPU/disk tiers; "
+           "none here: every block is on the compute tier, in the compute dtype)",
+           "placement": {"weights": list(pl.weight_percents), "cache": list(pl.cache_percents)},
+           "configs": {}}
+    for c in cfgs:
+        p = new_policy(c, dkv_args)
+        entry = {"family": c.family, "block_size": block_size if c.family == RAW else dkv_block,
+                 "policy": type(p).name, **knob_values(p)}
+        _, codec = c.parts
+        if codec:
+            entry["codec"] = {"policy": codec, **knob_values(make_policy(codec, **(dkv_args or {})))}
+        out["configs"][c.label] = entry
+    return out
+
+
+def resolved_lines(cfg: dict) -> list[str]:
+    """A report's section on its config's "resolved" entry (resolved_config): the engine's
+    dtypes and placement, then one line per configuration; none for a config without it."""
+    res = cfg.get("resolved")
+    if not res:
+        return []
+    head = {k: v for k, v in res.items() if k != "configs"}
+    return ["## Resolved configuration", "", f"Engine on {cfg.get('device', '?')}: `{json.dumps(head)}`", "",
+            *[f"- {label}: `{json.dumps(c, default=str)}`" for label, c in res["configs"].items()], ""]

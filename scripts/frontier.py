@@ -3,12 +3,13 @@ still equals dense's in >= 95 % of trials, per task and context length (DKV has 
 budget is its bytes per block over a raw block's, set by its rank and exact rows, so its column
 is the smallest such share measured, one needle.py run per DKV configuration). Reads one or more
 needle.json files of scripts/needle.py made with the same prompts (split, texts, depths, seed,
-tasks, trials, batch): their records are joined by trial, so a run with --no-dense takes dense's
+tasks; trials and batch too where two files share a context length): their records are joined by trial, so a run with --no-dense takes dense's
 answers from another. Writes <out>/frontier.{json,md,png}.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def load(paths: list[Path], drop: frozenset = frozenset()) -> tuple[dict, list[d
     names (LABEL, or LABEL:LENGTH for one length). Dies on files whose prompts differ, and on an
     entry of `drop` that matches no record."""
     plan, recs, commits, prompts, dropped = None, {}, [], {}, set()
+    seen_lengths: set[int] = set()
     for p in paths:
         try:
             data = json.loads(Path(p).read_text())
@@ -47,11 +49,15 @@ def load(paths: list[Path], drop: frozenset = frozenset()) -> tuple[dict, list[d
         if "plan" not in data or "records" not in data:
             die(f"{p} is not a scripts/needle.py results file")
         mine = {k: data["plan"].get(k) for k in PROMPT_KEYS}
+        lengths = set(data["plan"].get("lengths") or [])
+        # trials and batch only cut a length's prompts into trial ids: files of disjoint lengths may differ there
+        keys = [k for k in PROMPT_KEYS if k != "tasks" and (k not in ("trials", "batch") or lengths & seen_lengths)]
         if plan is None:
             plan = mine
-        elif mine["split"] != plan["split"] or any(mine[k] != plan[k] for k in PROMPT_KEYS if k != "tasks"):
+        elif any(mine[k] != plan[k] for k in keys):
             die(f"{p} was made from other prompts than {paths[0]} (plans differ in "
-                f"{', '.join(k for k in PROMPT_KEYS if mine[k] != plan[k])})")
+                f"{', '.join(k for k in keys if mine[k] != plan[k])})")
+        seen_lengths |= lengths
         dkv_args = dict(data["plan"].get("dkv_args", {}))  # a needle.py run's DKV knobs, where not the defaults
         exact = dkv_args.pop("exact_routed", 0)  # routed blocks read raw: another column, the same bytes stored
         share = dkv_bytes(data["plan"].get("dkv_block", 256), **dkv_args)  # the file's one DKV configuration
@@ -175,7 +181,9 @@ def main(argv=None) -> None:
         + ("A `dkv-exactE` column is DKV with its E routed blocks of most attention mass read raw and attended "
            "exactly (`--dkv-exact-routed E`): the same bytes stored encoded, a raw copy of every block on a "
            "slower tier, E blocks a sequence read from it a step. " if len(dkvs) > 1 else "") +
-        f"With n trials a cell needs ⌈{args.threshold:g}·n⌉ agreements (all 10 of 10). Split "
+        f"With n trials a cell needs ⌈{args.threshold:g}·n⌉ agreements ("
+        + ", ".join(f"{math.ceil(args.threshold * k - 1e-9)} of {k}" for k in sorted(set(n.values()), reverse=True))
+        + "). Split "
         f"**{plan['split']}**: texts {', '.join(plan['texts'])}, depths {plan['depths']}, seed {plan['seed']}.", "",
         md_table(["task", "context", "trials", *[f"{p} keep" for p in POLICIES], *[f"{p} bytes" for p in dkvs]], table),
         f"Inputs: {', '.join(args.inputs)}; engine commits {', '.join(sorted(set(commits)))}. Plot: {png.name}.", ""])

@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
 from _fidelity import (COMPOSED, engine_commit, engines, exact_routed_arg, float_list,  # noqa: E402
-                       plan_batches, resolve_split, resumed_batches, split_args)
+                       plan_batches, resolve_split, resolved_config, resolved_lines, resumed_batches,
+                       split_args)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -57,7 +58,8 @@ def parse_args(argv=None):
     ap.add_argument("--trials", type=int, default=10, help="trials per task and length")
     ap.add_argument("--batch", type=int, default=5, help="prompts per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family (Quest's page)")
-    ap.add_argument("--dkv-block", type=int, default=256, help="KV block of the dkv family")
+    ap.add_argument("--dkv-block", type=int, default=DKV().block,
+                    help="KV block of the dkv family (default: the dkv policy's --dkv-block)")
     ap.add_argument("--dkv-rank", type=int, default=DKV_RANK, help="rank of the dkv family's joint K|V delta")
     ap.add_argument("--dkv-residuals", type=int, default=DKV_RESIDUALS,
                     help="exact rows per block of the dkv family (frontier.py reads DKV's bytes from these)")
@@ -137,9 +139,10 @@ def render(payload, png: Path) -> str:
         *lines, f"Wall time: {payload['wall_s']} s. {shown}. Engine: {engines(payload['batches'], cfg['engine_commit'])}.", "",
         *([f"Not run (time limit; the same command resumes): {len(payload['skipped'])} batches: "
            f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
-        "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
-                                               default=str), "```", "",
-        "Machine: " + json.dumps(cfg.get("machine"), default=str), ""])
+        "## Config", "", "```json",
+        json.dumps({k: v for k, v in cfg.items() if k not in ("machine", "resolved")}, indent=1, default=str),
+        "```", "",
+        "Machine: " + json.dumps(cfg.get("machine"), default=str), "", *resolved_lines(cfg)])
 
 
 def plot(rows, lengths, png: Path) -> bool:
@@ -204,7 +207,8 @@ def main(argv=None) -> None:
     except (PlanMismatch, ValueError) as e:
         die(str(e))
     config = dict(plan, keep=args.keep, frontier_keep=args.frontier_keep, policies=args.policy_names,
-                  device=args.device, engine_commit=engine_commit(), machine=machine_info())
+                  device=args.device, engine_commit=engine_commit(), machine=machine_info(),
+                  resolved=resolved_config(args.configs, args.device, args.block_size, args.dkv_block, args.dkv_args))
     payload = {"plan": plan, "config": config, "batches": resumed_batches(old),
                "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
     done = done_ids(old)

@@ -18,16 +18,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
 from _fidelity import (COMPOSED, engine_commit, engines, exact_routed_arg, float_list,  # noqa: E402
-                       plan_batches, resolve_split, resumed_batches, split_args)
+                       plan_batches, resolve_split, resolved_config, resolved_lines, resumed_batches,
+                       split_args)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from flexgen_sparpr.bench.forced import ForcedTokens  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import normalise_filler  # noqa: E402
-from flexgen_sparpr.bench.perplexity import summarize, windows  # noqa: E402
+from flexgen_sparpr.bench.perplexity import stream_windows, summarize, windows  # noqa: E402
 from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # noqa: E402
 from flexgen_sparpr.bench.sweep import PolicySweep, configs, known_policies  # noqa: E402
+from flexgen_sparpr.kv.policies.dkv import DKV  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 TARGET = ("sparpr", 0.1, 1.02)  # SparPR at keep 0.1 within +2 % of dense perplexity
@@ -38,12 +40,16 @@ def parse_args(argv=None):
     split_args(ap)
     ap.add_argument("--lengths", type=int_list, default=[2048, 4096, 7936], help="prefilled tokens P")
     ap.add_argument("--score-tokens", type=int, default=64, help="teacher-forced, scored tokens T per window")
-    ap.add_argument("--windows", type=int, default=2, help="windows per text and length")
+    ap.add_argument("--windows", type=int, default=2, help="windows per text and length (--stream: per length)")
+    ap.add_argument("--stream", action="store_true",
+                    help="cut the windows from the split's texts joined into one stream (blank line between "
+                         "them), evenly spaced: prompts overlap, scored spans do not (texts shorter than a window)")
     ap.add_argument("--keep", type=float_list, default=[0.5, 0.25, 0.1, 0.05], help="keep ratios")
     ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
     ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
-    ap.add_argument("--dkv-block", type=int, default=256, help="KV block of the dkv family")
+    ap.add_argument("--dkv-block", type=int, default=DKV().block,
+                    help="KV block of the dkv family (default: the dkv policy's --dkv-block)")
     exact_routed_arg(ap)
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
     ap.add_argument("--fresh", action="store_true", help="start over instead of resuming from <out>/ppl.json")
@@ -91,15 +97,18 @@ def render(payload, png: Path) -> str:
         f"P prompt tokens prefilled densely, then {cfg['score_tokens']} tokens decoded teacher-forced with "
         "the policy reading its keep of the cache, each scored on the text's true next token. Cell: "
         "perplexity (ratio to dense on the same windows [95 % t-interval over windows]). Windows per "
-        f"length: {json_compact(n_win)}.", "",
+        f"length: {json_compact(n_win)}." + (" Windows cut evenly spaced from the texts joined into one stream: their "
+                                             "prompts overlap (not independent samples), their scored spans do not."
+                                             if cfg.get("stream") else ""), "",
         md_table(["config", *[f"P = {n}" for n in lengths]], table),
         f"Target (SparPR keep {keep:g} within +{100 * (lim - 1):.0f} % of dense): {verdict}.", "",
         f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {engines(payload['batches'], cfg['engine_commit'])}.", "",
         *([f"Not run (time limit; run the same command again to resume): {len(payload['skipped'])} batches: "
            f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
-        "## Config", "", "```json", json.dumps({k: v for k, v in cfg.items() if k != "machine"}, indent=1,
-                                               default=str), "```", "",
-        "Machine: " + json_compact(cfg.get("machine")), ""])
+        "## Config", "", "```json",
+        json.dumps({k: v for k, v in cfg.items() if k not in ("machine", "resolved")}, indent=1, default=str),
+        "```", "",
+        "Machine: " + json_compact(cfg.get("machine")), "", *resolved_lines(cfg)])
 
 
 def json_compact(x) -> str:
@@ -141,12 +150,18 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
     check_context(src.spec, [(n, args.score_tokens + 1) for n in args.lengths])
     wins = {}
-    for t in args.text_objs:
-        ids = tok(normalise_filler(t.path.read_text(encoding="utf-8", errors="replace")),
-                  add_special_tokens=False)["input_ids"]
+    texts = [(t.name, tok(normalise_filler(t.path.read_text(encoding="utf-8", errors="replace")),
+                          add_special_tokens=False)["input_ids"]) for t in args.text_objs]
+    if args.stream:  # one stream: the texts in the split's order, a blank line between them
+        sep = tok("\n\n", add_special_tokens=False)["input_ids"]
+        joined = [i for j, (_, ids) in enumerate(texts) for i in (sep if j else []) + ids]
+        texts = [("+".join(n for n, _ in texts), joined)]
+    for name, ids in texts:
         for n in args.lengths:
             try:
-                wins.setdefault(n, []).extend(windows(t.name, ids, n, args.score_tokens, args.windows, args.seed))
+                wins.setdefault(n, []).extend(stream_windows(name, ids, n, args.score_tokens, args.windows)
+                                              if args.stream else
+                                              windows(name, ids, n, args.score_tokens, args.windows, args.seed))
             except ValueError as e:
                 die(str(e))
     plan = {"split": args.split, "texts": [t.name for t in args.text_objs], "seed": args.seed,
@@ -155,6 +170,7 @@ def main(argv=None) -> None:
             "dkv_block": args.dkv_block}
     dkv_args = {"exact_routed": args.dkv_exact_routed} if args.dkv_exact_routed else {}
     plan |= {"dkv_args": dkv_args} if dkv_args else {}  # older plans (no such key) still resume
+    plan |= {"stream": True} if args.stream else {}
     out = Path(args.out)
     try:
         old = None if args.fresh else load_partial(out / "ppl.json", plan)
@@ -163,6 +179,7 @@ def main(argv=None) -> None:
     batches = plan_batches(wins, args.batch)
     config = dict(plan, keep=args.keep, policies=args.policy_names, device=args.device,
                   engine_commit=engine_commit(), machine=machine_info(),
+                  resolved=resolved_config(args.configs, args.device, args.block_size, args.dkv_block, dkv_args),
                   texts_detail={t.name: {"title": t.title, "file": t.file} for t in args.text_objs})
     payload = {"plan": plan, "config": config, "batches": resumed_batches(old),
                "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}

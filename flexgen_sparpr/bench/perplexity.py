@@ -42,6 +42,21 @@ def windows(name: str, ids: list[int], prompt_len: int, score_len: int, count: i
     return out
 
 
+def stream_windows(name: str, ids: list[int], prompt_len: int, score_len: int, count: int) -> list[Window]:
+    """`count` windows evenly spaced over a token stream (the first at 0, the last at its end),
+    for texts too short for disjoint windows: their prompts overlap, but the scored spans (each
+    window's last score_len + 1 tokens) are disjoint. Raises ValueError when the stream cannot
+    hold them so."""
+    span = prompt_len + score_len + 1
+    room = len(ids) - span
+    step = room // (count - 1) if count > 1 else 0
+    if room < 0 or (count > 1 and step < score_len + 1):
+        raise ValueError(f"stream {name!r} has {len(ids)} tokens: too short for {count} windows of {prompt_len} "
+                         f"+ {score_len + 1} tokens with disjoint scored spans")
+    return [Window(name, i * step, ids[i * step:i * step + prompt_len], ids[i * step + prompt_len:i * step + span])
+            for i in range(count)]
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """records: one per (window, config): {"window", "length", "label", "policy", "keep", "nll_sum",
     "n", "top1"}. Returns one row per (label, length) with a dense row on the same windows:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from flexgen_sparpr.bench.fidelity import frontier, summarize as summarize_trials
-from flexgen_sparpr.bench.perplexity import summarize as summarize_ppl, windows
+from flexgen_sparpr.bench.perplexity import stream_windows, summarize as summarize_ppl, windows
 from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial
 from flexgen_sparpr.bench.stats import mean_ci, t975, wilson
 
@@ -90,3 +90,18 @@ def test_resume_reads_the_same_plan_and_refuses_another(tmp_path):
     p.write_text("{not json")
     with pytest.raises(ValueError):
         load_partial(p, {"a": 1})
+
+
+def test_stream_windows_overlap_but_score_disjoint_spans():
+    ids = list(range(3000))
+    ws = stream_windows("s", ids, 1000, 63, 12)
+    assert len(ws) == 12 and ws[0].start == 0 and ws[-1].start + 1064 <= 3000
+    for w in ws:
+        assert w.prompt == ids[w.start:w.start + 1000] and w.forced == ids[w.start + 1000:w.start + 1064]
+    scored = [set(w.forced) for w in ws]
+    assert all(not (a & b) for i, a in enumerate(scored) for b in scored[i + 1:])
+    assert stream_windows("s", ids, 1000, 63, 1)[0].start == 0
+    with pytest.raises(ValueError, match="too short"):
+        stream_windows("s", ids, 2990, 63, 2)
+    with pytest.raises(ValueError, match="disjoint"):
+        stream_windows("s", ids, 1000, 63, 40)  # 1936 tokens of room for 40 spans of 64

@@ -153,3 +153,47 @@ def test_needle_plot_only_with_dense_answers_to_agree_with(tmp_path):
     row = {"task": "passkey", "length": 2048, "policy": "sparpr", "keep": 0.1, "agree_rate": None}
     assert plot([row], [2048], png) is False and not png.exists()
     assert plot([row | {"agree_rate": 0.9}], [2048], png) is True and png.stat().st_size > 0
+
+
+def test_frontier_joins_files_of_other_lengths_with_other_trial_counts(tmp_path):
+    def file(name, length, trials):
+        rec = {"trial": f"passkey:{length}:0:0", "task": "passkey", "length": length, "label": "dense",
+               "policy": "dense", "keep": 1.0, "hit": True, "canon": "1", "expected": ["1"], "depth": 0.1,
+               "text": "gpl3"}
+        plan = {"split": "fresh", "texts": ["gpl3"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
+                "trials": trials, "batch": trials, "answer_prefix": "x", "lengths": [length]}
+        path = tmp_path / name
+        path.write_text(json.dumps({"plan": plan, "config": {}, "records": [
+            rec, rec | {"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1}]}))
+        return str(path)
+    r = run_script("frontier.py", file("a.json", 2048, 24), file("b.json", 8000, 12), "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "r" / "frontier.json").read_text())
+    assert [c["length"] for c in data["frontier"]["sparpr"]] == [2048, 8000]
+    r = run_script("frontier.py", file("a.json", 2048, 24), file("c.json", 2048, 12), "--out", str(tmp_path / "r2"))
+    assert r.returncode == 2 and "trials" in r.stderr
+
+
+def test_agreement_verdict_and_differing_trials(tmp_path):
+    plan = {"split": "fresh", "texts": ["gpl3"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
+            "trials": 20, "batch": 20, "answer_prefix": "x", "lengths": [2048]}
+    recs = []
+    for j in range(20):
+        base = {"trial": f"passkey:2048:0:{j}", "task": "passkey", "length": 2048, "expected": ["1"], "depth": 0.1,
+                "text": "gpl3"}
+        recs.append(base | {"label": "dense", "policy": "dense", "keep": 1.0, "hit": True, "canon": "1",
+                            "answer": "1."})
+        miss = j == 3  # one trial of 20 differs: 19/20 = 95 % meets the bar
+        recs.append(base | {"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1, "hit": not miss,
+                            "canon": "7" if miss else "1", "answer": "7 | 7" if miss else "1."})
+    f = tmp_path / "n.json"
+    f.write_text(json.dumps({"plan": plan, "config": {}, "records": recs}))
+    r = run_script("agreement.py", str(f), "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "r" / "agreement.json").read_text())
+    assert data["verdict"] == [{"task": "passkey", "length": 2048, "agree": 19, "n": 20, "need": 19,
+                                "agree_lo": data["verdict"][0]["agree_lo"], "met": True}]
+    assert [d["trial"] for d in data["differing"]["sparpr@0.1"]] == ["passkey:2048:0:3"]
+    assert "'7 \\| 7'" in (tmp_path / "r" / "agreement.md").read_text()
+    r = run_script("agreement.py", str(f), "--target", "quest@0.1", "--out", str(tmp_path / "r2"))
+    assert r.returncode == 2 and "--target" in r.stderr
