@@ -40,13 +40,6 @@ class Kept:
     held: dict = field(default_factory=dict)  # Tier -> bytes
     hashes: list[bytes] = field(default_factory=list)
 
-    def drop_on(self, tier: Tier) -> None:
-        """Close every kept generation holding bytes on a tier (the compute device's memory is the
-        running batch's first)."""
-        for kept in [k for k in self._kept.values() if k.held.get(tier)]:
-            self.take(kept).close()
-            self.stats.evictions += 1
-
     def close(self) -> None:
         for t in self.tables.values():
             t.close()
@@ -147,15 +140,17 @@ class PrefixCache:
     def put_bound(self) -> None:
         """Close the least recently used kept generations until every tier is within the bound."""
         while self._kept and self.limit is not None and any(n > self.limit for n in self.held().values()):
-            self.take(next(iter(self._kept.values()))).close()
-            self.stats.evictions += 1
+            self._evict(next(iter(self._kept.values())))
 
     def drop_on(self, tier: Tier) -> None:
         """Close every kept generation holding bytes on a tier (the compute device's memory is the
         running batch's first)."""
         for kept in [k for k in self._kept.values() if k.held.get(tier)]:
-            self.take(kept).close()
-            self.stats.evictions += 1
+            self._evict(kept)
+
+    def _evict(self, kept: Kept) -> None:
+        self.take(kept).close()
+        self.stats.evictions += 1
 
     def close(self) -> None:
         for kept in list(self._kept.values()):

@@ -149,3 +149,16 @@ def test_block_hashes_chain_the_prefix():
     assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4) == a
     cache = PrefixCache(4, 0)
     assert not cache.enabled and cache.lookup([1, 2, 3, 4, 5], object(), 8) is None
+
+
+def test_drop_on_a_tier_closes_only_what_holds_bytes_there():
+    """On CUDA the running batch needs the device: kept generations with compute-tier bytes go."""
+    from flexgen_sparpr.engine.prefix_cache import Kept
+    cache, pol = PrefixCache(4, None), object()
+    on_gpu = Kept(list(range(8)), {}, pol, None, 16, {Tier.COMPUTE: 100, Tier.CPU: 0})
+    on_cpu = Kept(list(range(1, 9)), {}, pol, None, 16, {Tier.COMPUTE: 0, Tier.CPU: 100})
+    cache.put(on_gpu)
+    cache.put(on_cpu)
+    cache.drop_on(Tier.COMPUTE)
+    assert cache.kept() == [on_cpu] and cache.stats.evictions == 1
+    assert cache.lookup(list(range(8)) + [9], pol, 10) is None  # its hashes left the index too
