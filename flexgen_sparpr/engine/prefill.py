@@ -28,9 +28,7 @@ def prefill(eng, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler
     if max_new_tokens < 1 or any(len(s) == 0 for s in prompts):
         raise ConfigError("need at least one prompt token and one new token")
     plen = max(pad_to, max(len(s) for s in prompts))
-    limit, what = eng.spec.context_limit()  # every architecture: past it the maths would differ
-    if plen + max_new_tokens > limit:
-        raise ConfigError(f"{plen}+{max_new_tokens} tokens exceed {eng.spec.name}'s {what}")
+    limit = _check_room(eng, plen, max_new_tokens)
     # a policy that is also an observer sees each hook once
     eng._observers = tuple(o for o in dict.fromkeys(observers) if o is not eng.kv_policy)
     eng._new_tables(max(plen + max_new_tokens, min(capacity, limit)))
@@ -60,9 +58,7 @@ def prefill(eng, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler
 @torch.inference_mode()
 def prefill_onto(eng, prompt: list[int], reused: int, max_new: int, sampler: Sampler | None) -> GenState:
     """The prefill of a prompt whose first `reused` tokens the current tables already hold."""
-    limit, what = eng.spec.context_limit()
-    if len(prompt) + max_new > limit:
-        raise ConfigError(f"{len(prompt)}+{max_new} tokens exceed {eng.spec.name}'s {what}")
+    _check_room(eng, len(prompt), max_new)
     dev = eng.devices.compute
     st = GenState(plen=len(prompt), max_new=max_new, pads=torch.zeros(1, dtype=torch.long, device=dev),
                   sampler=sampler or Sampler(), keep_logits=False, done=torch.zeros(1, dtype=torch.bool, device=dev))
@@ -70,3 +66,13 @@ def prefill_onto(eng, prompt: list[int], reused: int, max_new: int, sampler: Sam
     pos = torch.arange(reused, len(prompt), device=dev)[None]  # pos: [1, S]
     eng._advance(st, ids, pos, prefill=True, stop=None)
     return st
+
+
+def _check_room(eng, plen: int, max_new: int) -> int:
+    """The model's positions, or a ConfigError when the prompt and its answer pass them (every
+    architecture: past them the maths would differ)."""
+    limit, what = eng.spec.context_limit()
+    if plen + max_new > limit:
+        raise ConfigError(f"{plen}+{max_new} tokens exceed {eng.spec.name}'s {what}")
+    return limit
+

@@ -6,12 +6,13 @@ turn and a server's request that repeats a conversation or a system prompt take 
 
 Kept caches are found by the hash of whole blocks, then matched on token by token (a cut inside an
 offloaded block reads it back; inside an encoded one it goes back to the block's start). The
-prefix never covers the prompt's last token (its logits give
-the first answer token). A policy whose state covers every cached token (`reuses_prefix` False:
-H2O) and a pipeline stage are prefilled whole. On a CUDA device nothing stays kept in its memory
-while another prompt runs (the running batch needs it); the CPU and disk tiers keep theirs. With the KV stored exactly (--kv-dtype float32) the
-continuation equals a full prefill's up to float rounding (the same maths in another order); with
-the compact default it reads the prefix as stored (float16), as every decode step does.
+prefix never covers the prompt's last token (its logits give the first answer token). A policy
+that cannot go on from a cut-back cache (`reuses_prefix` False: H2O, DKV) and a pipeline stage are
+prefilled whole, and their tables are not kept. On a CUDA device nothing stays kept in its memory
+while another prompt runs (the running batch needs it); the CPU and disk tiers keep theirs. With
+the KV stored exactly (--kv-dtype float32) the continuation equals a full prefill's up to float
+rounding (the same maths in another order); with the compact default it reads the prefix as
+stored (float16), as every decode step does.
 """
 from __future__ import annotations
 
