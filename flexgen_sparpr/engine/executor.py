@@ -8,7 +8,6 @@ micro-batch after micro-batch, with a StageLink at the slice's ends (engine/pipe
 """
 from __future__ import annotations
 
-import copy
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -33,7 +32,7 @@ from .prefetch import Ahead
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
 from .step_clock import StepClock
-from .weights import WeightStore
+from .weights import WeightStore, transposed_weights
 
 
 class Engine:
@@ -68,7 +67,7 @@ class Engine:
         try:
             self.weights = WeightStore(source, [l.names for l in self.layers], policy.weight_percents,
                                        self.devices, self.dtype, self.disk, policy.compress_weight,
-                                       policy.pin_weight, bar, transpose=self._transpose_weights())
+                                       policy.pin_weight, bar, transpose=transposed_weights(self.devices, policy))
         except BaseException:
             self.close()
             raise
@@ -90,11 +89,6 @@ class Engine:
         (one GPU batch, no pipeline stages: their batch shapes are fixed); else short batches are
         filled up by the caller."""
         return self.policy.num_gpu_batches == 1 and self.link is None
-
-    def _transpose_weights(self) -> bool:
-        """One sequence per batch on CPU: every decode product is a single row, which CPU BLAS
-        runs fastest against [in, out] weights (measured 1.6x); other shapes keep [out, in]."""
-        return not self.devices.is_cuda and self.policy.gpu_batch_size == 1
 
     # --- I/O tasks ---
     def _load_weights(self, j: int) -> Future:
@@ -215,16 +209,12 @@ class Engine:
             for (i, _), t in self.tables.items():
                 policy.attach(t, i)
 
-    @torch.inference_mode()
     def snapshot(self, st: "GenState") -> "Snapshot":
         """Remember a state (e.g. right after prefill) so several decodes can start from it."""
-        return Snapshot(copy.deepcopy(st), {key: t.mark() for key, t in self.tables.items()})
+        return Snapshot.take(st, self.tables)
 
-    @torch.inference_mode()
     def restore(self, snap: "Snapshot") -> "GenState":
-        for key, t in self.tables.items():
-            t.rewind(snap.tables[key])
-        return copy.deepcopy(snap.state)
+        return snap.restore(self.tables)
 
     def _step(self, ids, pos_all, pads, prefill: bool, bar=None) -> torch.Tensor | None:
         """One token step (or the prefill) through this engine's layers and every batch; returns

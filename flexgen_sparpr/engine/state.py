@@ -2,6 +2,7 @@
 that lets one prefill serve several decodes."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -39,5 +40,19 @@ class GenState:
 
 @dataclass
 class Snapshot:
+    """A state and its tables' marks (e.g. right after prefill): several decodes start from it."""
+
     state: GenState
     tables: dict
+
+    @classmethod
+    @torch.inference_mode()
+    def take(cls, st: GenState, tables: dict) -> "Snapshot":
+        return cls(copy.deepcopy(st), {key: t.mark() for key, t in tables.items()})
+
+    @torch.inference_mode()
+    def restore(self, tables: dict) -> GenState:
+        """Rewind the tables to the marks; a fresh copy of the state."""
+        for key, t in tables.items():
+            t.rewind(self.tables[key])
+        return copy.deepcopy(self.state)
