@@ -277,19 +277,16 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         codes = summ[0].flatten(3)  # codes: [B, Hkv, r / 2, T], a view
         return lowrank_block_scores(q, codes, self._basis[table], bs, self.head_score, view.pad_bias, view.live)
 
-    def summary_bytes(self, table: BlockTable) -> int:
-        """Bytes this policy holds on the compute device for the table's summaries (every block's,
-        and the low-rank basis); 0 with host summaries (host_summary_bytes)."""
-        if table not in self._sums or self.summaries_on != "compute":
+    def summary_bytes(self, table: BlockTable, on_host: bool = False) -> int:
+        """Bytes of the table's summaries (every block's) on the compute device, with the low-rank
+        basis, or (on_host) in host memory under --summaries-on cpu; 0 where they are not."""
+        if table not in self._sums or (self.summaries_on == "compute") == on_host:
             return 0
-        basis = self._basis.get(table)
+        basis = None if on_host else self._basis.get(table)
         return sum(t.numel() * t.element_size() for t in self._sums[table].parts) + (basis.nbytes if basis else 0)
 
     def host_summary_bytes(self, table: BlockTable) -> int:
-        """Bytes of the table's summaries in host memory (--summaries-on cpu), else 0."""
-        if table not in self._sums or self.summaries_on == "compute":
-            return 0
-        return sum(t.numel() * t.element_size() for t in self._sums[table].parts)
+        return self.summary_bytes(table, on_host=True)
 
     def speculate(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         """select, leaving the per-step statistics to the exact selection that follows."""
