@@ -28,7 +28,7 @@ from .config import EngineConfig, Policy, check_engine
 from .io import Done, IOPool, to_compute
 from .kv_tables import build_tables
 from .pipeline import StageLink, schedule
-from .prefetch import Ahead
+from .prefetch import Ahead, CacheReads
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
 from .step_clock import StepClock
@@ -121,7 +121,6 @@ class Engine:
             return Done(None)
         return self.reader.prefetch(self.tables[(layer.index, k)], layer.index, layer.kind, ahead)
 
-    # --- compute ---
     # --- the generation loop ---
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
                  stop: int | None = None, progress: bool = False, keep_logits: bool = False,
@@ -233,7 +232,7 @@ class Engine:
         if link is not None:
             link.begin_step(per * gbs, ids.shape[1], self.spec.hidden, self.dtype)
         w_next = self._load_weights(order[0][0])
-        fetched = None if prefill else self._prefetch_cache(self.layers[order[0][0]], order[0][1])
+        reads = None if prefill else CacheReads(order, lambda j: self.layers[j].kind in ("attn", "block"))
         stores: list[Future] = []
         for n, (j, k) in enumerate(order):
             layer = self.layers[j]
@@ -248,14 +247,17 @@ class Engine:
                 x_in = link.receive(k // per)  # [per * gbs, S, hidden]
                 for i in range(per):
                     hidden[k + i] = x_in[i * gbs:(i + 1) * gbs]
-            # prefetch the cache the next cell in schedule order will read; its input is computed
-            # unless it is this cell's output (one GPU batch) or a micro-batch still to be received
-            cache_next, sl = None, slice(k * gbs, (k + 1) * gbs)
-            if not prefill and nj is not None:
-                ready = nk != k and not (receives and nj == 0)
-                ahead = Ahead(w if nj == j else w_next, hidden[nk] if ready or nk == k else None,
-                              pos[nk], ready)
-                cache_next = self._prefetch_cache(self.layers[nj], nk, ahead)
+            # prefetch what the next cache-reading cell reads; when that is the next cell its query
+            # may be had early: its input is computed unless it is this cell's output (one GPU
+            # batch) or a micro-batch still to be received
+            m, sl = (None if prefill else reads.next_read(n)), slice(k * gbs, (k + 1) * gbs)
+            if m is not None:
+                mj, mk = order[m]
+                ready = mk != k and not (receives and mj == 0)
+                ahead = Ahead(w if mj == j else w_next, hidden[mk] if ready or mk == k else None,
+                              pos[mk], ready) if m == n + 1 else None
+                reads.start(m, lambda: self._prefetch_cache(self.layers[mj], mk, ahead))
+            fetched = None if prefill else reads.take(n)
             x = to_compute(self.devices, hidden[k])
             with self.clock.timed("io_wait"):
                 got = self.io.adopt(fetched.result()) if fetched is not None else None
@@ -265,7 +267,6 @@ class Engine:
                 logits[k] = y
             else:
                 hidden[k] = park(self, y)
-            fetched = cache_next
             if nj != j:  # a layer's last cell: its sealed blocks are home before it runs again
                 with self.clock.timed("io_wait"):
                     for f in stores:

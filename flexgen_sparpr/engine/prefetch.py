@@ -58,3 +58,31 @@ def early_selection(policy: KVPolicy, arch, table: BlockTable, layer: int, kind:
         return policy.select(table, layer, q)
     sel = policy.speculate(table, layer, q)
     return dataclasses.replace(sel, guess=True)
+
+
+class CacheReads:
+    """A decode step's KV gathers, keyed by schedule cell (pure bookkeeping). A cell that reads a
+    cache is gathered as soon as the cell before it in cache order has started, so with separate
+    attention and MLP cells the gather for layer j+1 runs through layer j's attention and MLP, not
+    only its MLP. A gather that cannot start yet (a query-aware policy still waiting for its query)
+    is not recorded, and is tried again at the next cell."""
+
+    def __init__(self, order: list[tuple[int, int]], reads_cache):
+        self.reads = [n for n, (j, _) in enumerate(order) if reads_cache(j)]  # cells that read a cache
+        self.pending: dict[int, Future] = {}
+
+    def next_read(self, n: int) -> int | None:
+        """The first cell after n that reads a cache."""
+        return next((m for m in self.reads if m > n), None)
+
+    def start(self, m: int, gather) -> None:
+        """gather() -> Future for cell m, unless started already; a done future of None is dropped."""
+        if m in self.pending:
+            return
+        f = gather()
+        if not (f.done() and f.result() is None):
+            self.pending[m] = f
+
+    def take(self, n: int) -> Future | None:
+        """Cell n's gather, if one was started."""
+        return self.pending.pop(n, None)

@@ -83,19 +83,21 @@ def test_early_and_late_selection_agree(tiny_model_dir, tmp_path, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def test_gather_ring_takes_two_buffers_in_turn():
-    """Cells take the ring's buffers in turn (one computing, one prefetching); they start as
-    zeros, grow when short, and are reused (no fresh tensor per cell)."""
+def test_gather_ring_takes_three_buffers_in_turn():
+    """Cells take the ring's buffers in turn (one computing, a serial read, the next cell's
+    prefetch); they start as zeros, grow when short, and are reused (no fresh tensor per cell)."""
     from flexgen_sparpr.engine.recovery import GatherRing
     ring, cpu = GatherRing(), torch.device("cpu")
     a = ring.take((2, 3), torch.float32, cpu)
     b = ring.take((2, 3), torch.float32, cpu)
-    assert a.data_ptr() != b.data_ptr() and not a.any() and not b.any()
+    e = ring.take((2, 3), torch.float32, cpu)
+    assert len({a.data_ptr(), b.data_ptr(), e.data_ptr()}) == 3 and not a.any() and not b.any() and not e.any()
     a.fill_(1.0)
     c = ring.take((2, 3), torch.float32, cpu)
     assert c.data_ptr() == a.data_ptr() and bool((c == 1).all())  # reused, stale but finite
     d = ring.take((4, 4), torch.float32, cpu)  # larger than buffer b: a new, larger one
     assert d.shape == (4, 4) and d.data_ptr() != b.data_ptr()
+    ring.take((1, 6), torch.float32, cpu)  # e's turn
     assert ring.take((1, 6), torch.float32, cpu).data_ptr() == a.data_ptr()  # fits: reused
 
 
@@ -118,3 +120,23 @@ def test_other_query_aware_policies_select_early_too(name, tiny_model_dir, tmp_p
     assert early[0] == late[0]
     for a, b in zip(early[1], late[1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_cache_reads_gather_the_next_reading_cell_two_cells_early():
+    """With separate attention and MLP cells, the gather for layer j+1's attention is started at
+    layer j's attention, not its MLP; a gather that cannot start yet (a done future of None) is
+    tried again at the next cell; a started one is taken once."""
+    from concurrent.futures import Future
+
+    from flexgen_sparpr.engine.io import Done
+    kinds = ["embed", "attn", "mlp", "attn", "mlp", "head"]
+    order = [(j, 0) for j in range(len(kinds))]
+    reads = prefetch.CacheReads(order, lambda j: kinds[j] == "attn")
+    assert [reads.next_read(n) for n in range(6)] == [1, 3, 3, None, None, None]
+    started = []
+    reads.start(3, lambda: Done(None))  # a query-aware policy still waiting: not recorded
+    assert reads.take(3) is None
+    pending = Future()
+    reads.start(3, lambda: started.append(3) or pending)
+    reads.start(3, lambda: started.append("again") or Future())  # already started: not again
+    assert started == [3] and reads.take(3) is pending and reads.take(3) is None
