@@ -17,6 +17,7 @@ from ..kv.policy import KVPolicy
 from ..storage.tiers import Devices, Tier
 from .io import Done, IOPool
 from .prefetch import Ahead, early_selection
+from .recall import Recall
 from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
 from .step_clock import StepClock
 
@@ -32,6 +33,7 @@ class KVReader:
         self.cpu_cache_compute, self.speculate = cpu_cache_compute, speculate
         self.clock = clock or StepClock()  # the engine's: select / read / rebuild seconds of its steps
         self.ring = GatherRing()  # the decode cells' gather buffers, reused
+        self.recall: Recall | None = Recall()  # each offloaded table's last selective gather (None: off)
         self.blocks_read = [0, 0]  # over the decode cells so far: blocks attention read, blocks cached
 
     def in_place(self, t: BlockTable) -> bool:
@@ -60,6 +62,12 @@ class KVReader:
         return self.io.submit(self._gather_guess if sel.guess else self._gather, t, sel)
 
     def _gather(self, t: BlockTable, sel) -> Fetched:
+        """A selective policy's copy of part of an offloaded cache goes through the recall (only
+        what the table's arena lacks is read; engine/recall.py), unless the policy observes what
+        attention read in gather order (H2O); the rest, through the ring."""
+        if self.recall is not None and not self.policy.reads_all and not self.policy.observes and \
+                Recall.applies(t, sel) and len(sel.blocks) < t.num_blocks:
+            return self.recall.gather(t, sel, self.dtype, self.devices.compute)
         return gather_selection(t, sel, self.dtype, self.devices.compute, self.ring)
 
     def _gather_guess(self, t: BlockTable, sel) -> Fetched:

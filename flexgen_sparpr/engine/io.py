@@ -11,6 +11,14 @@ import torch
 from ..storage.tiers import Devices
 
 
+def one_thread() -> None:
+    """An I/O thread's tensor ops (a gather's copies and casts) run on that thread alone: torch's
+    intra-op threads are per calling thread, and a second team spinning beside the compute
+    thread's would take the cores the compute needs (measured: a dense step with the KV on disk
+    spent as long again in compute while its gathers ran)."""
+    torch.set_num_threads(1)
+
+
 class Done(Future):
     """A future that is already done (a task run inline)."""
 
@@ -22,7 +30,7 @@ class Done(Future):
 class IOPool:
     def __init__(self, devices: Devices, threads: int, overlap: bool):
         self.devices, self.overlap = devices, overlap
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="flexgen-io")
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="flexgen-io", initializer=one_thread)
         # the I/O stream and every hand-off across it are the streams' (storage/streams.py)
         self.streams = devices.streams
 

@@ -96,7 +96,7 @@ class BlockTable:
 
     # --- reading (the store moves the bytes) ---
     def gather(self, blocks: list[int] | None = None, out: torch.Tensor | None = None,
-               seqs: torch.Tensor | None = None, zero_unread: bool = True):
+               seqs: torch.Tensor | None = None, zero_unread: bool = True, starts: list[int] | None = None):
         """KV of the given blocks (ascending; default all) on compute.
 
         Returns kv: [planes, B, Hkv, T, D] and pos: [T] (absolute token positions). A fully resident
@@ -104,7 +104,8 @@ class BlockTable:
         bool, the sequences that need each block (None: all); rows of a sealed offloaded block no
         sequence needs are not read, where the block's home allows it (`store.reads_rows`), and are
         set to zeros unless zero_unread is False (an `out` known to hold finite values: masked-out
-        rows need only be finite, so attention gives them exactly zero weight).
+        rows need only be finite, so attention gives them exactly zero weight). starts: each
+        block's token offset in a given `out` of an offloaded cache (None: one after the other).
         """
         nb = self.num_blocks
         blocks = list(range(nb)) if blocks is None else blocks
@@ -120,7 +121,8 @@ class BlockTable:
             torch.index_select(src, 3, pos, out=kv)
             return kv, pos
         need = seqs.T.tolist() if seqs is not None else None  # need: [n][B] (no sync: seqs is a host tensor)
-        kv = self.store.gather(blocks, [self.block_len(b) for b in blocks], self.sealed, out, need, zero_unread)
+        kv = self.store.gather(blocks, [self.block_len(b) for b in blocks], self.sealed, out, need, zero_unread,
+                               starts)
         return kv, self.positions(blocks, dev)
 
     def gather_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

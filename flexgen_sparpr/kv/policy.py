@@ -158,6 +158,11 @@ class KVPolicy:
         """After decode attention. kv: [2, B, Hkv, T+1, D] read (new token last); pos: [T+1]."""
 
     @property
+    def observes(self) -> bool:
+        """True when the policy looks at what decode attention read (`observe`), e.g. H2O."""
+        return type(self).observe is not KVPolicy.observe
+
+    @property
     def reads_all(self) -> bool:
         """True when every step reads the whole cache (lets a resident cache skip gathering)."""
         return type(self).plan is KVPolicy.plan and type(self).select is KVPolicy.select

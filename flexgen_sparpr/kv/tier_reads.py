@@ -26,15 +26,18 @@ class TierReads:
         return self._arena[Tier.COMPUTE][:, :, :, :length]
 
     def gather(self, blocks: list[int], lens: list[int], sealed: int, out: torch.Tensor | None,
-               need: list[list[bool]] | None, zero_unread: bool) -> torch.Tensor:
+               need: list[list[bool]] | None, zero_unread: bool, starts: list[int] | None = None) -> torch.Tensor:
         """Blocks (of lens tokens each; the first `sealed` blocks are sealed) into out (made when
-        None or short): [planes, B, Hkv, T, D] on compute. need: [n][B], the sequences that need
-        each block (None: all); see BlockTable.gather. Adjacent offloaded blocks go as spans."""
-        total = sum(lens)
+        None or short): [planes, B, Hkv, T, D] on compute, one after the other, or each at its own
+        token offset `starts` into a given out. need: [n][B], the sequences that need each block
+        (None: all); see BlockTable.gather. Blocks adjacent both here and in out go as spans."""
+        if starts is None:
+            starts = list(itertools.accumulate(lens, initial=0))
+        starts = [*starts[:len(blocks)], max((a + n for a, n in zip(starts, lens)), default=0)]
+        total = starts[-1]
         if out is None or out.shape[3] < total:
             out = torch.empty((*self.block_shape[:3], total, self.block_shape[4]), dtype=self.dtype,
                               device=self.devices.compute)
-        starts = list(itertools.accumulate(lens, initial=0))
         disk_reads: list = []  # encoded disk spans: (first slot, slots, sink)
         # raw disk runs (first slot, slots, first row, first block), read as ranges of a packed file
         raw_reads = [] if self.placed_reads and self._disk is not None and self._disk.is_packed else None
@@ -52,8 +55,8 @@ class TierReads:
             elif exact is not None:  # a first or recent block kept exact: the copy, nothing crosses a link
                 dst.copy_(exact)
             elif self.homes[b] == Tier.DISK or self.homes[b] not in self.coded:  # disk, or raw CPU
-                j = self._span_end(blocks, i, sealed, need)
-                self._read_span(blocks[i:j], out[:, :, :, t:starts[j]], None if need is None else need[i:j],
+                j = self._span_end(blocks, i, sealed, need, starts)
+                self._read_span(blocks[i:j], out[:, :, :, t:t + self.bs * (j - i)], None if need is None else need[i:j],
                                 zero_unread, disk_reads, raw_reads, t)
                 i = j
                 continue
@@ -86,14 +89,16 @@ class TierReads:
             return self._exact.get(b)
         return None
 
-    def _span_end(self, blocks: list[int], i: int, sealed: int, need: list[list[bool]] | None) -> int:
+    def _span_end(self, blocks: list[int], i: int, sealed: int, need: list[list[bool]] | None,
+                  starts: list[int]) -> int:
         """End (exclusive) of the span of gather entries from i: adjacent sealed blocks of one home,
-        stored one after the other (a CPU arena always; a disk file when packed), none of them read
-        from an exact copy instead."""
+        stored one after the other (a CPU arena always; a disk file when packed) and placed one
+        after the other in out, none of them read from an exact copy instead."""
         home, j = self.homes[blocks[i]], i + 1
         if not self.span_reads or (home == Tier.DISK and not self._disk.is_packed):
             return j
         while (j < len(blocks) and blocks[j] == blocks[j - 1] + 1 and blocks[j] < sealed and
+               starts[j] == starts[j - 1] + self.bs and
                self.homes[blocks[j]] == home and self._exact_copy(blocks[j], sealed) is None and
                not (need is not None and not any(need[j]) and blocks[j] in self._exact_rows)):
             j += 1

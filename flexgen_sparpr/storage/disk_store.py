@@ -72,7 +72,8 @@ class DiskStore:
             return [fn(x) for x in items]
         with self._lock:
             if self._readers is None:
-                self._readers = ThreadPoolExecutor(self.read_depth, thread_name_prefix="flexgen-disk")
+                self._readers = ThreadPoolExecutor(self.read_depth, thread_name_prefix="flexgen-disk",
+                                                   initializer=torch.set_num_threads, initargs=(1,))
             pool = self._readers
         return list(pool.map(fn, items))
 

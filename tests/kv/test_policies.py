@@ -107,13 +107,17 @@ class Recorder:
         return fetched
 
 
-def run(model_dir, name, keep, monkeypatch=None, disk=None, sampler=None, device="cpu", kv_dtype="auto"):
-    """Generate GEN tokens for PROMPTS; returns (tokens, logits, recorder, disk->cpu bytes per step)."""
+def run(model_dir, name, keep, monkeypatch=None, disk=None, sampler=None, device="cpu", kv_dtype="auto",
+        recall=True):
+    """Generate GEN tokens for PROMPTS; returns (tokens, logits, recorder, disk->cpu bytes per step).
+    recall=False: every selected block is read afresh (no arena: engine/recall.py)."""
     policy = Policy(gpu_batch_size=len(PROMPTS), cache_gpu_percent=0 if disk else 100)
     cfg = EngineConfig(device=device, dtype="float32", block_size=8, kv_policy=name, kv_dtype=kv_dtype,
                        policy_args=policy_args(name, keep), offload_dir=str(disk or "unused"))
     eng = Engine(resolve_source(str(model_dir), ""), policy, cfg)
     rec = Recorder(eng, keep)
+    if not recall:
+        eng.reader.recall = None
     if monkeypatch is not None:
         monkeypatch.setattr(eng.reader, "read", rec)
     per_step = []
@@ -172,10 +176,14 @@ def test_same_seed_same_tokens(name, tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize("name", SELECTING)
 def test_disk_bytes_are_the_selected_blocks(name, model_dir, tmp_path, monkeypatch, device):
-    *_, rec, per_step = run(model_dir, name, 0.3, monkeypatch, disk=tmp_path, device=device)
+    """Read afresh, a step moves exactly its selected disk blocks (for their readers); through the
+    arena, at most that, and after the first step less."""
+    *_, rec, per_step = run(model_dir, name, 0.3, monkeypatch, disk=tmp_path / "a", device=device, recall=False)
     expect = [sum(s.disk_bytes for s in rec.steps if s.step == i + 1) for i in range(len(per_step))]
     assert per_step == expect
     assert sum(per_step) > 0
+    *_, per_step = run(model_dir, name, 0.3, disk=tmp_path / "b", device=device)
+    assert all(a <= b for a, b in zip(per_step, expect)) and per_step[0] == expect[0]
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if "keep_ratio" in policy_args(n, 0.5)])

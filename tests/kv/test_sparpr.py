@@ -110,7 +110,8 @@ def test_a_prefill_summarises_its_blocks_once_per_table(tiny_opt_dir, tmp_path, 
 @pytest.mark.parametrize("rebuild", [False, True], ids=["copy", "recompute"])
 def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
     """Cache on disk: each decode step moves exactly its selected sealed blocks' bytes (their
-    checkpoints' when rebuilt); scoring the blocks moves nothing."""
+    checkpoints' when rebuilt); scoring the blocks moves nothing. Read afresh every step (no
+    arena: tests/engine/test_recall.py covers what the arena saves)."""
     costs = CopyIsDear(disk_read_Bps=1.0, matmul_flops={"float32": 1.0}, live=False) if rebuild else fixed()
     pol = SparPR(keep_ratio=0.3, costs=costs, fallback=False)
     picked = []
@@ -119,6 +120,7 @@ def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
     cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path))
     with Engine(resolve_source(str(tiny_opt_dir), ""), Policy(gpu_batch_size=2, cache_gpu_percent=0), cfg) as eng:
         eng.set_kv_policy(pol)
+        eng.reader.recall = None
         st_ = eng.prefill(PROMPTS, GEN)
         while len(st_.tokens) < GEN:
             picked.clear()
