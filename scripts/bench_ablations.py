@@ -26,8 +26,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, OneLineParser, add_opt_bench_args, die, machine_info, md_table, timer, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import add_opt_bench_args, die, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import machine_info, md_table, timer, write_results  # noqa: E402
 
 VARIANTS = {"full": {}, "no-dynamic-budget": {"dynamic_budget": False}, "quest-only": {"quest_only": True},
             "no-recompute": {"recompute": False}, "no-fallback": {"fallback": False}}

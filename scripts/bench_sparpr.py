@@ -30,9 +30,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, machine_info, md_table,  # noqa: E402
-                     run_offload, timer, write_results)
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.offload import run_offload  # noqa: E402
+from flexgen_sparpr.bench.results import machine_info, md_table, timer, write_results  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 STEM = "bench"

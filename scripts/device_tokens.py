@@ -18,8 +18,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, OneLineParser, die, int_list, machine_info, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import machine_info, write_results  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "alice29.txt"
 # float16 resolves a logit of magnitude ~20 to 2**-6 = 0.016 (half an ulp 0.008); two of its

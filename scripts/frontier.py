@@ -13,8 +13,10 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, md_table, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import md_table, write_results  # noqa: E402
 
 from flexgen_sparpr.bench.fidelity import frontier, summarize  # noqa: E402
 from flexgen_sparpr.kv.dkv.codec import DKVCodec  # noqa: E402

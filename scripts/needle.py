@@ -16,11 +16,13 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
-from _fidelity import (COMPOSED, engine_commit, engines, exact_routed_arg, float_list,  # noqa: E402
-                       plan_batches, resolve_split, resolved_config, resolved_lines, resumed_batches,
-                       split_args)
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import (check_context, die, exact_routed_arg, float_list, int_list,  # noqa: E402
+                                       OneLineParser, resolve_split, split_args)
+from flexgen_sparpr.bench.results import engine_commit, machine_info, md_table, timer, write_results  # noqa: E402
+from flexgen_sparpr.bench.resume import engines, plan_batches, resumed_batches  # noqa: E402
+from flexgen_sparpr.bench.sweep import COMPOSED, resolved_config, resolved_lines  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

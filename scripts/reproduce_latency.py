@@ -31,9 +31,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, load_average,  # noqa: E402
-                     machine_info, timer, write_results)
+from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import load_average, machine_info, timer, write_results  # noqa: E402
 from _latency_model import hw_path, model_hardware  # noqa: E402
 from _latency_report import modeled_markdown, measured_markdown, plot  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
@@ -106,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # --- the measured systems ---
 def run_engine(src, args, ctx: int, policy: str) -> dict:
-    from _common import run_offload
+    from flexgen_sparpr.bench.offload import run_offload
     pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep,
                                               gamma=args.gamma, probe_dir=args.offload_dir)
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
@@ -171,7 +173,7 @@ def run_hf(src, args, ctx: int, cap: float) -> dict:
     from accelerate import dispatch_model, infer_auto_device_map
     from transformers import OPTConfig, OPTForCausalLM
 
-    from _common import random_prompts
+    from flexgen_sparpr.bench.offload import random_prompts
     from flexgen_sparpr.engine.memory import PeakMemory
 
     spec = src.spec
