@@ -38,11 +38,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.offload import run_offload  # noqa: E402
 from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
-from _throttled_report import render_md, summarize  # noqa: E402
+from flexgen_sparpr.bench.throttled_report import render_md, summarize  # noqa: E402
 
 THERE_HW = REPO / "configs/hardware/rtx3070ti-laptop-8gb.yaml"
 HERE_HW = REPO / "results/latency_hardware_this_machine.yaml"

@@ -33,11 +33,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.results import load_average, machine_info, timer, write_results  # noqa: E402
-from _latency_model import hw_path, model_hardware  # noqa: E402
-from _latency_report import modeled_markdown, measured_markdown, plot  # noqa: E402
+from flexgen_sparpr.bench.latency_model import hw_path, model_hardware  # noqa: E402
+from flexgen_sparpr.bench.latency_report import measured_markdown, modeled_markdown, plot  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 SYSTEMS = ("upstream", "dense", "sparpr", "hf")
