@@ -32,6 +32,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.peers import hf_generate, load_hf  # noqa: E402
 from flexgen_sparpr.bench.results import machine_info, md_table, write_results  # noqa: E402
 
 TARGET = 1.2  # the project's goal: engine decode tok/s >= 1.2x HF's at every context on CPU
@@ -110,36 +111,10 @@ def make_prompts(tokens: list[int], ctx: int, batch: int) -> list[list[int]]:
     return [long[b * stride: b * stride + ctx] for b in range(batch)]
 
 
-# --- the two runners ---
+# --- this engine's runner (HF's is flexgen_sparpr/bench/peers.py's hf_generate) ---
 def run_engine(engine, prompts: list[list[int]], gen_len: int) -> dict:
     r = engine.generate(prompts, gen_len)
     return {"tokens": r.tokens, "prefill_s": r.step_times[0], "step_s": list(r.step_times[1:])}
-
-
-def run_hf(model, prompts: list[list[int]], gen_len: int) -> dict:
-    import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    class Stamp(LogitsProcessor):
-        def __init__(self):
-            self.t = []
-
-        def __call__(self, input_ids, scores):
-            self.t.append(time.perf_counter())
-            return scores
-
-    ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
-    stamp = Stamp()
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len,
-                             do_sample=False, eos_token_id=None,
-                             logits_processor=LogitsProcessorList([stamp]))
-    new = out[:, ids.shape[1]:].tolist()
-    if len(stamp.t) != gen_len or len(new[0]) != gen_len:
-        raise RuntimeError(f"HF generate made {len(new[0])} tokens in {len(stamp.t)} steps, expected {gen_len}")
-    steps = [b - a for a, b in zip(stamp.t, stamp.t[1:])]
-    return {"tokens": new, "prefill_s": stamp.t[0] - t0, "step_s": steps}
 
 
 # --- one cell ---
@@ -169,7 +144,7 @@ def bench_cell(engine, model, tokens, ctx: int, batch: int, gen_len: int, repeat
     for _ in range(repeats):  # alternate, so background load hits both alike
         e_runs.append(run_engine(engine, prompts, gen_len))
         gc.collect()
-        h_runs.append(run_hf(model, prompts, gen_len))
+        h_runs.append(hf_generate(model, prompts, gen_len))
         gc.collect()
     e, h = best_of(e_runs), best_of(h_runs)
     es, hs = summarize(e, batch, gen_len), summarize(h, batch, gen_len)
@@ -188,8 +163,7 @@ def bench_cell(engine, model, tokens, ctx: int, batch: int, gen_len: int, repeat
 
 # --- setup ---
 def load_models(args):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
     from flexgen_sparpr.weights.sources import HFDirSource
 
@@ -200,7 +174,7 @@ def load_models(args):
     if not isinstance(src, HFDirSource) or src.tokenizer_dir is None:
         die(f"--model {args.model}: need a HF checkpoint directory with a tokenizer (HF loads the same files)")
     tok = AutoTokenizer.from_pretrained(src.tokenizer_dir)
-    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    model = load_hf(src.path, args.dtype, args.device)
     return src, tok, model
 
 
@@ -213,7 +187,7 @@ def make_engine(src, batch: int, device: str = "cpu", dtype: str = "float32"):
 def warm_up(engine, model, tokens, batch: int) -> None:
     prompts = make_prompts(tokens, WARMUP_LEN, batch)
     run_engine(engine, prompts, WARMUP_GEN)
-    run_hf(model, prompts, WARMUP_GEN)
+    hf_generate(model, prompts, WARMUP_GEN)
 
 
 # --- output ---

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.offload import run_offload  # noqa: E402
+from flexgen_sparpr.bench.peers import upstream  # noqa: E402
 from flexgen_sparpr.bench.results import machine_info, md_table, timer, write_results  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
@@ -146,20 +147,13 @@ def run_cell(src, args, ctx: int, policy: str) -> dict:
 def run_upstream_cell(args, ctx: int) -> dict:
     """Upstream FlexGen in a child process at the same placement (activations on the compute
     tier): one cell, or {"ok": False, "error": one line} (e.g. out of memory under the cap)."""
-    import subprocess
     import torch
-    from flexgen_sparpr.upstream.run import parse_child, upstream_command
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     pct = (args.w_gpu_percent, args.w_cpu_percent, args.cache_gpu_percent, args.cache_cpu_percent, 100, 0)
-    cmd = upstream_command(model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx,
-                           gen_len=args.gen_len, percent=tuple(int(p) for p in pct), offload_dir=args.offload_dir,
-                           dtype="auto" if args.dtype == "auto" else args.dtype, threads=torch.get_num_threads(),
-                           device=dev.type, gpu_mem=args.gpu_mem if dev.type == "cuda" else None)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.upstream_timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {args.upstream_timeout} s", "context": ctx}
-    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
+    r = upstream(args.upstream_timeout, model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx,
+                 gen_len=args.gen_len, percent=tuple(int(p) for p in pct), offload_dir=args.offload_dir,
+                 dtype="auto" if args.dtype == "auto" else args.dtype, threads=torch.get_num_threads(),
+                 device=dev.type, gpu_mem=args.gpu_mem if dev.type == "cuda" else None)
     r["context"] = ctx
     if r.get("ok"):
         r["e2e_s"] = r["total_s"]

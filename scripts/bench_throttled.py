@@ -31,7 +31,6 @@ import dataclasses
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.offload import run_offload  # noqa: E402
+from flexgen_sparpr.bench.peers import upstream  # noqa: E402
 from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 from flexgen_sparpr.bench.throttled_report import render_md, summarize  # noqa: E402
 
@@ -95,16 +95,10 @@ def engine_run(src, args, ctx: int, gen: int, policy: str, seed: int, extra: dic
 
 def upstream_run(args, ctx: int, gen: int, sparpr: bool) -> dict:
     import torch
-    from flexgen_sparpr.upstream.run import parse_child, upstream_command
     hook = dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, block_size=args.block_size) if sparpr else None
-    cmd = upstream_command(model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx, gen_len=gen,
-                           percent=(100, 0, 0, 0, 100, 0), offload_dir=args.offload_dir, sparpr=hook,
-                           threads=torch.get_num_threads(), device="cpu", drop_page_cache=True)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.upstream_timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {args.upstream_timeout} s"}
-    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
+    r = upstream(args.upstream_timeout, model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx,
+                 gen_len=gen, percent=(100, 0, 0, 0, 100, 0), offload_dir=args.offload_dir, sparpr=hook,
+                 threads=torch.get_num_threads(), device="cpu", drop_page_cache=True)
     if r.get("ok"):
         r["e2e_s"] = r["total_s"]
         r.pop("tokens", None)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.peers import upstream  # noqa: E402
 from flexgen_sparpr.bench.results import machine_info, md_table, timer, write_results  # noqa: E402
 
 
@@ -58,17 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def one(args, ctx: int, sparpr: bool, device: str) -> dict:
-    from flexgen_sparpr.upstream.run import parse_child, upstream_command
     hook = dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, block_size=args.block_size) if sparpr else None
-    cmd = upstream_command(model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx,
-                           gen_len=args.gen_len, percent=args.percent, offload_dir=args.offload_dir, sparpr=hook,
-                           dtype="auto", device=device, gpu_mem=args.gpu_mem if device == "cuda" else None,
-                           drop_page_cache=device == "cpu")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {args.timeout} s"}
-    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
+    r = upstream(args.timeout, model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx,
+                 gen_len=args.gen_len, percent=args.percent, offload_dir=args.offload_dir, sparpr=hook,
+                 dtype="auto", device=device, gpu_mem=args.gpu_mem if device == "cuda" else None,
+                 drop_page_cache=device == "cpu")
     r.pop("tokens", None)
     return r
 

@@ -37,11 +37,12 @@ from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLine
 from flexgen_sparpr.bench.results import load_average, machine_info, timer, write_results  # noqa: E402
 from flexgen_sparpr.bench.latency_model import hw_path, model_hardware  # noqa: E402
 from flexgen_sparpr.bench.latency_report import measured_markdown, modeled_markdown, plot  # noqa: E402
+from flexgen_sparpr.bench.offload import random_prompts, run_offload  # noqa: E402
+from flexgen_sparpr.bench.peers import GiB, hf_need, hf_offload_opt, upstream  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 SYSTEMS = ("upstream", "dense", "sparpr", "hf")
 PREDICT_HW = ("configs/hardware/rtx3070ti-laptop-8gb.yaml", "configs/hardware/t4-flexgen.yaml")
-GiB = 1 << 30
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -107,7 +108,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # --- the measured systems ---
 def run_engine(src, args, ctx: int, policy: str) -> dict:
-    from flexgen_sparpr.bench.offload import run_offload
     pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep,
                                               gamma=args.gamma, probe_dir=args.offload_dir)
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
@@ -131,80 +131,23 @@ def run_engine(src, args, ctx: int, policy: str) -> dict:
 def run_upstream_cell(args, ctx: int) -> dict:
     """Upstream FlexGen in a child process, killed after --upstream-timeout seconds (reported as
     a timeout, as the paper reports FlexGen's 8k run)."""
-    import subprocess
     import tempfile
 
     import torch
-    try:
-        from flexgen_sparpr.upstream.run import parse_child, upstream_command
-    except ImportError as e:
-        return {"ok": False, "error": f"not available ({e})"}
     # a folder of its own, removed here: a child killed at the timeout cannot clean up after itself
     with tempfile.TemporaryDirectory(dir=args.offload_dir, prefix="upstream-") as folder:
-        cmd = upstream_command(model=args.model, batch=args.batch, prompt_len=ctx, gen_len=args.gen_len,
-                               percent=(100, 0, 0, 0, 100, 0), offload_dir=folder,
-                               threads=torch.get_num_threads())  # the same threads as this engine's runs
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.upstream_timeout)
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "timeout": True, "error": f"timed out after {args.upstream_timeout:.0f} s"}
-    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
+        r = upstream(args.upstream_timeout, model=args.model, batch=args.batch, prompt_len=ctx, gen_len=args.gen_len,
+                     percent=(100, 0, 0, 0, 100, 0), offload_dir=folder,
+                     threads=torch.get_num_threads())  # the same threads as this engine's runs
     if r.get("ok"):
         r.pop("tokens", None)
     return r
 
 
-def hf_need(spec, batch: int, ctx: int, gen_len: int) -> dict:
-    """float32 bytes HF must hold on the compute tier beside its weights: the KV cache at the
-    end of generation and the prefill's widest activations (SDPA: no [S, S] score matrix kept)."""
-    n = ctx + gen_len
-    kv = 2 * batch * n * spec.num_layers * spec.kv_dim * 4
-    act = batch * ctx * (spec.hidden * 4 + spec.ffn) * 4
-    return {"weights": spec.num_params() * 4, "kv": kv, "activations": act}
-
-
 def run_hf(src, args, ctx: int, cap: float) -> dict:
     """HF OPT with random weights and accelerate's offload under the cap (see the docstring)."""
-    import tempfile
-    import time
-
-    import torch
-    from accelerate import dispatch_model, infer_auto_device_map
-    from transformers import OPTConfig, OPTForCausalLM
-
-    from flexgen_sparpr.bench.offload import random_prompts
-    from flexgen_sparpr.engine.memory import PeakMemory
-
-    spec = src.spec
-    need = hf_need(spec, args.batch, ctx, args.gen_len)
-    room = cap - need["kv"] - need["activations"]
-    if room <= 0:
-        return {"ok": False, "oom": True, "need": need,
-                "error": f"OOM: KV cache + activations {(need['kv'] + need['activations']) / GiB:.2f} GiB "
-                         f"exceed the {cap / GiB:.2f} GiB compute-tier cap"}
-    cfg = OPTConfig(hidden_size=spec.hidden, num_attention_heads=spec.num_heads, num_hidden_layers=spec.num_layers,
-                    ffn_dim=spec.ffn, vocab_size=spec.vocab, max_position_embeddings=ctx + args.gen_len,
-                    word_embed_proj_dim=spec.embed_dim, do_layer_norm_before=spec.pre_norm)
-    torch.manual_seed(args.seed)
-    model = OPTForCausalLM(cfg).eval()
-    dmap = infer_auto_device_map(model, max_memory={"cpu": int(room), "disk": 1 << 42},
-                                 no_split_module_classes=["OPTDecoderLayer"])
-    on_disk = sum(1 for v in dmap.values() if v == "disk")
-    ids = torch.tensor(random_prompts(spec.vocab, args.batch, ctx, args.seed))
-    with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp, PeakMemory(torch.device("cpu")) as peak:
-        model = dispatch_model(model, dmap, main_device="cpu", offload_dir=tmp)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True)
-            prefill = time.perf_counter() - t0
-            cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)  # transformers 5: `cache`
-            t0 = time.perf_counter()
-            for _ in range(args.gen_len - 1):  # greedy decode, the same loop as generate without its checks
-                out = model(input_ids=nxt, cache=cache, use_cache=True)
-                cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-            decode = time.perf_counter() - t0
-    return {"ok": True, "prefill_s": prefill, "decode_s": decode, "need": need, "weights_room": room,
-            "modules_on_disk": on_disk, "peak_rss_bytes": peak.report()["host_rss_peak_bytes"]}
+    prompts = random_prompts(src.spec.vocab, args.batch, ctx, args.seed)
+    return hf_offload_opt(src.spec, prompts, args.gen_len, cap, args.seed, args.offload_dir)
 
 
 # --- the model against the measurements ---
