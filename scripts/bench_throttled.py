@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     from flexgen_sparpr.runtime.hardware import load_hardware
     from flexgen_sparpr.runtime.timemodel import calibrate, predict
     from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
-    from bench_sparpr import OnceSource
+    from flexgen_sparpr.bench.offload import OnceSource
 
     try:
         here, there = load_hardware(args.here_hardware), load_hardware(args.there_hardware)

@@ -1,5 +1,6 @@
 """One offloaded generation on a fresh engine, measured: what the OPT offload benchmarks
-(bench_sparpr.py, reproduce_latency.py, bench_ablations.py) time for this engine."""
+(bench_sparpr.py, reproduce_latency.py, bench_throttled.py, bench_ablations.py) time for this
+engine; and a weight source drawn once for all the engines of a run (OnceSource)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -57,3 +58,20 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     if memory:
         out["memory"] = peak.report()
     return out
+
+
+class OnceSource:
+    """A weight source that makes each tensor once, in the engines' dtype (dummy OPT-6.7B takes
+    tens of seconds to draw), and hands the same values to every engine of the run."""
+
+    def __init__(self, src, dtype):
+        self.src, self.spec, self.dtype, self._made = src, src.spec, dtype, {}
+        self.tokenizer_dir = getattr(src, "tokenizer_dir", None)
+
+    def get(self, name: str):
+        if name not in self._made:
+            self._made[name] = self.src.get(name).to(self.dtype)
+        return self._made[name]
+
+    def describe(self) -> str:
+        return self.src.describe()
