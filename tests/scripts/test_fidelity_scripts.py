@@ -119,10 +119,7 @@ def test_frontier_reads_dkv_budget_as_its_bytes_per_configuration(tmp_path):
 def test_needle_plot_only_with_dense_answers_to_agree_with(tmp_path):
     """A --no-dense run has no agreement to draw: no plot (an older one removed), and the md says
     why; with dense's answers the plot is drawn."""
-    import sys
-    from tests.scripts.runner import REPO
-    sys.path.insert(0, str(REPO / "scripts"))
-    from needle import plot
+    from flexgen_sparpr.bench.needle_report import plot
     png = tmp_path / "needle.png"
     png.write_bytes(b"old")
     row = {"task": "passkey", "length": 2048, "policy": "sparpr", "keep": 0.1, "agree_rate": None}
