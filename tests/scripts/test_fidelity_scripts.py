@@ -80,10 +80,7 @@ def test_frontier_refuses_files_of_other_prompts(tmp_path):
 def test_frontier_reads_dkv_budget_as_its_bytes_per_configuration(tmp_path):
     """Two dkv runs of the same prompts (16 and 64 exact rows): each is its own budget, the bytes
     share its rank and rows give; the frontier is the smallest share that agrees with dense."""
-    import sys
-    from tests.scripts.runner import REPO
-    sys.path.insert(0, str(REPO / "scripts"))
-    from frontier import dkv_bytes
+    from flexgen_sparpr.bench.frontier_report import dkv_bytes
     plan = {"split": "held-out", "texts": ["asyoulik"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
             "trials": 2, "batch": 2, "answer_prefix": "x", "dkv_block": 256}
     base = {"task": "passkey", "length": 2048, "expected": ["1"], "depth": 0.1, "text": "asyoulik", "keep": 1.0}
