@@ -86,7 +86,7 @@ def needle_run(src, tokenizer, trials, args, policy: str, pargs: dict) -> list[s
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from bench_throttled import HERE_HW, THERE_HW, cell, engine_run
+    from flexgen_sparpr.bench.throttled_runs import HERE_HW, THERE_HW, cell, engine_run
     from flexgen_sparpr.bench.offload import OnceSource
     from transformers import AutoTokenizer
     from flexgen_sparpr.bench.balance import balanced_read
