@@ -12,6 +12,7 @@ from ..kv.policies import make_policy
 from ..models.spec import opt_spec
 from .needle_prompt import passkey_hit
 from .results import md_table, timer
+from .sweep import REFERENCE
 
 CONFIGS = ("dense", "dkv", "dkv-sparse-prefill", "sparpr", "sparpr+dkv")
 
@@ -33,7 +34,7 @@ def compression_rows(block: int, rank: int, residuals: int) -> list[list]:
 
 def engine_for(src, config: str, args, batch: int, offload: str) -> Engine:
     dkv = {"rank": args.rank, "residuals": args.residuals, "residual_pick": args.residual_pick}
-    if config == "dense":
+    if config == REFERENCE:
         cfg = EngineConfig(device="cpu", block_size=args.block)
     elif config.startswith("dkv"):
         cfg = EngineConfig(device="cpu", block_size=args.block, kv_policy="dkv",

@@ -54,7 +54,7 @@ def load(paths: list[Path], drop: frozenset = frozenset()) -> tuple[dict, list[d
         exact = dkv_args.pop("exact_routed", 0)  # routed blocks read raw: another column, the same bytes stored
         share = dkv_bytes(data["plan"].get("dkv_block", 256), **dkv_args)  # the file's one DKV configuration
         for r in data["records"]:
-            if r["policy"] == "dkv":  # its budget is its bytes: one label per DKV configuration
+            if r["policy"] == DKV.name:  # its budget is its bytes: one label per DKV configuration
                 pol = f"dkv-exact{exact}" if exact else "dkv"
                 r = dict(r, policy=pol, keep=round(share, 4), label=f"{pol}@{share:.4f}")
             elif dkv_args and r["policy"] == "sparpr+dkv":
@@ -95,7 +95,7 @@ def plot(fr: dict, cells: list[tuple[str, int]], png: Path) -> None:
         for i, pol in enumerate(fr):  # measured cells only; 1.05: measured, never agreed enough
             pts = [(n, fr[pol][(task, n)]) for n in lengths if (task, n) in fr[pol]]
             style = dict(marker="os^"[i], label=pol) if i < len(POLICIES) else \
-                dict(ls=":", color="k" if pol == "dkv" else "tab:red", marker="x" if pol == "dkv" else "+",
+                dict(ls=":", color="k" if pol == DKV.name else "tab:red", marker="x" if pol == DKV.name else "+",
                      label=f"{pol} (bytes)")
             ax.plot([n for n, _ in pts], [y if y is not None else 1.05 for _, y in pts], **style)
         ax.axhline(1.05, color="0.8", lw=0.8)

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..kv.policies.sparpr import SparPR
 from .args import die
 from .latency_model import hw_path, model_hardware
 from .latency_report import measured_markdown, modeled_markdown, plot
 from .offload import random_prompts, run_offload
 from .peers import hf_need, hf_offload_opt, upstream
 from .results import load_average, machine_info, write_results
+from .sweep import REFERENCE
 
 
 def run_engine(src, args, ctx: int, policy: str) -> dict:
     """This engine (dense, or SparPR at the flags' knobs) on one context, traced, with what its
     compute tier must hold beside the cache on disk."""
-    pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep,
+    pargs = {} if policy == REFERENCE else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep,
                                               gamma=args.gamma, probe_dir=args.offload_dir)
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
                     block_size=args.block_size, offload_dir=args.offload_dir, seed=args.seed,
@@ -77,10 +79,10 @@ def validate(cell: dict, spec, args, hw, cal) -> dict:
     tr = cell["trace"]
     pl = Placement(cache=(0, 0, 100), block_size=args.block_size, dtype_bytes=4,
                    # SparPR's, where a rebuild can pay (runs saved before that rule always kept them)
-                   checkpoints=cell.get("checkpoints", cell["policy"] == "sparpr"))
+                   checkpoints=cell.get("checkpoints", cell["policy"] == SparPR.name))
     keep = cell.get("effective_keep") or 1.0
     an = analytic_trace(spec, args.batch, cell["context"], args.gen_len, pl, keep=keep,
-                        serial_kv=cell["policy"] == "sparpr" and args.gpu_batches == 1)
+                        serial_kv=cell["policy"] == SparPR.name and args.gpu_batches == 1)
     p_rec, p_an = predict(tr, hw, "float32", cal), predict(an, hw, "float32", cal)
     meas = cell["prefill_s"] + cell["decode_s"]
     sums = lambda t, link: sum(s.bytes.get(link, 0) for s in t)  # noqa: E731

@@ -9,7 +9,7 @@ from ..kv.policies.dkv import DKV
 from .fidelity import summarize
 from .results import md_table
 from .resume import engines
-from .sweep import resolved_lines
+from .sweep import REFERENCE, resolved_lines
 from .tasks import TASKS
 
 
@@ -47,7 +47,7 @@ def render(payload, png: Path) -> str:
                 if cfg.get("dkv_args", {}).get("exact_routed") else "") + ").", ""]
     for task in [t for t in TASKS if any(r["task"] == t for r in rows)]:
         by = {(r["label"], r["length"]): r for r in rows if r["task"] == task}
-        labels = sorted({lab for lab, _ in by}, key=lambda s: (s != "dense", s.split("@")[0],
+        labels = sorted({lab for lab, _ in by}, key=lambda s: (s != REFERENCE, s.split("@")[0],
                                                                -float(s.split("@")[1]) if "@" in s else 0))
         table = [[lab, *[f"{by[(lab, n)]['score']:.2f} · {by[(lab, n)]['agree']}/{by[(lab, n)]['n']}"
                          if (lab, n) in by else "–" for n in lengths],
@@ -75,7 +75,7 @@ def render(payload, png: Path) -> str:
 def plot(rows, lengths, png: Path) -> bool:
     """Each policy's agreement with dense against its keep, a panel per task and length; False
     (nothing drawn, an older plot removed) when no row has dense's answers to agree with."""
-    if not any(r["agree_rate"] is not None and r["policy"] != "dense" for r in rows):
+    if not any(r["agree_rate"] is not None and r["policy"] != REFERENCE for r in rows):
         png.unlink(missing_ok=True)
         return False
     import matplotlib
@@ -87,11 +87,11 @@ def plot(rows, lengths, png: Path) -> bool:
         for ax, n in zip(axes[i], lengths):
             rs = [r for r in rows if r["task"] == task and r["length"] == n]
             rs = [r for r in rs if r["agree_rate"] is not None]
-            for j, pol in enumerate(sorted({r["policy"] for r in rs if r["policy"] not in ("dense", "dkv")})):
+            for j, pol in enumerate(sorted({r["policy"] for r in rs if r["policy"] not in (REFERENCE, DKV.name)})):
                 pts = sorted((r["keep"], r["agree_rate"]) for r in rs if r["policy"] == pol)
                 ax.plot([k for k, _ in pts], [a for _, a in pts], marker="os^Dv<>"[j % 7], label=pol)
             for r in rs:
-                if r["policy"] == "dkv":
+                if r["policy"] == DKV.name:
                     ax.axhline(r["agree_rate"], color="k", ls=":", label="dkv")
             ax.axhline(0.95, color="0.6", lw=1, ls="--")
             ax.set(title=f"{task}, {n} tok", xscale="log", ylim=(-0.05, 1.05), xlabel="keep",

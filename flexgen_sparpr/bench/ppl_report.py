@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..kv.policies.dkv import DKV
 from .perplexity import summarize
 from .results import md_table
 from .resume import engines
-from .sweep import resolved_lines
+from .sweep import REFERENCE, resolved_lines
 
 
 TARGET = ("sparpr", 0.1, 1.02)  # SparPR at keep 0.1 within +2 % of dense perplexity
@@ -27,14 +28,14 @@ def render(payload, png: Path) -> str:
         for n in lengths:
             r = by.get((lab, n))
             cells.append("–" if r is None else f"{r['ppl']:.2f} ({r['ratio']:.3f} [{r['ratio_lo']:.3f}, "
-                         f"{r['ratio_hi']:.3f}])" if lab != "dense" else "–" if r is None else f"{r['ppl']:.2f}")
+                         f"{r['ratio_hi']:.3f}])" if lab != REFERENCE else "–" if r is None else f"{r['ppl']:.2f}")
         table.append([lab, *cells])
     pol, keep, lim = TARGET
     tgt = [by[(f"{pol}@{keep:g}", n)] for n in lengths if (f"{pol}@{keep:g}", n) in by]
     verdict = ", ".join(f"{r['length']}: {100 * (r['ratio'] - 1):+.2f} % (CI upper {100 * (r['ratio_hi'] - 1):+.2f} %) "
                         f"{'met' if r['ratio'] <= lim else 'missed'}" for r in tgt) or "not measured"
     plot(rows, lengths, png)
-    n_win = {r["length"]: r["windows"] for r in rows if r["label"] == "dense"}
+    n_win = {r["length"]: r["windows"] for r in rows if r["label"] == REFERENCE}
     return "\n".join([
         "# Long-text perplexity per KV policy (SmolLM2-135M-Instruct)", "",
         f"Split **{cfg['split']}**: texts {', '.join(cfg['texts'])}; seed {cfg['seed']}. Each window: "
@@ -65,14 +66,14 @@ def plot(rows, lengths, png: Path) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 3.8), squeeze=False)
     for ax, n in zip(axes[0], lengths):
-        pols = sorted({r["policy"] for r in rows if r["length"] == n and r["policy"] not in ("dense", "dkv")})
+        pols = sorted({r["policy"] for r in rows if r["length"] == n and r["policy"] not in (REFERENCE, DKV.name)})
         for i, p in enumerate(pols):
             rs = sorted((r for r in rows if r["length"] == n and r["policy"] == p), key=lambda r: r["keep"])
             ax.errorbar([r["keep"] for r in rs], [r["ratio"] for r in rs], marker="os^Dv<>"[i % 7], capsize=2,
                         yerr=[[r["ratio"] - r["ratio_lo"] for r in rs],
                               [min(r["ratio_hi"], 10) - r["ratio"] for r in rs]], label=p)
         for r in rows:
-            if r["length"] == n and r["policy"] == "dkv":
+            if r["length"] == n and r["policy"] == DKV.name:
                 ax.axhline(r["ratio"], color="k", ls=":", label="dkv (r 32, m 16)")
         ax.axhline(1.02, color="0.6", lw=1, ls="--", label="dense + 2 %")
         ax.set(title=f"P = {n}", xlabel="keep ratio", ylabel="perplexity / dense", xscale="log")

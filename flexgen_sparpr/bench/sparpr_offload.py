@@ -8,18 +8,19 @@ import statistics
 from .offload import run_offload
 from .peers import upstream
 from .results import md_table
+from .sweep import REFERENCE
 
 
 def run_cell(src, args, ctx: int, policy: str) -> dict:
     """One fresh engine, one generation; returns timings, bytes and the policy's statistics."""
-    pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
+    pargs = {} if policy == REFERENCE else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
                                               probe_dir=args.offload_dir)
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
                     block_size=args.block_size, offload_dir=args.offload_dir,
                     cache_gpu_percent=args.cache_gpu_percent, cache_cpu_percent=args.cache_cpu_percent,
                     weight_percents=(args.w_gpu_percent, args.w_cpu_percent), gpu_mem=args.gpu_mem,
                     seed=args.seed, gpu_batches=args.gpu_batches, memory=True,
-                    device=args.device, dtype=args.dtype, speculate=args.speculative_prefetch and policy != "dense")
+                    device=args.device, dtype=args.dtype, speculate=args.speculative_prefetch and policy != REFERENCE)
     moved, bw, modes, stats = r["bytes_moved"], r["disk_read_Bps"], r["disk_mode"], r["kv_policy_stats"]
     steps = r["step_s"]
     prefill, decode = r["prefill_s"], r["decode_s"]

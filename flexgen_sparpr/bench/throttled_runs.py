@@ -8,6 +8,7 @@ import statistics
 from .offload import run_offload
 from .peers import upstream
 from .results import REPO
+from .sweep import REFERENCE
 
 THERE_HW = REPO / "configs/hardware/rtx3070ti-laptop-8gb.yaml"
 HERE_HW = REPO / "results/latency_hardware_this_machine.yaml"
@@ -15,7 +16,7 @@ HERE_HW = REPO / "results/latency_hardware_this_machine.yaml"
 
 def engine_run(src, args, ctx: int, gen: int, policy: str, seed: int, extra: dict | None = None) -> dict:
     """This engine, dense or SparPR (at the flags' knobs and `extra`), traced."""
-    pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
+    pargs = {} if policy == REFERENCE else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
                                               probe_dir=args.offload_dir, **(extra or {}))
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=gen, policy=policy, policy_args=pargs,
                     block_size=args.block_size, offload_dir=args.offload_dir, seed=seed, trace=True)
