@@ -56,13 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from flexgen_sparpr.bench.throttled_runs import HERE_HW, THERE_HW, cell, engine_run
-    from flexgen_sparpr.bench.offload import OnceSource
+    from flexgen_sparpr.bench.offload import opt_source
     from transformers import AutoTokenizer
     from flexgen_sparpr.bench.balance import balanced_read
     from flexgen_sparpr.bench.needle_prompt import passkey_hit
     from flexgen_sparpr.bench.throttle import open_throttle
-    from flexgen_sparpr.engine.config import EngineConfig
-    from flexgen_sparpr.runtime.hardware import load_hardware
+    from flexgen_sparpr.bench.latency_model import hardware_file
     from flexgen_sparpr.weights.resolve import resolve_source, smollm2_dir
 
     d = smollm2_dir()
@@ -71,10 +70,8 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(str(d))
     small = resolve_source(str(d), "")
     trials = needle_trials(tok, args.trials, args.needle_length)
-    mbps = args.read_mbps or round(balanced_read(load_hardware(HERE_HW), load_hardware(THERE_HW), (0, 95, 5)).read_mbps, 1)
-    cfg = EngineConfig(device="cpu", dtype="float32")
-    opt = OnceSource(resolve_source(args.model, "_DUMMY_", max_seq_len=args.context + args.gen_len, seed=0),
-                     cfg.torch_dtype(cfg.torch_device()))
+    mbps = args.read_mbps or round(balanced_read(hardware_file(HERE_HW), hardware_file(THERE_HW), (0, 95, 5)).read_mbps, 1)
+    opt = opt_source(args.model, args.context + args.gen_len, 0)
     offload = Path(args.offload_dir).expanduser()
     offload.mkdir(parents=True, exist_ok=True)
     args.offload_dir = str(offload)

@@ -71,11 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         die(f"--repeats must be >= 1 (got {args.repeats})")
     if args.threads is not None and args.threads < 1:
         die(f"--threads must be >= 1 (got {args.threads})")
-    from flexgen_sparpr.engine.config import ConfigError, EngineConfig
+    from flexgen_sparpr.bench.offload import resolve_device
+    from flexgen_sparpr.errors import ConfigError
     try:
-        cfg = EngineConfig(device=args.device, dtype=args.dtype)
-        args.device = str(cfg.torch_device())
-        args.dtype = str(cfg.torch_dtype(cfg.torch_device())).removeprefix("torch.")
+        device, dtype = resolve_device(args.device, args.dtype)
+        args.device, args.dtype = str(device), str(dtype).removeprefix("torch.")
     except ConfigError as e:
         die(str(e))
     if not Path(args.text).is_file() and Path(args.text) != DEFAULT_TEXT:

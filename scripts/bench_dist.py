@@ -67,8 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from flexgen_sparpr.runtime.hardware import load_hardware
-    hw = load_hardware(args.hardware)
+    from flexgen_sparpr.bench.latency_model import hardware_file
+    hw = hardware_file(args.hardware)
     own_offload = args.offload_dir is None
     offload = args.offload_dir or tempfile.mkdtemp(prefix="bench-dist-")
     configs = []

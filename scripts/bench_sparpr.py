@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.results import machine_info, timer, write_results  # noqa: E402
-from flexgen_sparpr.bench.offload import OnceSource  # noqa: E402
+from flexgen_sparpr.bench.offload import opt_source  # noqa: E402
 from flexgen_sparpr.bench.sparpr_offload import compare, render_md, run_cell, run_upstream_cell  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
@@ -102,17 +102,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    from flexgen_sparpr.engine.config import EngineConfig
-    from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
+    from flexgen_sparpr.weights.resolve import ModelNotFound
 
     if args.threads:
         torch.set_num_threads(args.threads)
     args.offload_dir = str(Path(args.offload_dir).expanduser())
     max_seq = max(args.contexts) + args.gen_len
     try:
-        cfg = EngineConfig(device=args.device, dtype=args.dtype)
-        src = OnceSource(resolve_source(args.model, "_DUMMY_", max_seq_len=max_seq, seed=args.seed),
-                         cfg.torch_dtype(cfg.torch_device()))
+        src = opt_source(args.model, max_seq, args.seed, args.device, args.dtype)
     except (ModelNotFound, ValueError) as exc:  # ConfigError is a ValueError
         die(str(exc))
     payload = {"config": {k: v for k, v in vars(args).items()}, "machine": machine_info(),

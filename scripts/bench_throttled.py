@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit()
 from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 from flexgen_sparpr.bench.throttled_report import render_md, summarize  # noqa: E402
-from flexgen_sparpr.bench.throttled_runs import HERE_HW, THERE_HW, cell, engine_run, upstream_run  # noqa: E402
+from flexgen_sparpr.bench.throttled_runs import HERE_HW, THERE_HW, cell, engine_run, time_model, upstream_run  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,19 +83,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from flexgen_sparpr.bench.balance import balanced_read
     from flexgen_sparpr.bench.throttle import open_throttle
-    from flexgen_sparpr.engine.config import EngineConfig
+    from flexgen_sparpr.bench.latency_model import hardware_file
+    from flexgen_sparpr.bench.offload import opt_source
     from flexgen_sparpr.errors import ConfigError
-    from flexgen_sparpr.runtime.hardware import load_hardware
-    from flexgen_sparpr.runtime.timemodel import calibrate, predict
-    from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
-    from flexgen_sparpr.bench.offload import OnceSource
+    from flexgen_sparpr.weights.resolve import ModelNotFound
 
     try:
-        here, there = load_hardware(args.here_hardware), load_hardware(args.there_hardware)
+        here, there = hardware_file(args.here_hardware), hardware_file(args.there_hardware)
         balance = balanced_read(here, there, args.there_cache_percent)
-        cfg = EngineConfig(device="cpu", dtype="float32")
-        src = OnceSource(resolve_source(args.model, "_DUMMY_", max_seq_len=max(args.contexts) + max(args.gen_lens),
-                                        seed=args.seed), cfg.torch_dtype(cfg.torch_device()))
+        src = opt_source(args.model, max(args.contexts) + max(args.gen_lens), args.seed)
     except (ConfigError, ModelNotFound, ValueError) as exc:
         die(str(exc))
     caps = args.caps or [round(balance.read_mbps, 1)]
@@ -119,9 +115,8 @@ def main(argv=None) -> int:
                     shutil.rmtree(offload / "probe-cache", ignore_errors=True)
                     calib = [engine_run(src, args, args.calib_context, min(args.gen_lens), p, args.seed + 1)["trace"]
                              for p in ("dense", "sparpr")]
-                    cal = calibrate(calib, hw, "float32", source=f"dense + SparPR at {args.calib_context}, "
-                                    f"seed {args.seed + 1}, cap {mbps:g} MB/s")
-                    model = lambda tr: predict(tr, hw, "float32", cal)  # noqa: E731
+                    cal, model = time_model(calib, hw, f"dense + SparPR at {args.calib_context}, "
+                                            f"seed {args.seed + 1}, cap {mbps:g} MB/s")
                     for gen in args.gen_lens:
                         for ctx in args.contexts:
                             row = {"read_mbps": mbps, "throttled": th is not None, "note": note, "gen_len": gen,

@@ -52,11 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from flexgen_sparpr.errors import ConfigError
-    from flexgen_sparpr.runtime.hardware import load_hardware
+    from flexgen_sparpr.bench.latency_model import hardware_file
     rows = []
     for path in args.hardware.split(","):
         try:
-            hw = load_hardware(path if Path(path).is_absolute() else REPO / path)
+            hw = hardware_file(path)
         except (ConfigError, OSError) as e:
             die(f"--hardware {path}: {e}")
         for name in args.models.split(","):

@@ -21,18 +21,17 @@ from flexgen_sparpr.bench.args import (check_context, die, exact_routed_arg, flo
                                        OneLineParser, resolve_split, split_args)
 from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 from flexgen_sparpr.bench.resume import plan_batches, resumed_batches  # noqa: E402
-from flexgen_sparpr.bench.sweep import COMPOSED, resolved_config  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from flexgen_sparpr.bench.forced import ForcedTokens  # noqa: E402
+from flexgen_sparpr.bench.forced import ForcedTokens, greedy  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts  # noqa: E402
 from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # noqa: E402
-from flexgen_sparpr.bench.sweep import Config, PolicySweep, configs, known_policies  # noqa: E402
+from flexgen_sparpr.bench.sweep import (COMPOSED, DKV_BLOCK, DKV_RANK, DKV_RESIDUALS, Config, PolicySweep,  # noqa: E402
+                                        configs, known_policies, resolved_config)
 from flexgen_sparpr.bench.tasks import TASKS, build_trial, canonical, hit  # noqa: E402
-from flexgen_sparpr.bench.needle_report import DKV_BLOCK, DKV_RANK, DKV_RESIDUALS, render  # noqa: E402
-from flexgen_sparpr.engine.sampling import Sampler  # noqa: E402
+from flexgen_sparpr.bench.needle_report import render  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 FRONTIER_POLICIES = ("sparpr", "quest", "sparpr+dkv")  # swept over --frontier-keep too
@@ -143,7 +142,7 @@ def main(argv=None) -> None:
 
                 def sampler_for(cfg, forced=forced, nf=nf):
                     if not nf:
-                        return Sampler()
+                        return greedy()
                     return ForcedTokens([f[0 if cfg is None else 1:] for f in forced])  # then greedy
 
                 def done_one(cfg, res, sampler, secs, trials=trials, bid=bid, nf=nf):

@@ -20,7 +20,6 @@ from flexgen_sparpr.bench.args import (check_context, die, exact_routed_arg, flo
                                        OneLineParser, resolve_split, split_args)
 from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 from flexgen_sparpr.bench.resume import plan_batches, resumed_batches  # noqa: E402
-from flexgen_sparpr.bench.sweep import COMPOSED, resolved_config  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -29,9 +28,8 @@ from flexgen_sparpr.bench.forced import ForcedTokens  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import normalise_filler  # noqa: E402
 from flexgen_sparpr.bench.perplexity import stream_windows, windows  # noqa: E402
 from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # noqa: E402
-from flexgen_sparpr.bench.sweep import PolicySweep, configs, known_policies  # noqa: E402
+from flexgen_sparpr.bench.sweep import COMPOSED, DKV_BLOCK, PolicySweep, configs, known_policies, resolved_config  # noqa: E402
 from flexgen_sparpr.bench.ppl_report import render  # noqa: E402
-from flexgen_sparpr.kv.policies.dkv import DKV  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 
@@ -48,7 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
     ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
-    ap.add_argument("--dkv-block", type=int, default=DKV().block,
+    ap.add_argument("--dkv-block", type=int, default=DKV_BLOCK,
                     help="KV block of the dkv family (default: the dkv policy's --dkv-block)")
     exact_routed_arg(ap)
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")

@@ -14,6 +14,12 @@ def hw_path(p: str) -> Path:
     return REPO / p if (REPO / p).is_file() else Path(p).expanduser()
 
 
+def hardware_file(path):
+    """The hardware file at `path` (relative to the repository when it is there)."""
+    from ..runtime.hardware import load_hardware
+    return load_hardware(hw_path(path))
+
+
 def host_scan_Bps() -> float:
     """Bytes per second one thread of this machine scores SparPR's float16 mean summaries at
     (OPT-6.7B's 32 heads of 128, batch 4, an 8k context's 4-token runs; best of 5)."""

@@ -9,11 +9,8 @@ from ..kv.policies.dkv import DKV
 from .fidelity import summarize
 from .results import md_table
 from .resume import engines
-from .sweep import REFERENCE, resolved_lines
+from .sweep import DKV_RANK, DKV_RESIDUALS, REFERENCE, resolved_lines
 from .tasks import TASKS
-
-
-DKV_RANK, DKV_RESIDUALS, DKV_BLOCK = DKV().rank, DKV().residuals, DKV().block  # the dkv policy's defaults
 
 
 # the SparPR paper's passkey scores (2k / 4k / 8k), quoted beside ours

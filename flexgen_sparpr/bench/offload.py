@@ -6,6 +6,22 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 
+def resolve_device(device: str = "auto", dtype: str = "auto"):
+    """(torch device, torch dtype) the engine runs these flags on ("auto": CUDA in float16 when
+    there is one, else the CPU in float32); ConfigError (a ValueError) on a bad pair."""
+    from ..engine.config import EngineConfig
+    cfg = EngineConfig(device=device, dtype=dtype)
+    return cfg.torch_device(), cfg.torch_dtype(cfg.torch_device())
+
+
+def opt_source(model: str, max_seq_len: int, seed: int, device: str = "cpu", dtype: str = "float32"):
+    """OPT `model` with seeded dummy weights for max_seq_len positions, each tensor drawn once in
+    the dtype the engine runs on `device` (an OnceSource); ModelNotFound or ValueError on bad input."""
+    from ..weights.resolve import resolve_source
+    return OnceSource(resolve_source(model, "_DUMMY_", max_seq_len=max_seq_len, seed=seed),
+                      resolve_device(device, dtype)[1])
+
+
 def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int]]:
     """batch random prompts of ctx ids in [4, vocab) (no pad/BOS/EOS), seeded by seed + ctx."""
     import torch

@@ -24,11 +24,13 @@ from ..engine.executor import Engine
 from ..kv import policies
 from ..kv.knobs import knobs
 from ..kv.policies import POLICIES, make_policy
+from ..kv.policies.dkv import DKV
 from ..kv.policies.h2o import H2O
 from ..kv.policy import KVPolicy
 
 REFERENCE = policies.DEFAULT  # full attention: what every configuration is compared with
 RAW = "raw"  # the family of configurations whose cache is stored raw
+DKV_RANK, DKV_RESIDUALS, DKV_BLOCK = DKV().rank, DKV().residuals, DKV().block  # the scripts' --dkv-* defaults
 # policy compositions the fidelity scripts sweep by default: SparPR reading DKV-coded blocks
 # (what `--kv-policy sparpr --cold-codec dkv` stores)
 COMPOSED = ("sparpr+dkv",)

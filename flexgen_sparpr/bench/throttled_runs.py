@@ -14,6 +14,14 @@ THERE_HW = REPO / "configs/hardware/rtx3070ti-laptop-8gb.yaml"
 HERE_HW = REPO / "results/latency_hardware_this_machine.yaml"
 
 
+def time_model(traces: list, hw, source: str):
+    """The time model calibrated on `traces` (float32) against `hw`: (its calibration, a
+    function from a run's trace to its prediction)."""
+    from ..runtime.timemodel import calibrate, predict
+    cal = calibrate(traces, hw, "float32", source=source)
+    return cal, lambda tr: predict(tr, hw, "float32", cal)
+
+
 def engine_run(src, args, ctx: int, gen: int, policy: str, seed: int, extra: dict | None = None) -> dict:
     """This engine, dense or SparPR (at the flags' knobs and `extra`), traced."""
     pargs = {} if policy == REFERENCE else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
