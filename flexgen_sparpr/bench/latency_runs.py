@@ -10,18 +10,16 @@ from ..kv.policies.sparpr import SparPR
 from .args import die
 from .latency_model import hw_path, model_hardware
 from .latency_report import measured_markdown, modeled_markdown, plot
-from .offload import random_prompts, run_offload
+from .offload import policy_knobs, random_prompts, run_offload
 from .peers import hf_need, hf_offload_opt, upstream
 from .results import load_average, machine_info, write_results
-from .sweep import REFERENCE
 
 
 def run_engine(src, args, ctx: int, policy: str) -> dict:
     """This engine (dense, or SparPR at the flags' knobs) on one context, traced, with what its
     compute tier must hold beside the cache on disk."""
-    pargs = {} if policy == REFERENCE else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep,
-                                              gamma=args.gamma, probe_dir=args.offload_dir)
-    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
+    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy,
+                    policy_args=policy_knobs(args, policy),
                     block_size=args.block_size, offload_dir=args.offload_dir, seed=args.seed,
                     trace=True, memory=True, gpu_batches=args.gpu_batches)
     tot = (r["kv_policy_stats"] or {}).get("totals", {})

@@ -1,6 +1,8 @@
 """One offloaded generation on a fresh engine, measured: what the OPT offload benchmarks
 (bench_sparpr.py, reproduce_latency.py, bench_throttled.py, bench_ablations.py) time for this
-engine; and a weight source drawn once for all the engines of a run (OnceSource)."""
+engine (run_offload, its policy's knobs from their flags: policy_knobs); the device and dtype
+the engine picks for their flags (resolve_device); and OPT dummy weights drawn once for all the
+engines of a run (OnceSource, opt_source)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -20,6 +22,16 @@ def opt_source(model: str, max_seq_len: int, seed: int, device: str = "cpu", dty
     from ..weights.resolve import resolve_source
     return OnceSource(resolve_source(model, "_DUMMY_", max_seq_len=max_seq_len, seed=seed),
                       resolve_device(device, dtype)[1])
+
+
+def policy_knobs(args, policy: str, **extra) -> dict:
+    """A run's policy knobs from the OPT offload flags: none for the reference (dense), else
+    SparPR's --keep-ratio, --min-keep and --gamma, its probe under --offload-dir, and `extra`."""
+    from .sweep import REFERENCE
+    if policy == REFERENCE:
+        return {}
+    return dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma, probe_dir=args.offload_dir,
+                **extra)
 
 
 def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from .offload import run_offload
+from .offload import policy_knobs, run_offload
 from .peers import upstream
 from .results import md_table
 from .sweep import REFERENCE
@@ -13,9 +13,8 @@ from .sweep import REFERENCE
 
 def run_cell(src, args, ctx: int, policy: str) -> dict:
     """One fresh engine, one generation; returns timings, bytes and the policy's statistics."""
-    pargs = {} if policy == REFERENCE else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
-                                              probe_dir=args.offload_dir)
-    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
+    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy,
+                    policy_args=policy_knobs(args, policy),
                     block_size=args.block_size, offload_dir=args.offload_dir,
                     cache_gpu_percent=args.cache_gpu_percent, cache_cpu_percent=args.cache_cpu_percent,
                     weight_percents=(args.w_gpu_percent, args.w_cpu_percent), gpu_mem=args.gpu_mem,

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import statistics
 
-from .offload import run_offload
+from .offload import policy_knobs, run_offload
 from .peers import upstream
 from .results import REPO
-from .sweep import REFERENCE
 
 THERE_HW = REPO / "configs/hardware/rtx3070ti-laptop-8gb.yaml"
 HERE_HW = REPO / "results/latency_hardware_this_machine.yaml"
@@ -24,9 +23,8 @@ def time_model(traces: list, hw, source: str):
 
 def engine_run(src, args, ctx: int, gen: int, policy: str, seed: int, extra: dict | None = None) -> dict:
     """This engine, dense or SparPR (at the flags' knobs and `extra`), traced."""
-    pargs = {} if policy == REFERENCE else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
-                                              probe_dir=args.offload_dir, **(extra or {}))
-    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=gen, policy=policy, policy_args=pargs,
+    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=gen, policy=policy,
+                    policy_args=policy_knobs(args, policy, **(extra or {})),
                     block_size=args.block_size, offload_dir=args.offload_dir, seed=seed, trace=True)
     r["e2e_s"] = r["prefill_s"] + r["decode_s"]
     return r
