@@ -6,14 +6,15 @@ joins them (same prompts; DKV's label is its bytes share). Writes <out>/agreemen
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, md_table, write_results  # noqa: E402
-from frontier import load  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import md_table, write_results  # noqa: E402
+from flexgen_sparpr.bench.frontier_report import load  # noqa: E402
 
 from flexgen_sparpr.bench.fidelity import summarize  # noqa: E402
 from flexgen_sparpr.bench.sweep import REFERENCE  # noqa: E402

@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, OneLineParser, add_opt_bench_args, die, machine_info, md_table, timer, write_results  # noqa: E402
-
-VARIANTS = {"full": {}, "no-dynamic-budget": {"dynamic_budget": False}, "quest-only": {"quest_only": True},
-            "no-recompute": {"recompute": False}, "no-fallback": {"fallback": False}}
-PAPER = {"full": ".957", "no-dynamic-budget": ".963", "quest-only": ".777", "no-recompute": "n/a",
-         "no-fallback": "n/a"}  # the issue's quote of the paper's ablation
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.ablations import VARIANTS, needle_run, needle_trials, render_md  # noqa: E402
+from flexgen_sparpr.bench.args import add_opt_bench_args, die, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import machine_info, timer, write_results  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,42 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def needle_trials(tokenizer, n: int, length: int):
-    """n held-out needle prompts (texts, depths and seed of the held-out split)."""
-    from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key
-    from flexgen_sparpr.bench.texts import SPLITS, texts_of
-    sp = SPLITS["held-out"]
-    rng = random.Random(sp.seed)
-    builders = [NeedlePrompts(tokenizer, t.path, answer_prefix="The secret passkey is") for t in texts_of("held-out")]
-    return [builders[i % len(builders)].build(length, sp.depths[i % len(sp.depths)], random_key(rng, 5), rng)
-            for i in range(n)]
-
-
-def needle_run(src, tokenizer, trials, args, policy: str, pargs: dict) -> list[str]:
-    """The answers of every trial, the KV cache all on the (throttled) disk tier."""
-    from flexgen_sparpr.engine.config import EngineConfig, Policy
-    from flexgen_sparpr.engine.executor import Engine
-    answers = []
-    for i in range(0, len(trials), args.needle_batch):
-        group = trials[i:i + args.needle_batch]
-        cfg = EngineConfig(device="cpu", dtype="float32", block_size=args.needle_block_size, direct_io=True,
-                           offload_dir=args.offload_dir, kv_policy=policy, policy_args=pargs)
-        with Engine(src, Policy(gpu_batch_size=len(group), cache_gpu_percent=0, cache_cpu_percent=0), cfg) as eng:
-            res = eng.decode(eng.prefill([t.ids for t in group], 8))
-        answers += [tokenizer.decode(toks) for toks in res.tokens]
-    return answers
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from bench_throttled import HERE_HW, THERE_HW, cell, engine_run
-    from bench_sparpr import OnceSource
+    from flexgen_sparpr.bench.throttled_runs import HERE_HW, THERE_HW, cell, engine_run
+    from flexgen_sparpr.bench.offload import opt_source
     from transformers import AutoTokenizer
     from flexgen_sparpr.bench.balance import balanced_read
     from flexgen_sparpr.bench.needle_prompt import passkey_hit
     from flexgen_sparpr.bench.throttle import open_throttle
-    from flexgen_sparpr.engine.config import EngineConfig
-    from flexgen_sparpr.runtime.hardware import load_hardware
+    from flexgen_sparpr.bench.latency_model import hardware_file
     from flexgen_sparpr.weights.resolve import resolve_source, smollm2_dir
 
     d = smollm2_dir()
@@ -100,10 +70,8 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(str(d))
     small = resolve_source(str(d), "")
     trials = needle_trials(tok, args.trials, args.needle_length)
-    mbps = args.read_mbps or round(balanced_read(load_hardware(HERE_HW), load_hardware(THERE_HW), (0, 95, 5)).read_mbps, 1)
-    cfg = EngineConfig(device="cpu", dtype="float32")
-    opt = OnceSource(resolve_source(args.model, "_DUMMY_", max_seq_len=args.context + args.gen_len, seed=0),
-                     cfg.torch_dtype(cfg.torch_device()))
+    mbps = args.read_mbps or round(balanced_read(hardware_file(HERE_HW), hardware_file(THERE_HW), (0, 95, 5)).read_mbps, 1)
+    opt = opt_source(args.model, args.context + args.gen_len, 0)
     offload = Path(args.offload_dir).expanduser()
     offload.mkdir(parents=True, exist_ok=True)
     args.offload_dir = str(offload)
@@ -140,31 +108,6 @@ def main(argv=None) -> int:
     for p in write_results(Path(args.out), args.stem, payload, render_md(payload)):
         print(f"wrote {p}")
     return 0
-
-
-def render_md(p: dict) -> str:
-    cfg, f = p["config"], (lambda x, n=1: "n/a" if x is None else f"{x:.{n}f}")
-    full = p["variants"]["full"]
-    head = ["variant", "e2e s", "vs full", "disk MB", "read requests", "selected", "copied", "recomputed",
-            "fallbacks", "ρ range", f"needle hits (dense {p['dense_needle_hits']}/{cfg['trials']})",
-            "same as dense", "paper"]
-    rows = [[n, f(c["e2e_s"]), f"{c['e2e_s'] / full['e2e_s']:.2f}x", f(c["disk_read_bytes"] / 1e6, 0),
-             (c.get("requests") or {}).get("disk->cpu", "n/a"), c["blocks_selected"], c["blocks_copied"],
-             c["blocks_recomputed"], c["fallbacks"], "n/a" if not c["rho_range"] else
-             f"{c['rho_range'][0]:.2f}-{c['rho_range'][1]:.2f}", f"{c['needle_hits']}/{c['needle_trials']}",
-             f"{c['same_as_dense']}/{c['needle_trials']}", PAPER[n]] for n, c in p["variants"].items()]
-    m = p["machine"]
-    notes = [f"- Read cap {p['read_mbps']:g} MB/s" + ("" if p["throttled"] else f" NOT applied ({p['note']})")
-             + f"; speed: {cfg['model']} dummy, batch {cfg['batch']}, context {cfg['context']}, gen {cfg['gen_len']}, "
-             f"block {cfg['block_size']}, keep ceiling {cfg['keep_ratio']}, min_keep {cfg['min_keep']}, gamma {cfg['gamma']}.",
-             f"- Needle: SmolLM2-135M-Instruct, {cfg['trials']} held-out trials of {cfg['needle_length']} tokens "
-             f"(texts asyoulik/plrabn12, depths 0.1/0.5/0.9, seed 1001), block {cfg['needle_block_size']}, KV on the "
-             "throttled disk tier; 'same as dense' counts trials whose hit/miss equals dense's.",
-             "- The paper's column quotes its ablation (full .957, no dynamic budget .963, Quest-only .777); it "
-             "has no row for the other two.",
-             f"- Host {m['cpu_model']}, {m['cpu_count']} cores, load average at start {m['load_average']}; "
-             f"{p['wall_s'] / 60:.1f} min wall. Times compare only within this run."]
-    return "# SparPR ablations under a read throttle\n\n" + md_table(head, rows) + "\n" + "\n".join(notes) + "\n"
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, OneLineParser, die, engine_commit, load_average, machine_info  # noqa: E402
-from _common import md_table, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, load_average, machine_info, md_table, write_results  # noqa: E402
 
 from flexgen_sparpr.bench.conversation import as_rows, converse  # noqa: E402
 from flexgen_sparpr.bench.serve_load import start_server  # noqa: E402

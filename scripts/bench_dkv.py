@@ -13,23 +13,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.dkv_runs import CONFIGS, PICKS, compression_rows, render, run_config  # noqa: E402
+from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key  # noqa: E402
+from flexgen_sparpr.bench.results import machine_info, timer, write_results  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
-
-from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, passkey_hit, random_key  # noqa: E402
-from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
-from flexgen_sparpr.engine.executor import Engine  # noqa: E402
-from flexgen_sparpr.kv.dkv.codec import PICKS, DKVCodec  # noqa: E402
-from flexgen_sparpr.kv.policies import make_policy  # noqa: E402
-from flexgen_sparpr.models.spec import opt_spec  # noqa: E402
 from flexgen_sparpr.weights.resolve import resolve_source  # noqa: E402
-
-CONFIGS = ("dense", "dkv", "dkv-sparse-prefill", "sparpr", "sparpr+dkv")
 
 
 def parse_args(argv=None):
@@ -69,94 +63,6 @@ def parse_args(argv=None):
     if args.trials < 1 or args.gen_len < 1 or not all(0 < k <= 1 for k in args.keep):
         die("--trials and --gen-len must be >= 1 and --keep values in (0, 1]")
     return args
-
-
-def compression_rows(block: int, rank: int, residuals: int) -> list[list]:
-    """Bytes of one KV block (one sequence, one layer) dense vs DKV, for SmolLM2 and OPT shapes."""
-    shapes = {"smollm2-135m": (3, 64)}
-    for name in ("opt-125m", "opt-1.3b", "opt-6.7b"):
-        spec = opt_spec(name)
-        shapes[name] = (spec.num_kv_heads, spec.head_dim)
-    rows = []
-    for name, (hkv, d) in shapes.items():
-        for dtype in (torch.float16, torch.float32):
-            c = DKVCodec((2, 1, hkv, block, d), dtype, rank, residuals)
-            rows.append([name, str(dtype).split(".")[1], f"2x{hkv}x{d}", c.dense_nbytes(), c.nbytes,
-                         round(c.dense_nbytes() / c.nbytes, 2)])
-    return rows
-
-
-def engine_for(src, config: str, args, batch: int, offload: str) -> Engine:
-    dkv = {"rank": args.rank, "residuals": args.residuals, "residual_pick": args.residual_pick}
-    if config == "dense":
-        cfg = EngineConfig(device="cpu", block_size=args.block)
-    elif config.startswith("dkv"):
-        cfg = EngineConfig(device="cpu", block_size=args.block, kv_policy="dkv",
-                           policy_args=dkv | {"topk": args.topk, "dense_layers": args.dense_layers, "route": args.route,
-                                              "sparse_prefill": config == "dkv-sparse-prefill"}
-                           | ({"pick_follow": args.pick_follow} if args.pick_follow is not None else {}))
-    else:  # sparpr decodes from a dense-policy prefill of a disk cache (raw, or in DKV form)
-        cold = {"cold_codec": "dkv", "codec_args": dkv} if config == "sparpr+dkv" else {}
-        cfg = EngineConfig(device="cpu", block_size=args.block, offload_dir=offload, direct_io=True, **cold)
-    pol = Policy(gpu_batch_size=batch, cache_gpu_percent=0 if config.startswith("sparpr") else 100)
-    return Engine(src, pol, cfg)
-
-
-def answers(res, trials, tok, eos) -> list[dict]:
-    out = []
-    for trial, toks in zip(trials, res.tokens):
-        toks = toks[:toks.index(eos)] if eos in toks else toks
-        text = tok.decode(toks, skip_special_tokens=True)
-        out.append({"key": trial.key, "depth": trial.depth, "answer": text, "hit": passkey_hit(text, trial.key)})
-    return out
-
-
-def run_config(src, config, args, trials, tok, offload) -> list[dict]:
-    eos, recs = src.spec.eos_id, []
-    with engine_for(src, config, args, len(trials), offload) as eng:
-        runs = [(config, None)] if not config.startswith("sparpr") else [(f"{config}@{k}", k) for k in args.keep]
-        observers = tuple(make_policy("sparpr", keep_ratio=k, probe_dir=offload) for _, k in runs if k)
-        with timer() as t_pre:
-            st = eng.prefill([t.ids for t in trials], args.gen_len, observers=observers)
-        prefill_s = t_pre()
-        snap = eng.snapshot(st)
-        for (name, _), pol in zip(runs, observers or (None,)):
-            if pol is not None:
-                eng.set_kv_policy(pol, attach=False)
-            res = eng.decode(eng.restore(snap), stop=eos)  # the answers (and a warm-up for the timing)
-            before = eng.devices.counters.snapshot().get("disk->cpu", 0)
-            with timer() as t_dec:  # the same decode again, timed, without the stop token
-                timed = eng.decode(eng.restore(snap))
-            steps = max(1, len(timed.step_times) - 1)
-            recs.append({"config": name, "length": len(trials[0].ids), "prefill_s": round(prefill_s, 2),
-                         "decode_s": round(t_dec(), 3), "decode_tok_s": round(len(trials) * steps / t_dec(), 2),  # all sequences, gen_len - 1 steps
-                         "decode_steps": steps,
-                         "disk_read_bytes": eng.devices.counters.snapshot().get("disk->cpu", 0) - before,
-                         "stats": eng.kv_policy.stats() if hasattr(eng.kv_policy, "stats") else None,
-                         "trials": answers(res, trials, tok, eos)})
-            print(f"{name} @ {recs[-1]['length']}: {sum(t['hit'] for t in recs[-1]['trials'])}/{len(trials)} "
-                  f"prefill {prefill_s:.1f}s decode {recs[-1]['decode_tok_s']} tok/s", flush=True)
-    return recs
-
-
-def render(payload) -> str:
-    a = payload["config"]
-    lines = [f"# DKV on SmolLM2-135M-Instruct ({a['trials']} passkey trials per length)\n",
-             f"Block {a['block']} tokens, rank {a['rank']}, {a['residuals']} residual rows, top-{a['topk']} "
-             f"routed blocks (routing: {a['route']}), residual pick {a.get('residual_pick', 'error')}, one exact recent "
-             f"block. CPU float32, {payload['machine']['cpu_count']} cores, "
-             f"load average {payload['machine']['load_average']}. Command: `{payload['command']}`.\n",
-             "## Bytes per KV block (one sequence, one layer; the codec's formula)\n",
-             md_table(["model", "dtype", "K|V heads x dim", "dense B", "DKV B", "dense / DKV"], payload["compression"]),
-             "\n## Passkey retrieval, decode speed, prefill time\n"]
-    rows = []
-    for r in payload["runs"]:
-        hits = sum(t["hit"] for t in r["trials"])
-        rows.append([r["config"], r["length"], f"{hits}/{len(r['trials'])}", r["prefill_s"], r["decode_tok_s"],
-                     r["disk_read_bytes"]])
-    lines.append(md_table(["config", "context", "exact key", "prefill s", "decode tok/s", "disk->cpu B (decode)"],
-                          rows))
-    return "\n".join(lines)
 
 
 def main(argv=None) -> None:

@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, engine_commit, machine_info, md_table, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, machine_info, md_table, write_results  # noqa: E402
 
 
 def timed(cmd: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:

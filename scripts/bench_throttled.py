@@ -30,20 +30,16 @@ import argparse
 import dataclasses
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, machine_info,  # noqa: E402
-                     run_offload, timer, write_results)
-from _fidelity import engine_commit  # noqa: E402
-from _throttled_report import render_md, summarize  # noqa: E402
-
-THERE_HW = REPO / "configs/hardware/rtx3070ti-laptop-8gb.yaml"
-HERE_HW = REPO / "results/latency_hardware_this_machine.yaml"
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
+from flexgen_sparpr.bench.throttled_report import render_md, summarize  # noqa: E402
+from flexgen_sparpr.bench.throttled_runs import HERE_HW, THERE_HW, cell, engine_run, time_model, upstream_run  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,81 +79,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def engine_run(src, args, ctx: int, gen: int, policy: str, seed: int, extra: dict | None = None) -> dict:
-    pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
-                                              probe_dir=args.offload_dir, **(extra or {}))
-    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=gen, policy=policy, policy_args=pargs,
-                    block_size=args.block_size, offload_dir=args.offload_dir, seed=seed, trace=True)
-    r["e2e_s"] = r["prefill_s"] + r["decode_s"]
-    return r
-
-
-def upstream_run(args, ctx: int, gen: int, sparpr: bool) -> dict:
-    import torch
-    from flexgen_sparpr.upstream.run import parse_child, upstream_command
-    hook = dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, block_size=args.block_size) if sparpr else None
-    cmd = upstream_command(model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx, gen_len=gen,
-                           percent=(100, 0, 0, 0, 100, 0), offload_dir=args.offload_dir, sparpr=hook,
-                           threads=torch.get_num_threads(), device="cpu", drop_page_cache=True)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.upstream_timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {args.upstream_timeout} s"}
-    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
-    if r.get("ok"):
-        r["e2e_s"] = r["total_s"]
-        r.pop("tokens", None)
-    return r
-
-
-def cell(kind: str, r: dict, kernel_read: int | None, cap_Bps: float | None, model=None) -> dict:
-    """One run's row: timings, counts, bytes, I/O-boundness and the model's error."""
-    out = {"kind": kind, "ok": r.get("ok", True), "error": r.get("error"), "kernel_disk_read_bytes": kernel_read}
-    if not out["ok"]:
-        return out
-    steps = r["step_s"]
-    out.update(prefill_s=r["prefill_s"], decode_s=r["decode_s"], e2e_s=r["e2e_s"],
-               step_s_median=statistics.median(steps) if steps else None)
-    if kind.startswith("upstream"):
-        st = r.get("sparpr_stats") or {}
-        out.update(disk_read_bytes=r["kv_read_bytes"], requests={"disk->cpu": (st.get("requests") or {}).get("disk")},
-                   blocks_total=st.get("blocks_total"), blocks_selected=st.get("blocks_selected"),
-                   spans=st.get("spans"), summary_bytes=st.get("summary_bytes"),
-                   effective_keep=st.get("effective_keep"))
-    else:
-        tot = (r["kv_policy_stats"] or {}).get("totals", {})
-        out.update(disk_read_bytes=r["bytes_moved"].get("disk->cpu", 0), bytes_moved=r["bytes_moved"],
-                   requests=r["requests"], disk_read_Bps_engine=r["disk_read_Bps"],
-                   **{k: tot.get(k) for k in ("blocks_total", "blocks_selected", "blocks_copied", "blocks_recomputed",
-                                              "fallbacks", "spans", "effective_keep")})
-        rhos = [s["rho"] for s in (r["kv_policy_stats"] or {}).get("steps", []) if s.get("rho") is not None]
-        out["rho_range"] = [min(rhos), max(rhos)] if rhos else None
-        if model is not None:
-            p = model(r["trace"])
-            out.update(model_e2e_s=p["total_s"], model_decode_s=p["decode_s"],
-                       model_error=p["total_s"] / r["e2e_s"] - 1, model_decode_error=p["decode_s"] / r["decode_s"] - 1)
-    per_step = out["disk_read_bytes"] / max(1, len(steps))
-    out["step_over_io"] = (out["step_s_median"] / (per_step / cap_Bps)) if cap_Bps and per_step else None
-    return out
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from flexgen_sparpr.bench.balance import balanced_read
     from flexgen_sparpr.bench.throttle import open_throttle
-    from flexgen_sparpr.engine.config import EngineConfig
+    from flexgen_sparpr.bench.latency_model import hardware_file
+    from flexgen_sparpr.bench.offload import opt_source
     from flexgen_sparpr.errors import ConfigError
-    from flexgen_sparpr.runtime.hardware import load_hardware
-    from flexgen_sparpr.runtime.timemodel import calibrate, predict
-    from flexgen_sparpr.weights.resolve import ModelNotFound, resolve_source
-    from bench_sparpr import OnceSource
+    from flexgen_sparpr.weights.resolve import ModelNotFound
 
     try:
-        here, there = load_hardware(args.here_hardware), load_hardware(args.there_hardware)
+        here, there = hardware_file(args.here_hardware), hardware_file(args.there_hardware)
         balance = balanced_read(here, there, args.there_cache_percent)
-        cfg = EngineConfig(device="cpu", dtype="float32")
-        src = OnceSource(resolve_source(args.model, "_DUMMY_", max_seq_len=max(args.contexts) + max(args.gen_lens),
-                                        seed=args.seed), cfg.torch_dtype(cfg.torch_device()))
+        src = opt_source(args.model, max(args.contexts) + max(args.gen_lens), args.seed)
     except (ConfigError, ModelNotFound, ValueError) as exc:
         die(str(exc))
     caps = args.caps or [round(balance.read_mbps, 1)]
@@ -181,9 +115,8 @@ def main(argv=None) -> int:
                     shutil.rmtree(offload / "probe-cache", ignore_errors=True)
                     calib = [engine_run(src, args, args.calib_context, min(args.gen_lens), p, args.seed + 1)["trace"]
                              for p in ("dense", "sparpr")]
-                    cal = calibrate(calib, hw, "float32", source=f"dense + SparPR at {args.calib_context}, "
-                                    f"seed {args.seed + 1}, cap {mbps:g} MB/s")
-                    model = lambda tr: predict(tr, hw, "float32", cal)  # noqa: E731
+                    cal, model = time_model(calib, hw, f"dense + SparPR at {args.calib_context}, "
+                                            f"seed {args.seed + 1}, cap {mbps:g} MB/s")
                     for gen in args.gen_lens:
                         for ctx in args.contexts:
                             row = {"read_mbps": mbps, "throttled": th is not None, "note": note, "gen_len": gen,

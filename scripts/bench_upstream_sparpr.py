@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, OneLineParser, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.upstream_sparpr import one, render_md  # noqa: E402
+from flexgen_sparpr.bench.results import machine_info, timer, write_results  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,22 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.read_mbps is not None and not args.read_mbps > 0:
         die(f"--read-mbps must be > 0 (got {args.read_mbps})")
     return args
-
-
-def one(args, ctx: int, sparpr: bool, device: str) -> dict:
-    from flexgen_sparpr.upstream.run import parse_child, upstream_command
-    hook = dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, block_size=args.block_size) if sparpr else None
-    cmd = upstream_command(model=args.model.removeprefix("facebook/"), batch=args.batch, prompt_len=ctx,
-                           gen_len=args.gen_len, percent=args.percent, offload_dir=args.offload_dir, sparpr=hook,
-                           dtype="auto", device=device, gpu_mem=args.gpu_mem if device == "cuda" else None,
-                           drop_page_cache=device == "cpu")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {args.timeout} s"}
-    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
-    r.pop("tokens", None)
-    return r
 
 
 def main(argv=None) -> int:
@@ -109,30 +95,6 @@ def main(argv=None) -> int:
     for p in write_results(Path(args.out), args.stem, payload, render_md(payload)):
         print(f"wrote {p}")
     return 0
-
-
-def render_md(p: dict) -> str:
-    cfg, f = p["config"], (lambda x, n=1: "n/a" if x is None else f"{x:.{n}f}")
-    paper = {1024: "31 %", 2048: "52 %", 4096: "63 %"}
-    rows = []
-    for r in p["rows"]:
-        u, s = r["upstream"], r["upstream+sparpr"]
-        rows.append([r["context"], f(u.get("prefill_s")), f(u.get("decode_s")), f(u.get("total_s")),
-                     f(s.get("prefill_s")), f(s.get("decode_s")), f(s.get("total_s")),
-                     "n/a" if "cut" not in r else f"{100 * r['cut']:.0f} %",
-                     "n/a" if "decode_cut" not in r else f"{100 * r['decode_cut']:.0f} %",
-                     f(r.get("bytes_ratio"), 3), paper.get(r["context"], "n/a"),
-                     u.get("error") or s.get("error") or ""])
-    head = ["context", "upstream prefill s", "decode s", "e2e s", "+SparPR prefill s", "decode s", "e2e s", "cut",
-            "decode cut", "KV bytes ratio", "paper cut", "error"]
-    cap = (f"disk reads capped at {cfg['read_mbps']:g} MB/s by the kernel" if p["throttle"] else
-           (p["throttle_note"] or "no read cap"))
-    notes = [f"- {cfg['model']} dummy weights, batch {cfg['batch']}, gen {cfg['gen_len']}, --percent {cfg['percent']}, "
-             f"on {p['device']} ({p['device_name']})" + (f", capped at {cfg['gpu_mem']:g} GiB" if cfg["gpu_mem"] else "")
-             + f"; {cap}. SparPR keep ceiling {cfg['keep_ratio']}, block {cfg['block_size']}.",
-             f"- Load average at start {p['machine']['load_average']}; {p['wall_s'] / 60:.1f} min wall; the two "
-             "runs of a context ran one after the other."]
-    return "# Upstream FlexGen with and without apply_sparpr\n\n" + md_table(head, rows) + "\n" + "\n".join(notes) + "\n"
 
 
 if __name__ == "__main__":

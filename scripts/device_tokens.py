@@ -18,29 +18,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, OneLineParser, die, int_list, machine_info, write_results  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.device_tokens import FP16_TIE, first_departure, run  # noqa: E402
+from flexgen_sparpr.bench.results import machine_info, write_results  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "alice29.txt"
-# float16 resolves a logit of magnitude ~20 to 2**-6 = 0.016 (half an ulp 0.008); two of its
-# roundings plus the layers' own: a CPU margin under this is a tie float16 cannot break
-FP16_TIE = 0.05
-
-
-def run(src, prompts, n, device, dtype, placement):
-    import torch
-    from flexgen_sparpr.engine.config import EngineConfig, Policy
-    from flexgen_sparpr.engine.executor import Engine
-    pol = Policy(gpu_batch_size=len(prompts), **placement)
-    with Engine(src, pol, EngineConfig(device=device, dtype=dtype, block_size=64, offload_dir="unused")) as eng:
-        r = eng.generate(prompts, n, keep_logits=True)
-    return r.tokens, torch.stack(r.logits, 1)  # logits: [B, n, V] on the CPU
-
-
-def first_departure(a, b):
-    """(row, step) of the earliest position where the token lists differ, or None."""
-    found = [(i, s) for i, (ra, rb) in enumerate(zip(a, b)) for s, (x, y) in enumerate(zip(ra, rb)) if x != y]
-    return min(found, key=lambda p: p[1]) if found else None
 
 
 def main(argv=None) -> int:

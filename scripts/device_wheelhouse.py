@@ -20,8 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, OneLineParser, die  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, OneLineParser  # noqa: E402
 
 WHEELS = ("gguf==0.19.0", "flexgen==0.1.8", "attrs==26.1.0")
 # what pip may download for the GPU image (its Python is 3.12): the device tool's notes

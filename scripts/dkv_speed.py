@@ -11,23 +11,21 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
-from _fidelity import engine_commit, exact_routed_arg, resolve_split, split_args  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import (check_context, die, exact_routed_arg, int_list, OneLineParser,  # noqa: E402
+                                       resolve_split, split_args)
+from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts  # noqa: E402
-from flexgen_sparpr.bench.tasks import build_trial, canonical  # noqa: E402
-from flexgen_sparpr.engine.config import EngineConfig, Policy  # noqa: E402
-from flexgen_sparpr.engine.executor import Engine  # noqa: E402
-
-TARGET = 0.8  # dkv decode tok/s >= 0.8 x dense at 4k and 8k (issue #16)
+from flexgen_sparpr.bench.tasks import build_trial  # noqa: E402
+from flexgen_sparpr.bench.dkv_speed import interleaved, render  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,21 +45,6 @@ def parse_args(argv=None):
     return args
 
 
-def render(payload) -> str:
-    c = payload["config"]
-    rows = [[r["length"], " / ".join(f"{x:.1f}" for x in r["dense_tok_s"]), " / ".join(f"{x:.1f}" for x in r["dkv_tok_s"]),
-             f"{r['ratio_median']:.2f}", f"{r['answers_equal']}/{r['trials']}"] for r in payload["runs"]]
-    return "\n".join([
-        "# DKV decode speed vs dense, interleaved (SmolLM2-135M-Instruct)", "",
-        f"Batch {c['batch']}, {c['gen_len']} tokens per timed decode (no stop), {c['rounds']} alternating rounds per "
-        f"length, KV blocks of {c['block']} tokens on the compute tier, {c['device']}; torch threads "
-        f"{payload['machine']['torch_threads']}, load average at the start {payload['machine']['load_average']}. "
-        f"Held-out passkey prompts ({', '.join(c['texts'])}). Target: dkv ≥ {TARGET} × dense at 4k and 8k.", "",
-        md_table(["context", "dense tok/s (rounds)", "dkv tok/s (rounds)", "dkv / dense (median of rounds)",
-                  "answers equal"], rows),
-        f"Command: `{payload['command']}`. Engine: {c['engine_commit']}. Wall: {payload.get('wall_s')} s.", ""])
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoTokenizer
@@ -77,38 +60,14 @@ def main(argv=None) -> None:
         "texts": [t.name for t in args.text_objs], "device": "cpu", "engine_commit": engine_commit()}
     payload = {"config": config, "machine": machine_info(), "runs": [],
                "command": " ".join(["scripts/dkv_speed.py", *(argv if argv is not None else sys.argv[1:])])}
-    eos = src.spec.eos_id
     with timer() as wall:
         for n in args.lengths:
             trials = [build_trial("passkey", builders[i % len(builders)], n, args.depths[i % len(args.depths)], rng)
                       for i in range(args.batch)]
-            engines = {name: Engine(src, Policy(gpu_batch_size=args.batch),
-                                    EngineConfig(device="cpu", block_size=args.block, **kw))
-                       for name, kw in (("dense", {}), ("dkv", {"kv_policy": "dkv", "policy_args": {
-                           "exact_routed": args.dkv_exact_routed}}))}
-            try:
-                snaps, answers = {}, {}
-                for name, eng in engines.items():
-                    snaps[name] = eng.snapshot(eng.prefill([t.ids for t in trials], args.gen_len))
-                    res = eng.decode(eng.restore(snaps[name]), stop=eos)  # the answers, and a warm-up
-                    answers[name] = [tok.decode(r[:r.index(eos)] if eos in r else r, skip_special_tokens=True)
-                                     for r in res.tokens]
-                speed = {name: [] for name in engines}
-                for _ in range(args.rounds):
-                    for name, eng in engines.items():
-                        with timer() as t:
-                            eng.decode(eng.restore(snaps[name]))
-                        speed[name].append(args.batch * (args.gen_len - 1) / t())
-            finally:
-                for eng in engines.values():
-                    eng.close()
-            ratios = [k / d for k, d in zip(speed["dkv"], speed["dense"])]
-            equal = sum(canonical("passkey", a) == canonical("passkey", b) for a, b in zip(answers["dkv"], answers["dense"]))
-            payload["runs"].append({"length": n, "trials": len(trials), "dense_tok_s": speed["dense"],
-                                    "dkv_tok_s": speed["dkv"], "ratios": ratios, "ratio_median": statistics.median(ratios),
-                                    "answers_equal": equal, "answers": answers})
-            print(f"{n}: dense {speed['dense']}, dkv {speed['dkv']}, median ratio {statistics.median(ratios):.2f}, "
-                  f"answers equal {equal}/{len(trials)}", flush=True)
+            run = interleaved(src, tok, trials, args)
+            payload["runs"].append({"length": n, **run})
+            print(f"{n}: dense {run['dense_tok_s']}, dkv {run['dkv_tok_s']}, median ratio {run['ratio_median']:.2f}, "
+                  f"answers equal {run['answers_equal']}/{len(trials)}", flush=True)
             payload["wall_s"] = round(wall(), 1)
             write_results(Path(args.out), "speed", payload, render(payload))
     print(f"wrote {args.out}/speed.json and speed.md")

@@ -26,8 +26,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, die, machine_info, timer, write_atomic  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import die, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.results import machine_info, timer  # noqa: E402
+from flexgen_sparpr.utils.files import write_atomic  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

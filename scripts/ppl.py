@@ -9,30 +9,28 @@ a run stopped by --max-minutes (or anything else) resumes where it stopped when 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OneLineParser, REPO, check_context, die, int_list, machine_info, md_table, timer, write_results  # noqa: E402
-from _fidelity import (COMPOSED, engine_commit, engines, exact_routed_arg, float_list,  # noqa: E402
-                       plan_batches, resolve_split, resolved_config, resolved_lines, resumed_batches,
-                       split_args)
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import (check_context, die, exact_routed_arg, float_list, int_list,  # noqa: E402
+                                       OneLineParser, resolve_split, split_args)
+from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
+from flexgen_sparpr.bench.resume import plan_batches, resumed_batches  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from flexgen_sparpr.bench.forced import ForcedTokens  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import normalise_filler  # noqa: E402
-from flexgen_sparpr.bench.perplexity import stream_windows, summarize, windows  # noqa: E402
+from flexgen_sparpr.bench.perplexity import stream_windows, windows  # noqa: E402
 from flexgen_sparpr.bench.resume import PlanMismatch, done_ids, load_partial  # noqa: E402
-from flexgen_sparpr.bench.sweep import PolicySweep, configs, known_policies  # noqa: E402
-from flexgen_sparpr.kv.policies.dkv import DKV  # noqa: E402
+from flexgen_sparpr.bench.sweep import COMPOSED, DKV_BLOCK, PolicySweep, configs, known_policies, resolved_config  # noqa: E402
+from flexgen_sparpr.bench.ppl_report import render  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
-
-TARGET = ("sparpr", 0.1, 1.02)  # SparPR at keep 0.1 within +2 % of dense perplexity
 
 
 def parse_args(argv=None):
@@ -48,7 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
     ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
-    ap.add_argument("--dkv-block", type=int, default=DKV().block,
+    ap.add_argument("--dkv-block", type=int, default=DKV_BLOCK,
                     help="KV block of the dkv family (default: the dkv policy's --dkv-block)")
     exact_routed_arg(ap)
     ap.add_argument("--max-minutes", type=float, default=0, help="start no batch after this (0: no limit)")
@@ -69,75 +67,6 @@ def parse_args(argv=None):
     if not all(0 < k <= 1 for k in args.keep):
         die("--keep values must be in (0, 1]")
     return args
-
-
-def render(payload, png: Path) -> str:
-    rows = summarize(payload["records"])
-    cfg = payload["config"]
-    lengths = sorted({r["length"] for r in rows})
-    by = {(r["label"], r["length"]): r for r in rows}
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    table = []
-    for lab in labels:
-        cells = []
-        for n in lengths:
-            r = by.get((lab, n))
-            cells.append("–" if r is None else f"{r['ppl']:.2f} ({r['ratio']:.3f} [{r['ratio_lo']:.3f}, "
-                         f"{r['ratio_hi']:.3f}])" if lab != "dense" else "–" if r is None else f"{r['ppl']:.2f}")
-        table.append([lab, *cells])
-    pol, keep, lim = TARGET
-    tgt = [by[(f"{pol}@{keep:g}", n)] for n in lengths if (f"{pol}@{keep:g}", n) in by]
-    verdict = ", ".join(f"{r['length']}: {100 * (r['ratio'] - 1):+.2f} % (CI upper {100 * (r['ratio_hi'] - 1):+.2f} %) "
-                        f"{'met' if r['ratio'] <= lim else 'missed'}" for r in tgt) or "not measured"
-    plot(rows, lengths, png)
-    n_win = {r["length"]: r["windows"] for r in rows if r["label"] == "dense"}
-    return "\n".join([
-        "# Long-text perplexity per KV policy (SmolLM2-135M-Instruct)", "",
-        f"Split **{cfg['split']}**: texts {', '.join(cfg['texts'])}; seed {cfg['seed']}. Each window: "
-        f"P prompt tokens prefilled densely, then {cfg['score_tokens']} tokens decoded teacher-forced with "
-        "the policy reading its keep of the cache, each scored on the text's true next token. Cell: "
-        "perplexity (ratio to dense on the same windows [95 % t-interval over windows]). Windows per "
-        f"length: {json_compact(n_win)}." + (" Windows cut evenly spaced from the texts joined into one stream: their "
-                                             "prompts overlap (not independent samples), their scored spans do not."
-                                             if cfg.get("stream") else ""), "",
-        md_table(["config", *[f"P = {n}" for n in lengths]], table),
-        f"Target (SparPR keep {keep:g} within +{100 * (lim - 1):.0f} % of dense): {verdict}.", "",
-        f"Wall time: {payload['wall_s']} s. Plot: {png.name}. Engine: {engines(payload['batches'], cfg['engine_commit'])}.", "",
-        *([f"Not run (time limit; run the same command again to resume): {len(payload['skipped'])} batches: "
-           f"{', '.join(payload['skipped'])}", ""] if payload.get("skipped") else []),
-        "## Config", "", "```json",
-        json.dumps({k: v for k, v in cfg.items() if k not in ("machine", "resolved")}, indent=1, default=str),
-        "```", "",
-        "Machine: " + json_compact(cfg.get("machine")), "", *resolved_lines(cfg)])
-
-
-def json_compact(x) -> str:
-    return json.dumps(x, default=str)
-
-
-def plot(rows, lengths, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 3.8), squeeze=False)
-    for ax, n in zip(axes[0], lengths):
-        pols = sorted({r["policy"] for r in rows if r["length"] == n and r["policy"] not in ("dense", "dkv")})
-        for i, p in enumerate(pols):
-            rs = sorted((r for r in rows if r["length"] == n and r["policy"] == p), key=lambda r: r["keep"])
-            ax.errorbar([r["keep"] for r in rs], [r["ratio"] for r in rs], marker="os^Dv<>"[i % 7], capsize=2,
-                        yerr=[[r["ratio"] - r["ratio_lo"] for r in rs],
-                              [min(r["ratio_hi"], 10) - r["ratio"] for r in rs]], label=p)
-        for r in rows:
-            if r["length"] == n and r["policy"] == "dkv":
-                ax.axhline(r["ratio"], color="k", ls=":", label="dkv (r 32, m 16)")
-        ax.axhline(1.02, color="0.6", lw=1, ls="--", label="dense + 2 %")
-        ax.set(title=f"P = {n}", xlabel="keep ratio", ylabel="perplexity / dense", xscale="log")
-        ax.set_yscale("log")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None) -> None:

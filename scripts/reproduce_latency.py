@@ -31,16 +31,17 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never contact a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO, OneLineParser, add_opt_bench_args, die, int_list, load_average,  # noqa: E402
-                     machine_info, timer, write_results)
-from _latency_model import hw_path, model_hardware  # noqa: E402
-from _latency_report import modeled_markdown, measured_markdown, plot  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
+from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
+from flexgen_sparpr.bench.latency_runs import (calibration_runs, report, rerun_model, run_engine,  # noqa: E402
+                                               run_hf, run_upstream_cell, this_machine)
+from flexgen_sparpr.bench.peers import GiB  # noqa: E402
+from flexgen_sparpr.bench.results import load_average, machine_info, timer  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 SYSTEMS = ("upstream", "dense", "sparpr", "hf")
 PREDICT_HW = ("configs/hardware/rtx3070ti-laptop-8gb.yaml", "configs/hardware/t4-flexgen.yaml")
-GiB = 1 << 30
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,217 +103,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not (REPO / p).is_file() and not Path(p).expanduser().is_file():
             die(f"hardware file not found: {p}")
     return args
-
-
-# --- the measured systems ---
-def run_engine(src, args, ctx: int, policy: str) -> dict:
-    from _common import run_offload
-    pargs = {} if policy == "dense" else dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep,
-                                              gamma=args.gamma, probe_dir=args.offload_dir)
-    r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy, policy_args=pargs,
-                    block_size=args.block_size, offload_dir=args.offload_dir, seed=args.seed,
-                    trace=True, memory=True, gpu_batches=args.gpu_batches)
-    tot = (r["kv_policy_stats"] or {}).get("totals", {})
-    spec, n = src.spec, ctx + args.gen_len
-    # what the compute tier holds: the weights, the gathered KV of the layer computing and of the
-    # one prefetched, and the prefill's activations (the KV cache itself is on disk)
-    layer_kv = 2 * args.batch * n * spec.kv_dim * 4 * (tot.get("effective_keep") or 1.0)
-    tier = spec.num_params() * 4 + 2 * layer_kv + hf_need(spec, args.batch, ctx, args.gen_len)["activations"]
-    return {"ok": True, "tier_need_bytes": tier, "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
-            "bytes_moved": r["bytes_moved"],
-            "disk_read_Bps": r["disk_read_Bps"], "disk_mode": r["disk_mode"],
-            "peak_rss_bytes": r["memory"]["host_rss_peak_bytes"], "effective_keep": tot.get("effective_keep"),
-            "blocks_recomputed": tot.get("blocks_recomputed"), "fallbacks": tot.get("fallbacks"),
-            "checkpoints": bool(((r["kv_policy_stats"] or {}).get("checkpoint_tables") or {}).get("kept")),
-            "trace": r["trace"]}
-
-
-def run_upstream_cell(args, ctx: int) -> dict:
-    """Upstream FlexGen in a child process, killed after --upstream-timeout seconds (reported as
-    a timeout, as the paper reports FlexGen's 8k run)."""
-    import subprocess
-    import tempfile
-
-    import torch
-    try:
-        from flexgen_sparpr.upstream.run import parse_child, upstream_command
-    except ImportError as e:
-        return {"ok": False, "error": f"not available ({e})"}
-    # a folder of its own, removed here: a child killed at the timeout cannot clean up after itself
-    with tempfile.TemporaryDirectory(dir=args.offload_dir, prefix="upstream-") as folder:
-        cmd = upstream_command(model=args.model, batch=args.batch, prompt_len=ctx, gen_len=args.gen_len,
-                               percent=(100, 0, 0, 0, 100, 0), offload_dir=folder,
-                               threads=torch.get_num_threads())  # the same threads as this engine's runs
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.upstream_timeout)
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "timeout": True, "error": f"timed out after {args.upstream_timeout:.0f} s"}
-    r = parse_child(proc.returncode, proc.stdout, proc.stderr)
-    if r.get("ok"):
-        r.pop("tokens", None)
-    return r
-
-
-def hf_need(spec, batch: int, ctx: int, gen_len: int) -> dict:
-    """float32 bytes HF must hold on the compute tier beside its weights: the KV cache at the
-    end of generation and the prefill's widest activations (SDPA: no [S, S] score matrix kept)."""
-    n = ctx + gen_len
-    kv = 2 * batch * n * spec.num_layers * spec.kv_dim * 4
-    act = batch * ctx * (spec.hidden * 4 + spec.ffn) * 4
-    return {"weights": spec.num_params() * 4, "kv": kv, "activations": act}
-
-
-def run_hf(src, args, ctx: int, cap: float) -> dict:
-    """HF OPT with random weights and accelerate's offload under the cap (see the docstring)."""
-    import tempfile
-    import time
-
-    import torch
-    from accelerate import dispatch_model, infer_auto_device_map
-    from transformers import OPTConfig, OPTForCausalLM
-
-    from _common import random_prompts
-    from flexgen_sparpr.engine.memory import PeakMemory
-
-    spec = src.spec
-    need = hf_need(spec, args.batch, ctx, args.gen_len)
-    room = cap - need["kv"] - need["activations"]
-    if room <= 0:
-        return {"ok": False, "oom": True, "need": need,
-                "error": f"OOM: KV cache + activations {(need['kv'] + need['activations']) / GiB:.2f} GiB "
-                         f"exceed the {cap / GiB:.2f} GiB compute-tier cap"}
-    cfg = OPTConfig(hidden_size=spec.hidden, num_attention_heads=spec.num_heads, num_hidden_layers=spec.num_layers,
-                    ffn_dim=spec.ffn, vocab_size=spec.vocab, max_position_embeddings=ctx + args.gen_len,
-                    word_embed_proj_dim=spec.embed_dim, do_layer_norm_before=spec.pre_norm)
-    torch.manual_seed(args.seed)
-    model = OPTForCausalLM(cfg).eval()
-    dmap = infer_auto_device_map(model, max_memory={"cpu": int(room), "disk": 1 << 42},
-                                 no_split_module_classes=["OPTDecoderLayer"])
-    on_disk = sum(1 for v in dmap.values() if v == "disk")
-    ids = torch.tensor(random_prompts(spec.vocab, args.batch, ctx, args.seed))
-    with tempfile.TemporaryDirectory(dir=args.offload_dir) as tmp, PeakMemory(torch.device("cpu")) as peak:
-        model = dispatch_model(model, dmap, main_device="cpu", offload_dir=tmp)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True)
-            prefill = time.perf_counter() - t0
-            cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)  # transformers 5: `cache`
-            t0 = time.perf_counter()
-            for _ in range(args.gen_len - 1):  # greedy decode, the same loop as generate without its checks
-                out = model(input_ids=nxt, cache=cache, use_cache=True)
-                cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-            decode = time.perf_counter() - t0
-    return {"ok": True, "prefill_s": prefill, "decode_s": decode, "need": need, "weights_room": room,
-            "modules_on_disk": on_disk, "peak_rss_bytes": peak.report()["host_rss_peak_bytes"]}
-
-
-# --- the model against the measurements ---
-def this_machine(args):
-    from flexgen_sparpr.runtime.hardware import load_hardware
-    if args.hardware:
-        return load_hardware(hw_path(args.hardware))
-    import torch
-    from flexgen_sparpr.runtime.profile import hardware_from_probe, measure
-    if args.quick:
-        return hardware_from_probe(torch.device("cpu"), torch.float32, args.offload_dir)
-    return measure(torch.device("cpu"), args.offload_dir, quick=True)
-
-
-def validate(cell: dict, spec, args, hw, cal) -> dict:
-    """Model vs measurement for one engine run: from its recorded trace and from the analytic one."""
-    from flexgen_sparpr.runtime.timemodel import predict
-    from flexgen_sparpr.runtime.trace import LINKS, Placement, analytic_trace
-    tr = cell["trace"]
-    pl = Placement(cache=(0, 0, 100), block_size=args.block_size, dtype_bytes=4,
-                   # SparPR's, where a rebuild can pay (runs saved before that rule always kept them)
-                   checkpoints=cell.get("checkpoints", cell["policy"] == "sparpr"))
-    keep = cell.get("effective_keep") or 1.0
-    an = analytic_trace(spec, args.batch, cell["context"], args.gen_len, pl, keep=keep,
-                        serial_kv=cell["policy"] == "sparpr" and args.gpu_batches == 1)
-    p_rec, p_an = predict(tr, hw, "float32", cal), predict(an, hw, "float32", cal)
-    meas = cell["prefill_s"] + cell["decode_s"]
-    sums = lambda t, link: sum(s.bytes.get(link, 0) for s in t)  # noqa: E731
-    return {"measured_s": meas, "model_trace_s": p_rec["total_s"], "model_analytic_s": p_an["total_s"],
-            "err_trace": p_rec["total_s"] / meas - 1, "err_analytic": p_an["total_s"] / meas - 1,
-            "err_prefill": p_rec["prefill_s"] / cell["prefill_s"] - 1,
-            "err_decode": p_rec["decode_s"] / cell["decode_s"] - 1,
-            "decode_io_bound_steps": p_rec["decode_io_bound_steps"],
-            "analytic_over_trace_bytes": {k: (sums(an, k) / sums(tr, k) if sums(tr, k) else None) for k in LINKS},
-            "analytic_over_trace_flops": sum(sum(s.flops.values()) for s in an) /
-            sum(sum(s.flops.values()) for s in tr)}
-
-
-# --- the modeled laptop ---
-def calibration_runs(src, args, hw):
-    """One discarded warm-up run (the process's first engine pays one-off costs), then dense and
-    SparPR at each calibration context; returns the fitted Calibration and the runs."""
-    from flexgen_sparpr.runtime.timemodel import calibrate
-    run_engine(src, args, min(args.calib_contexts), "dense")
-    calib = [{**run_engine(src, args, c, p), "context": c, "system": p}
-             for c in args.calib_contexts for p in ("dense", "sparpr")]
-    ctxs = ",".join(map(str, args.calib_contexts))
-    cal = calibrate([c["trace"] for c in calib], hw, "float32",
-                    source=f"dense + SparPR at context {ctxs} after a warm-up run (not validated against)")
-    return cal, [{k: v for k, v in c.items() if k != "trace"} for c in calib]
-
-
-def report(payload: dict, args, spec, hw, cal, out: Path) -> list[Path]:
-    """The model on every engine run's trace, the modeled hardware files, then the files."""
-    from flexgen_sparpr.runtime.hardware import save_hardware
-    from flexgen_sparpr.runtime.timemodel import Calibration
-    from flexgen_sparpr.runtime.trace import StepTrace
-    first = Calibration(**payload["calibration_first"]) if "calibration_first" in payload else None
-    for cell in payload["cells"]:
-        if "trace" in cell:
-            tr = [s if isinstance(s, StepTrace) else StepTrace(**s) for s in cell["trace"]]
-            cell["model"] = validate({**cell, "trace": tr}, spec, args, hw, cal)
-            if first is not None:
-                cell["model_first_calibration"] = validate({**cell, "trace": tr}, spec, args, hw, first)
-            cell["trace"] = [s.to_dict() for s in tr]
-    payload["modeled"] = [model_hardware(p, args, cal) for p in args.predict_hardware]
-    save_hardware(hw, out / "latency_hardware_this_machine.yaml")
-    written = write_results(out, "latency_measured", payload, measured_markdown(payload))
-    written.append(plot(payload, out / "latency_measured.png"))
-    for m in payload["modeled"]:
-        stem = "latency_modeled_" + Path(m["path"]).stem.split("-")[0]
-        written += write_results(out, stem, m, modeled_markdown(m, payload))
-    return written
-
-
-def rerun_model(args) -> list[Path]:
-    """--from-json: the model and the reports again on a saved run's traces, measuring nothing."""
-    import json
-    from flexgen_sparpr.models.spec import opt_spec
-    from flexgen_sparpr.runtime.hardware import hardware_from_dict
-    from flexgen_sparpr.runtime.timemodel import Calibration
-    try:
-        payload = json.loads(Path(args.from_json).expanduser().read_text())
-        saved = payload["config"]
-        hw = hardware_from_dict(payload["hardware"], where=args.from_json)
-        for key in ("calibration", "calibration_first"):  # fits saved before scores_eff existed
-            if key in payload:
-                payload[key].setdefault("scores_eff", payload[key]["prefill_eff"])
-        cal = Calibration(**payload["calibration"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        die(f"--from-json {args.from_json}: not a reproduce_latency result ({e})")
-    for key in ("model", "contexts", "batch", "gen_len", "block_size", "systems", "cap_gib", "keep_ratio",
-                "min_keep", "gamma"):
-        setattr(args, key, saved[key])
-    payload["config"].update(predict_hardware=args.predict_hardware, predict_gen_len=args.predict_gen_len)
-    args.contexts_model = (1024, 2048, 4096, 8192)
-    if args.recalibrate:
-        from flexgen_sparpr.weights.resolve import resolve_source
-        args.offload_dir = str(Path(args.offload_dir).expanduser())
-        args.seed = saved.get("seed", 0)
-        src = resolve_source(args.model, "_DUMMY_", max_seq_len=max(args.contexts + args.calib_contexts) +
-                             args.gen_len, seed=args.seed)
-        first = payload.get("calibration_first") or payload["calibration"]
-        load = load_average()
-        cal, runs = calibration_runs(src, args, hw)
-        payload.update(calibration_first=first, calibration=cal.to_dict(), calibration_runs=runs,
-                       recalibrated={"load_average_before": load, "load_average_after": load_average(),
-                                     "calib_contexts": args.calib_contexts, "machine": machine_info()})
-    return report(payload, args, opt_spec(args.model), hw, cal, Path(args.out))
 
 
 def main(argv=None) -> int:

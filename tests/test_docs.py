@@ -21,10 +21,10 @@ def _text() -> str:
 
 
 def _defined() -> set[str]:
-    """Every flag some parser here defines: the commands', the scripts' and the explorations'."""
+    """Every flag some parser here defines: the commands' and the scripts'."""
     from flexgen_sparpr.config.flags import build_parser
     found = {s for a in build_parser()._actions for s in a.option_strings}
-    for pattern in ("flexgen_sparpr/**/*.py", "scripts/*.py", "scripts/*.sh", "experiments/**/*.py"):
+    for pattern in ("flexgen_sparpr/**/*.py", "scripts/*.py", "scripts/*.sh"):
         for p in ROOT.glob(pattern):
             found |= set(re.findall(r"[\"'](--[a-z0-9][\w-]*)[\"'=]", p.read_text()))
     return found

@@ -12,6 +12,12 @@ from __future__ import annotations
 import torch
 
 
+def greedy():
+    """The engine's greedy sampler: what a sweep's rows without forced tokens decode with."""
+    from ..engine.sampling import Sampler
+    return Sampler()
+
+
 class ForcedTokens:
     """forced: [B, T] token ids, forced at the first T calls; later calls are greedy.
 

@@ -2,7 +2,9 @@
 
 A grid script writes its JSON after every batch: {"plan": {...}, "batches": [{"id": ...}, ...],
 "records": [...]}. Run again with the same plan, it reads that file and skips the batches it
-holds; with another plan it refuses (mixing two plans' trials would be silent nonsense).
+holds; with another plan it refuses (mixing two plans' trials would be silent nonsense). A plan
+is cut into batches with stable ids (plan_batches), and each batch names the engine commit it ran
+under (resumed_batches, engines).
 """
 from __future__ import annotations
 
@@ -39,3 +41,44 @@ def load_partial(path: Path, plan: dict) -> dict | None:
 def done_ids(data: dict | None) -> set:
     """Ids of the batches a partial results file already holds."""
     return {b["id"] for b in data["batches"]} if data else set()
+
+
+def plan_batches(items: dict, batch: int) -> list[tuple[str, object, list]]:
+    """{key: [item, ...]} (key: a length, or a (task, length) tuple) -> [(id, key, chunk)]: the
+    shorter lengths first, and within a length round-robin over the keys (a time limit leaves
+    the short lengths complete and every task with some trials); ids "<key>:<index of the
+    chunk's first item>", e.g. "2048:5" or "passkey:2048:5" (stable across runs: for resuming)."""
+    def name(key) -> str:
+        return ":".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+    def length(key) -> int:
+        return key[-1] if isinstance(key, tuple) else key
+    out = []
+    for k, xs in items.items():
+        for j, i in enumerate(range(0, len(xs), batch)):
+            out.append((length(k), j, name(k), (f"{name(k)}:{i}", k, xs[i:i + batch])))
+    return [b for *_, b in sorted(out, key=lambda o: o[:3])]
+
+
+
+def resumed_batches(old: dict | None) -> list[dict]:
+    """A partial results file's batches, each naming the engine commit it ran under ("engine"):
+    a file written before batches named theirs gets its config's commit, the only one it kept
+    (the last run's: a resumed run rewrites the config)."""
+    if not old:
+        return []
+    commit = old.get("config", {}).get("engine_commit", "unknown")
+    return [dict(b, engine=b.get("engine", commit)) for b in old["batches"]]
+
+
+
+def engines(batches: list[dict], current: str) -> str:
+    """Which engine commits ran the batches, for a report: "a7e49b6" or "a7e49b6 (6 batches),
+    5973f20 (6 batches)" in the order they first ran; `current` where no batch ran yet."""
+    count: dict[str, int] = {}
+    for b in batches:
+        c = b.get("engine", current)
+        count[c] = count.get(c, 0) + 1
+    if len(count) <= 1:
+        return next(iter(count), current)
+    return ", ".join(f"{c} ({n} batch{'es' if n != 1 else ''})" for c, n in count.items())

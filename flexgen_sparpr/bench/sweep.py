@@ -14,6 +14,7 @@ prefill per batch, and every configuration of the family decodes from a snapshot
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -23,11 +24,16 @@ from ..engine.executor import Engine
 from ..kv import policies
 from ..kv.knobs import knobs
 from ..kv.policies import POLICIES, make_policy
+from ..kv.policies.dkv import DKV
 from ..kv.policies.h2o import H2O
 from ..kv.policy import KVPolicy
 
 REFERENCE = policies.DEFAULT  # full attention: what every configuration is compared with
 RAW = "raw"  # the family of configurations whose cache is stored raw
+DKV_RANK, DKV_RESIDUALS, DKV_BLOCK = DKV().rank, DKV().residuals, DKV().block  # the scripts' --dkv-* defaults
+# policy compositions the fidelity scripts sweep by default: SparPR reading DKV-coded blocks
+# (what `--kv-policy sparpr --cold-codec dkv` stores)
+COMPOSED = ("sparpr+dkv",)
 
 
 @dataclass(frozen=True)
@@ -163,3 +169,44 @@ class PolicySweep:
         for eng in self._engines.values():
             eng.close()
         self._engines.clear()
+
+
+def resolved_config(cfgs, device: str, block_size: int, dkv_block: int, dkv_args: dict | None = None) -> dict:
+    """What a run's configurations resolve to, for its config: the compute and KV dtypes the
+    engine picks on `device` (EngineConfig's "auto"), the placement (every block on the compute
+    tier: Policy's default percents), and each configuration's KV block and every knob of its
+    policy after the policy resolved them (SparPR's summary "auto" -> lowrank, the floor it runs
+    with, ...); a composition "A+C" also lists the knobs of the codec policy C storing its blocks."""
+    import torch
+
+    def knob_values(p) -> dict:
+        return {k.name: getattr(p, k.name) for k in knobs(type(p))}
+    ec = EngineConfig(device=device, block_size=block_size)
+    compute = ec.torch_dtype(torch.device(device))
+    pl = Policy()
+    out = {"compute_dtype": str(compute).removeprefix("torch."),
+           "kv_dtype": str(ec.torch_kv_dtype(compute)).removeprefix("torch.") + " (raw blocks on the CPU/disk tiers; "
+           "none here: every block is on the compute tier, in the compute dtype)",
+           "placement": {"weights": list(pl.weight_percents), "cache": list(pl.cache_percents)},
+           "configs": {}}
+    for c in cfgs:
+        p = new_policy(c, dkv_args)
+        entry = {"family": c.family, "block_size": block_size if c.family == RAW else dkv_block,
+                 "policy": type(p).name, **knob_values(p)}
+        _, codec = c.parts
+        if codec:
+            entry["codec"] = {"policy": codec, **knob_values(make_policy(codec, **(dkv_args or {})))}
+        out["configs"][c.label] = entry
+    return out
+
+
+
+def resolved_lines(cfg: dict) -> list[str]:
+    """A report's section on its config's "resolved" entry (resolved_config): the engine's
+    dtypes and placement, then one line per configuration; none for a config without it."""
+    res = cfg.get("resolved")
+    if not res:
+        return []
+    head = {k: v for k, v in res.items() if k != "configs"}
+    return ["## Resolved configuration", "", f"Engine on {cfg.get('device', '?')}: `{json.dumps(head)}`", "",
+            *[f"- {label}: `{json.dumps(c, default=str)}`" for label, c in res["configs"].items()], ""]

@@ -77,38 +77,10 @@ def test_frontier_refuses_files_of_other_prompts(tmp_path):
         assert not (tmp_path / "res4").exists()
 
 
-def test_batches_run_short_lengths_first_with_stable_ids():
-    import sys
-    from tests.scripts.runner import REPO
-    sys.path.insert(0, str(REPO / "scripts"))
-    from _fidelity import plan_batches
-    items = {("b", 4096): list(range(4)), ("a", 4096): list(range(2)), ("b", 2048): list(range(3))}
-    got = [(bid, len(chunk)) for bid, _, chunk in plan_batches(items, 2)]
-    assert got == [("b:2048:0", 2), ("b:2048:2", 1), ("a:4096:0", 2), ("b:4096:0", 2), ("b:4096:2", 2)]
-    assert [b for b, *_ in plan_batches({2048: [1, 2, 3]}, 2)] == ["2048:0", "2048:2"]
-
-
-def test_resumed_batches_keep_the_engine_they_ran_under():
-    import sys
-    from tests.scripts.runner import REPO
-    sys.path.insert(0, str(REPO / "scripts"))
-    from _fidelity import engines, resumed_batches
-    assert resumed_batches(None) == []
-    # a file from before batches named their engine: its config's commit is the one it kept
-    old = {"config": {"engine_commit": "aaa"}, "batches": [{"id": "x:0"}, {"id": "x:5", "engine": "bbb"}]}
-    got = resumed_batches(old)
-    assert [b["engine"] for b in got] == ["aaa", "bbb"] and "engine" not in old["batches"][0]
-    assert engines(got + [{"id": "y:0", "engine": "ccc"}], "ccc") == "aaa (1 batch), bbb (1 batch), ccc (1 batch)"
-    assert engines([{"engine": "ccc"}] * 3, "ddd") == "ccc" and engines([], "ddd") == "ddd"
-
-
 def test_frontier_reads_dkv_budget_as_its_bytes_per_configuration(tmp_path):
     """Two dkv runs of the same prompts (16 and 64 exact rows): each is its own budget, the bytes
     share its rank and rows give; the frontier is the smallest share that agrees with dense."""
-    import sys
-    from tests.scripts.runner import REPO
-    sys.path.insert(0, str(REPO / "scripts"))
-    from frontier import dkv_bytes
+    from flexgen_sparpr.bench.frontier_report import dkv_bytes
     plan = {"split": "held-out", "texts": ["asyoulik"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
             "trials": 2, "batch": 2, "answer_prefix": "x", "dkv_block": 256}
     base = {"task": "passkey", "length": 2048, "expected": ["1"], "depth": 0.1, "text": "asyoulik", "keep": 1.0}
@@ -144,10 +116,7 @@ def test_frontier_reads_dkv_budget_as_its_bytes_per_configuration(tmp_path):
 def test_needle_plot_only_with_dense_answers_to_agree_with(tmp_path):
     """A --no-dense run has no agreement to draw: no plot (an older one removed), and the md says
     why; with dense's answers the plot is drawn."""
-    import sys
-    from tests.scripts.runner import REPO
-    sys.path.insert(0, str(REPO / "scripts"))
-    from needle import plot
+    from flexgen_sparpr.bench.needle_report import plot
     png = tmp_path / "needle.png"
     png.write_bytes(b"old")
     row = {"task": "passkey", "length": 2048, "policy": "sparpr", "keep": 0.1, "agree_rate": None}

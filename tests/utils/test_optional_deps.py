@@ -20,7 +20,7 @@ import sys
 for name in {missing!r}:
     sys.modules[name] = None  # `import name` now raises ImportError, as if not installed
 sys.path.insert(0, "scripts")
-import _common  # noqa: F401  (bench_sparpr, bench_decode, reproduce_latency import it)
+import _common  # noqa: F401  (the scripts' helpers: flexgen_sparpr.bench.args, results, offload)
 from flexgen_sparpr.runtime.profile import free_memory
 from flexgen_sparpr.cli.run import run
 import torch

@@ -2,7 +2,7 @@
 and its markdown."""
 from __future__ import annotations
 
-from _common import md_table
+from .results import md_table
 
 CUT_TARGET = {1024: 0.45, 2048: 0.65, 4096: 0.75}  # SparPR vs this engine's dense (issue 17)
 UPSTREAM_TARGET = {1024: 0.31, 2048: 0.52, 4096: 0.63}  # the paper's cuts (upstream + SparPR vs upstream)

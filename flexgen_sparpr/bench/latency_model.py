@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from _common import REPO
+from .results import REPO
 
 
 def hw_path(p: str) -> Path:
@@ -14,12 +14,18 @@ def hw_path(p: str) -> Path:
     return REPO / p if (REPO / p).is_file() else Path(p).expanduser()
 
 
+def hardware_file(path):
+    """The hardware file at `path` (relative to the repository when it is there)."""
+    from ..runtime.hardware import load_hardware
+    return load_hardware(hw_path(path))
+
+
 def host_scan_Bps() -> float:
     """Bytes per second one thread of this machine scores SparPR's float16 mean summaries at
     (OPT-6.7B's 32 heads of 128, batch 4, an 8k context's 4-token runs; best of 5)."""
     import time
     import torch
-    from flexgen_sparpr.kv.policies.sparpr import block_scores
+    from ..kv.policies.sparpr import block_scores
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -37,18 +43,18 @@ def host_scan_Bps() -> float:
 def model_hardware(path: str, args, cal_cpu) -> dict:
     """OPT-6.7B, batch 4, on one hardware file: FlexGen dense (placement from runtime/placement.py),
     SparPR at keep 0.5 and 0.1 (the paper's two settings) on the same placement, all-on-device."""
-    from flexgen_sparpr.models.spec import opt_spec
-    from flexgen_sparpr.runtime.hardware import load_hardware
-    from flexgen_sparpr.runtime.placement import NoPlacementFits, Workload, choose, device_bytes_needed
-    from flexgen_sparpr.runtime.timemodel import Calibration, predict
-    from flexgen_sparpr.runtime.trace import Placement, analytic_trace
+    from ..models.spec import opt_spec
+    from ..runtime.hardware import load_hardware
+    from ..runtime.placement import NoPlacementFits, Workload, choose, device_bytes_needed
+    from ..runtime.timemodel import Calibration, predict
+    from ..runtime.trace import Placement, analytic_trace
     hw, spec = load_hardware(hw_path(path)), opt_spec("opt-6.7b")
     dtype = "float16" if hw.is_cuda else "float32"
     nbytes = 2 if hw.is_cuda else 4
     assumed = Calibration(source="the file's effective figures as given (already derated), no per-layer overhead")
     derated = Calibration(io_eff=min(1.0, cal_cpu.io_eff),
                           source=f"as given, links at this machine's fitted io_eff {cal_cpu.io_eff:.2f}")
-    from flexgen_sparpr.kv.policies import make_policy
+    from ..kv.policies import make_policy
     # SparPR as the laptop's policy file runs it: its key summaries in host memory (none on the
     # device), scored there each step at this machine's measured one-thread rate (a bound for a laptop's 8 cores)
     sparpr = make_policy("sparpr", summaries_on="cpu")

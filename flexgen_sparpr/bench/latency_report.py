@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from _common import md_table
+from .results import md_table
 
 GiB = 1 << 30
 # SparPR paper (arXiv 2610.18140), OPT-6.7B, batch 4, RTX 3070 Ti laptop 8 GB, 16 GB host

@@ -1,0 +1,26 @@
+"""scripts/device_tokens.py's runs: one greedy generation with its logits on a device, dtype and
+placement, and where two runs' tokens first part. float16's departures are judged against the
+CPU's top-1 margin there (FP16_TIE)."""
+from __future__ import annotations
+
+# float16 resolves a logit of magnitude ~20 to 2**-6 = 0.016 (half an ulp 0.008); two of its
+# roundings plus the layers' own: a CPU margin under this is a tie float16 cannot break
+FP16_TIE = 0.05
+
+
+def run(src, prompts, n, device, dtype, placement):
+    """Greedy tokens [B][n] and logits [B, n, V] (on the CPU) of `prompts` on a fresh engine."""
+    import torch
+
+    from ..engine.config import EngineConfig, Policy
+    from ..engine.executor import Engine
+    pol = Policy(gpu_batch_size=len(prompts), **placement)
+    with Engine(src, pol, EngineConfig(device=device, dtype=dtype, block_size=64, offload_dir="unused")) as eng:
+        r = eng.generate(prompts, n, keep_logits=True)
+    return r.tokens, torch.stack(r.logits, 1)  # logits: [B, n, V] on the CPU
+
+
+def first_departure(a, b):
+    """(row, step) of the earliest position where the token lists differ, or None."""
+    found = [(i, s) for i, (ra, rb) in enumerate(zip(a, b)) for s, (x, y) in enumerate(zip(ra, rb)) if x != y]
+    return min(found, key=lambda p: p[1]) if found else None
