@@ -1,13 +1,14 @@
-"""`make run`: four passkeys, each hidden in ~4k tokens of Alice in Wonderland, asked of SmolLM2 as
-one batch, decoded with dense attention and with SparPR side by side from one prefill
+"""`make run`: four passkeys, each hidden in 8000 tokens of Alice in Wonderland, asked of SmolLM2
+as one batch, decoded with dense attention and with SparPR side by side from one prefill
 (`LLM.compare`).
 
 The setting is the one an offloading engine is for: the KV cache does not fit where the compute
 is, so it lives on the disk tier (page cache bypassed) and every decode step must bring it back.
 Dense attention reads all of it every step; SparPR scores every block from summaries kept on the
-compute device and reads only the blocks it picks. Both decode the same fixed number of steps; for
-each: the median step and what it was spent on, decode tokens/s, bytes read from disk per step,
-and the answers.
+compute device and reads only the blocks it picks that it does not already hold (each layer keeps
+the blocks it read on the compute device: engine/recall.py). Both decode the same fixed number of
+steps; for each: the median step and what it was spent on, decode tokens/s, bytes read from disk
+per step, and the answers.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ PARTS = ("select", "read", "rebuild", "io_wait", "compute")
 
 def main() -> int:
     ap = OneLineParser(description=__doc__)
-    ap.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    ap.add_argument("--tokens", type=int, default=8000,
+                    help="prompt length in tokens (default 8000: SmolLM2 holds 8192 positions)")
     ap.add_argument("--batch", type=int, default=4, help="prompts decoded together (default 4)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps each policy runs (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="picks the keys and the excerpts")
@@ -78,8 +80,9 @@ def main() -> int:
     dense_disk = runs["dense"][1].bytes_moved.get("disk->cpu", 0)
     ratio = runs[sp][1].bytes_moved.get("disk->cpu", 0) / dense_disk if dense_disk else float("nan")
     print(f"\n{sp} decodes at {med['dense'] / med[sp]:.2f}x dense's speed (median step), reading "
-          f"{ratio:.2f}x its disk bytes: it attended {stats['effective_keep']:.0%} of the context per step, its "
-          f"budget set between --min-keep and --keep-ratio by the copy and rebuild costs it measured here")
+          f"{ratio:.2f}x its disk bytes: it attended {stats['effective_keep']:.0%} of the context per step (its "
+          f"budget set between --min-keep and --keep-ratio by the copy and rebuild costs it measured here) and "
+          f"read only the blocks its layers did not already hold")
     return 0
 
 

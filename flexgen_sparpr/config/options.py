@@ -198,14 +198,16 @@ def workload_for(spec, prompt_len: int, gen_len: int, policy: Policy, engine: En
     """The Workload of a run, what `--policy auto` plans and the check before loading
     (config/preflight.py) tests: with the KV block size (the cache is allocated in whole blocks),
     what the KV policy keeps on the device (its resident_share) and in host memory (host_share),
-    and the share of the cache a decode step reads (its read_share)."""
+    the share of the cache a decode step reads (its read_share) and what each offloaded table
+    keeps of it (arena_share)."""
     from ..runtime.placement import DTYPE_BYTES, Workload
     kvp, cold = engine.make_kv_policy(), engine.make_cold_codec()
     return Workload(spec, prompt_len, gen_len, policy.batch_size, dtype, policy.overlap, policy.compress_weight,
                     policy.compress_cache,
                     resident_share=kvp.resident_share(engine.block_size, DTYPE_BYTES[dtype], cold),
                     host_share=kvp.host_share(engine.block_size, DTYPE_BYTES[dtype]),
-                    kv_read_share=kvp.read_share(), block_size=engine.block_size)
+                    kv_read_share=kvp.read_share(), kv_arena_share=kvp.arena_share(cold),
+                    block_size=engine.block_size)
 
 
 def run_dtype(engine: EngineConfig, device) -> str:

@@ -251,7 +251,7 @@ class Engine:
             # may be had early: its input is computed unless it is this cell's output (one GPU
             # batch) or a micro-batch still to be received
             m, sl = (None if prefill else reads.next_read(n)), slice(k * gbs, (k + 1) * gbs)
-            if m is not None:
+            if m is not None and reads.may_start(n, m):
                 mj, mk = order[m]
                 ready = mk != k and not (receives and mj == 0)
                 ahead = Ahead(w if mj == j else w_next, hidden[mk] if ready or mk == k else None,

@@ -64,8 +64,10 @@ class CacheReads:
     """A decode step's KV gathers, keyed by schedule cell (pure bookkeeping). A cell that reads a
     cache is gathered as soon as the cell before it in cache order has started, so with separate
     attention and MLP cells the gather for layer j+1 runs through layer j's attention and MLP, not
-    only its MLP. A gather that cannot start yet (a query-aware policy still waiting for its query)
-    is not recorded, and is tried again at the next cell."""
+    only its MLP. Two cells early only when the cell between has its own gather in hand (it will
+    not read serially): then two gather buffers serve every cell (engine/recovery.py GatherRing).
+    A gather that cannot start yet (a query-aware policy still waiting for its query) is not
+    recorded, and is tried again at the next cell."""
 
     def __init__(self, order: list[tuple[int, int]], reads_cache):
         self.reads = [n for n, (j, _) in enumerate(order) if reads_cache(j)]  # cells that read a cache
@@ -74,6 +76,10 @@ class CacheReads:
     def next_read(self, n: int) -> int | None:
         """The first cell after n that reads a cache."""
         return next((m for m in self.reads if m > n), None)
+
+    def may_start(self, n: int, m: int) -> bool:
+        """Whether cell n may start cell m's gather: m is next, or n reads nothing or holds its own."""
+        return m == n + 1 or n not in self.reads or n in self.pending
 
     def start(self, m: int, gather) -> None:
         """gather() -> Future for cell m, unless started already; a done future of None is dropped."""

@@ -9,7 +9,7 @@ used first), and the open block is copied after the slots. Attention reads the a
 that keeps each sequence and head to its own selected blocks: the same tokens at their own
 positions as a fresh gather attends (their order differs, so sums may differ in the last bits).
 
-Memory: per table, the largest selection so far plus a quarter, in slots of one block. A rewound
+Memory: per table, ARENA_SLACK x the largest selection so far, in slots of one block. A rewound
 table (a cache cut back: engine/reuse.py, a snapshot restored) starts afresh.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kv.block_table import BlockTable
-from ..kv.policy import Selection
+from ..kv.policy import ARENA_SLACK, Selection
 from .recovery import Fetched
 
 
@@ -69,7 +69,8 @@ class Recall:
         with self._lock:
             ar = self._arenas.get(t)
         if ar is None or ar.rewinds != t.rewinds or ar.kv.dtype != dtype or ar.slots < len(sealed):
-            ar = self._new(t, max(len(sealed) * 5 // 4 + 1, ar.slots if ar is not None else 0), dtype, device, ar)
+            ar = self._new(t, max(int(len(sealed) * ARENA_SLACK) + 1, ar.slots if ar is not None else 0), dtype,
+                           device, ar)
         ar.step += 1
         slots = [ar.slot_of.get(x, -1) for x in sealed]
         known = torch.tensor([s >= 0 for s in slots], dtype=torch.bool)  # known: [n]

@@ -31,16 +31,15 @@ def _offsets(t: BlockTable, blocks: list[int]) -> dict[int, int]:
 
 class GatherRing:
     """Reused buffers for the gathered KV of decode cells. A cell's buffer lives until its
-    attention is done. The next cache-reading cell's prefetch starts before this cell reads
-    (engine/prefetch.py CacheReads), so a buffer taken for cell c's prefetch may see two more
-    takes before c is done: a serial read of the cell before c, and the prefetch for the cell
-    after c. Three buffers, taken in turn, serve every cell. Reusing them spares each cell a fresh
+    attention is done, and at most one more gather (the next reading cell's prefetch, started
+    while this one computes: engine/prefetch.py CacheReads) runs meanwhile, so two buffers, taken
+    in turn, serve every cell. Reusing them spares each cell a fresh
     multi-megabyte tensor, whose first touch costs page faults on the CPU (measured: a third of a
     SparPR decode step at 4k tokens). Buffers start as zeros and then only ever hold gathered KV
     values, so their stale rows are finite: a per-sequence gather need not zero the rows it skips
     (masked out, they get exactly zero attention weight)."""
 
-    def __init__(self, n: int = 3):
+    def __init__(self, n: int = 2):
         self._bufs: list[torch.Tensor | None] = [None] * n
         self._next = 0
         self._lock = threading.Lock()

@@ -39,6 +39,9 @@ class Selection:
         return Selection(list(range(table.num_blocks)))
 
 
+ARENA_SLACK = 1.25  # an offloaded table's arena holds this x its largest selection (engine/recall.py)
+
+
 class KVPolicy:
     """Hooks, all optional. The new token of a step is always attended; the gathered tokens are
     the blocks' tokens in block order (table.gather's order)."""
@@ -68,6 +71,15 @@ class KVPolicy:
     def read_share(self) -> float:
         """Share of the cached tokens a decode step reads (the placement's estimate)."""
         return 1.0
+
+    def arena_share(self, cold: "KVPolicy | None" = None) -> float:
+        """Share of an offloaded cache's raw K+V (in the compute dtype) each table keeps on the
+        compute device of what it read (engine/recall.py): a selective policy's, ARENA_SLACK x its
+        read share, unless it observes what attention read (H2O), attends itself (DKV) or a cold
+        codec stores the blocks (their exact rows are read in place)."""
+        if self.reads_all or self.observes or self.attends or cold is not None:
+            return 0.0
+        return min(1.0, ARENA_SLACK * self.read_share())
 
     def resident_share(self, block_size: int, dtype_bytes: int, cold: "KVPolicy | None" = None) -> float:
         """What the policy keeps on the compute device per cached token, wherever the cache lives,

@@ -50,6 +50,9 @@ class Workload:
     host_share: float = 0.0
     # the share of the cache one decode step reads and attends (a sparse KV policy's keep ratio)
     kv_read_share: float = 1.0
+    # what each offloaded table keeps on the compute device of what it read, as a share of its
+    # raw K+V in the compute dtype (the KV policy's arena_share: engine/recall.py)
+    kv_arena_share: float = 0.0
     # tokens per KV block (0: not counted): the cache is allocated in whole blocks, and each
     # (layer, GPU batch) fills its open block on the compute device
     block_size: int = 0
@@ -65,6 +68,8 @@ class Workload:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         if not 0 < self.kv_read_share <= 1:
             raise ValueError(f"kv_read_share must be in (0, 1] (got {self.kv_read_share})")
+        if not 0 <= self.kv_arena_share <= 1:
+            raise ValueError(f"kv_arena_share must be in [0, 1] (got {self.kv_arena_share})")
         if min(self.prompt_len, self.gen_len, self.batch_size) < 1:
             raise ValueError("prompt_len, gen_len and batch_size must be >= 1")
         if self.block_size < 0:
@@ -132,10 +137,13 @@ def tier_use(wl: Workload, cuda: bool, wg, wc, cg, cc, gbs: int, act_on_cpu: boo
     resident = wl.resident_share * B * n_kv * 2 * s.kv_dim * b * L  # the policy's share on compute
     wd, cd = 1 - wg - wc, 1 - cg - cc
     # working set on the compute device: streamed layers double-buffered, the KV of one
-    # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill
-    # activations (q, k, v, attention out, MLP hidden) and logits, and every (layer, GPU batch)'s
-    # open block (a sparse policy's gather buffer is sized as dense's: the union of a batch's picks can be all)
-    work = (2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * n_kv * kv_tok
+    # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill activations
+    # (q, k, v, attention out, MLP hidden) and logits,
+    # and every (layer, GPU batch)'s open block (a sparse policy's gather buffer is sized as
+    # dense's: the union of a batch's picks can be all); a sparse policy's offloaded tables each
+    # keep an arena of what they read (engine/recall.py)
+    arena = (1 - cg) * L * B * n_kv * 2 * s.kv_dim * b * wl.kv_arena_share
+    work = (arena + 2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * n_kv * kv_tok
             + gbs * p * (5 * s.hidden + s.ffn) * b + gbs * s.vocab * 4
             + L * B * wl.block_size * 2 * s.kv_dim * b)
     act = B * p * s.hidden * b                         # hidden states of every batch

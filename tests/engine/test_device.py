@@ -56,6 +56,6 @@ def test_an_indexed_device_name_moves_no_resident_bytes(tiny_llama_dir, tmp_path
 
 def test_gather_ring_reuses_its_buffers_on_the_compute_device():
     ring, dev = GatherRing(), Devices(torch.device("cpu:0")).compute
-    first = [ring.take((2, 8), torch.float32, dev).data_ptr() for _ in range(3)]
-    again = [ring.take((2, 8), torch.float32, dev).data_ptr() for _ in range(3)]
-    assert first == again and len(set(first)) == 3  # three buffers in turn (GatherRing's docstring)
+    first = [ring.take((2, 8), torch.float32, dev).data_ptr() for _ in range(2)]
+    again = [ring.take((2, 8), torch.float32, dev).data_ptr() for _ in range(2)]
+    assert first == again and first[0] != first[1]

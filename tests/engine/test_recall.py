@@ -105,3 +105,23 @@ def test_the_arena_grows_and_keeps_what_it_holds(tmp_path):
         pos = got.pos[:-1][keep]
         assert sorted(pos.tolist()) == [0, 1, 2, 3, 4, 5, 8]
         assert torch.equal(got.kv[:, :, :, :-1][:, :, :, keep], kv[:, :, :, pos])
+
+
+def test_the_arenas_are_counted_where_they_live():
+    """A selective policy's arena share is ARENA_SLACK x its read share (none for dense, for H2O,
+    which observes attention's reads, or under a cold codec), and the placement's compute-device
+    working set grows by exactly that share of the offloaded cache."""
+    from flexgen_sparpr.kv.policy import ARENA_SLACK
+    from flexgen_sparpr.runtime.placement import Workload, tier_use
+    from flexgen_sparpr.models.spec import opt_spec
+    sparpr = make_policy("sparpr", keep_ratio=0.1)
+    assert sparpr.arena_share() == pytest.approx(ARENA_SLACK * sparpr.read_share())
+    assert make_policy("dense").arena_share() == make_policy("h2o", keep_ratio=0.1).arena_share() == 0
+    assert sparpr.arena_share(cold=make_policy("dkv")) == 0
+    spec = opt_spec("opt-1.3b")
+    base = Workload(spec, 512, 32, batch_size=4, kv_read_share=0.1)
+    with_arena = Workload(spec, 512, 32, batch_size=4, kv_read_share=0.1, kv_arena_share=0.125)
+    cg = 0.25
+    grow = [tier_use(w, True, 0.5, 0.5, cg, 0.75, 4, False)["compute"]["working"] for w in (base, with_arena)]
+    kv = 4 * (512 + 32) * 2 * spec.kv_dim * 2 * spec.num_layers  # the raw cache in float16
+    assert grow[1] - grow[0] == pytest.approx((1 - cg) * 0.125 * kv)
