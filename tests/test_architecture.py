@@ -147,8 +147,6 @@ SCRIPT_EXCEPTIONS = {
     "fingerprint.py": "a refactor's white-box check, not a benchmark: it runs the command line in-process "
                       "(cli.run) with SparPR's cost model pinned by a monkeypatch, and calls the upstream "
                       "hook's private summaries",
-    "bench_step.py": "storage's disk_bandwidth; the step benchmark is being reworked elsewhere and moves "
-                     "behind a bench module with it",
 }
 
 

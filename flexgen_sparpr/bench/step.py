@@ -1,0 +1,90 @@
+"""The decode step benchmark (scripts/bench_step.py): dense vs SparPR at the engine's defaults,
+where each step's time goes, KV resident or on disk (O_DIRECT), SmolLM2-135M, `LLM.compare`
+(one prefill, then each policy decodes the same fixed number of steps from it).
+
+Per cell: the median decode step of each policy and its parts (select, read, rebuild, io_wait,
+compute), the KV bytes read from disk per step, SparPR's effective keep, and the two ratios the
+decode-step targets name:
+  resident:  SparPR step / dense step                      (target <= 1.10 at batch 1, 1.05 at 4)
+  disk:      dense step / max(resident dense step, disk bytes / disk bandwidth)   (target <= 1.3)
+The disk bandwidth is measured on the offload folder with O_DIRECT 4 MiB reads (what `profile`
+records as disk_read_GBps)."""
+from __future__ import annotations
+
+import random
+import statistics
+from pathlib import Path
+
+import torch
+
+from ..api.llm import LLM
+from ..storage.disk_store import disk_bandwidth
+from .needle_prompt import NeedlePrompts, random_key
+from .results import md_table
+from .sweep import REFERENCE
+
+PLACEMENTS = {"resident": [100, 0, 100, 0, 100, 0], "disk": [100, 0, 0, 0, 100, 0]}
+PARTS = ("select", "read", "rebuild", "io_wait", "compute")
+TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "alice29.txt"
+
+
+def disk_read_Bps(folder: Path) -> tuple[float, str]:
+    """O_DIRECT sequential read bandwidth of `folder` (bytes/s) and the read mode used."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with torch.inference_mode(False):
+        bw = disk_bandwidth(folder, nbytes=256 << 20, direct=True, chunk_bytes=4 << 20)
+    return bw["read_GBps"] * 1e9, bw["mode"]
+
+
+def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps: int, offload: str,
+             seed: int) -> dict:
+    """One (tokens, batch, placement) cell: dense and SparPR at each keep from one prefill."""
+    with LLM("smollm2-135m", gpu_batch_size=batch, percent=PLACEMENTS[placement], direct_io=True,
+             offload_dir=offload, quiet=True) as llm:
+        rng = random.Random(seed)
+        book = NeedlePrompts(llm.tokenizer, TEXT)
+        prompts = [book.build(tokens, (i + 1) / (batch + 1), random_key(rng, 5), rng).ids for i in range(batch)]
+        runs = llm.compare(prompts, {f"sparpr@{k:g}": {"kv_policy": "sparpr", "keep_ratio": k} for k in keeps},
+                           max_new_tokens=steps + 1, stop=None)
+        kv_dtype = str(llm.engine.cfg.torch_kv_dtype(llm.engine.dtype)).removeprefix("torch.")
+    cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": kv_dtype,
+            "prefill_s": runs[REFERENCE][1].prefill_s, "policies": {}}
+    for label, (_, s) in runs.items():
+        decode = s.step_times[0][1:]
+        row = {"step_s": statistics.median(decode), "steps": len(decode),
+               "disk_bytes_per_step": s.bytes_moved.get("disk->cpu", 0) / len(decode),
+               "parts_s": s.decode_step_parts}
+        if label != REFERENCE:
+            row["effective_keep"] = s.kv_policy_stats["totals"]["effective_keep"]
+        cell["policies"][label] = row
+    return cell
+
+
+def add_ratios(cells: list[dict], read_Bps: float) -> None:
+    """Each policy's step over dense's, and each disk cell's dense step over its floor."""
+    for c in cells:
+        res = next((r for r in cells if r["placement"] == "resident" and r["tokens"] == c["tokens"]
+                    and r["batch"] == c["batch"]), None)
+        dense = c["policies"][REFERENCE]
+        for p in c["policies"].values():
+            p["vs_dense"] = p["step_s"] / dense["step_s"]
+        if c["placement"] == "disk" and res is not None:
+            floor = max(res["policies"][REFERENCE]["step_s"], dense["disk_bytes_per_step"] / read_Bps)
+            c["dense_vs_floor"] = dense["step_s"] / floor
+
+
+def render(payload: dict) -> str:
+    cfg, m = payload["config"], payload["machine"]
+    rows = []
+    for c in payload["cells"]:
+        for label, p in c["policies"].items():
+            parts = " / ".join(f"{p['parts_s'].get(k, 0) * 1e3:.0f}" for k in PARTS)
+            rows.append([c["tokens"], c["batch"], c["placement"], label, f"{p['step_s']:.3f}", f"{p['vs_dense']:.2f}x",
+                         f"{p['disk_bytes_per_step'] / 2 ** 20:.1f}", f"{p.get('effective_keep', 1):.2f}", parts,
+                         f"{c['dense_vs_floor']:.2f}x" if label == REFERENCE and "dense_vs_floor" in c else ""])
+    return (f"# Decode step, dense vs SparPR (SmolLM2-135M, engine {cfg['engine_commit']})\n\n"
+            f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
+            f"disk {cfg['disk_read_Bps'] / 1e9:.2f} GB/s O_DIRECT read. {cfg['defaults']}; median of "
+            f"{cfg['steps']} decode steps. Produced by `scripts/bench_step.py`.\n\n"
+            + md_table(["tokens", "batch", "KV", "policy", "step s", "vs dense", "disk MiB/step", "keep",
+                        "select / read / rebuild / io_wait / compute ms", "dense vs floor"], rows))
