@@ -1,7 +1,8 @@
 """The package's shape, checked mechanically (docs/design.md): folders are layers of the stack and
 import downward only, no module imports itself back through a circle, no code outside kv/
 branches on a KV policy's name (a policy's facts are methods on it), and scripts/ reach the engine
-only through the API or the bench floor (flexgen_sparpr/bench/), named exceptions aside."""
+only through the API or the bench floor (flexgen_sparpr/bench/), named exceptions aside; no module
+is longer than MAX_LINES and scripts/ stay thin."""
 from __future__ import annotations
 
 import ast
@@ -177,3 +178,21 @@ def test_the_script_check_catches_what_it_looks_for():
     src = ("import flexgen_sparpr.engine.executor\nfrom flexgen_sparpr.bench.results import md_table\n"
            "def f():\n    from flexgen_sparpr.cli.run import run\n    from flexgen_sparpr import LLM\n")
     assert sorted(reached_behind_the_api(src)) == ["flexgen_sparpr.cli.run", "flexgen_sparpr.engine.executor"]
+
+
+MAX_LINES = 300  # a module fits on a screen or two (../shared/STYLE.md; the structure issue's cap)
+SCRIPTS_MAX_LINES = 3000  # scripts/ only orchestrate: their logic lives on the bench floor
+
+
+def test_no_package_module_is_longer_than_the_cap():
+    long = {str(p.relative_to(ROOT)): n for p in sorted(ROOT.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines (split them by job): {long}"
+
+
+def test_scripts_stay_thin():
+    """scripts/ under SCRIPTS_MAX_LINES lines in all, with no private helper module of their own."""
+    files = sorted(SCRIPTS.glob("*.py")) + sorted(SCRIPTS.glob("*.sh"))
+    total = sum(len(p.read_text().splitlines()) for p in files)
+    private = [p.name for p in SCRIPTS.glob("_*.py")]
+    assert total < SCRIPTS_MAX_LINES and not private, (total, private)

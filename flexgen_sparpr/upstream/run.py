@@ -1,6 +1,5 @@
-"""Run upstream FlexGen (flexgen==0.1.8) with dummy weights: the measured peer. On a CUDA
-machine it runs as shipped (unpatched, on the GPU); on the CPU, or when asked (`device="cpu"`),
-with the CPU patches of patches.py.
+"""Run upstream FlexGen (flexgen==0.1.8) with dummy weights: the measured peer. On CUDA as shipped
+(unpatched, on the GPU); on the CPU, or when asked (`device="cpu"`), with patches.py's CPU patches.
 
 `run_upstream(...)` runs it in a subprocess (upstream keeps module globals, starts copy threads
 and may exhaust memory; a child isolates all of that) and returns its timings and tokens.

@@ -19,6 +19,7 @@ from ..policy import Selection
 from .base import masked_mean_keys
 from .selection import BlockSelectionPolicy, StepView, shared_pick
 from .sparpr_lowrank import KeyBasis, encode, fit_basis, lowrank_block_scores, rank_for, summary_share
+from .sparpr_mean import block_scores
 from .sparpr_plan import CostPlan
 from .sparpr_stats import StepStats
 
@@ -26,29 +27,6 @@ from .sparpr_stats import StepStats
 HEAD_SCORES = ("sum", "softmax")
 SUMMARIES = ("auto", "lowrank", "mean")
 SUMMARY_HOMES = ("compute", "cpu")
-
-
-def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_score: str = "sum") -> torch.Tensor:
-    """q: [B, H, 1, D]; summ: [B, Hkv, nb, P, D]; live: [B, nb, P] -> [B, nb] (-inf: no valid token).
-
-    A part's score is the sum over query heads h of f_h(q_h . summ[g(h)]), g(h) = h // (H / Hkv);
-    a block scores its best part (P = 1: the block's own mean). "sum": f is the identity.
-    "softmax": f_h is head h's softmax over all parts (logits scaled by 1/sqrt(D), as attention's
-    are), so each head adds one unit of mass and a head with large logits cannot outvote the
-    others; still a sum over heads of a monotone function of each head's inner products."""
-    b, h, _, d = q.shape
-    _, hkv, nb, parts, _ = summ.shape
-    live = live.reshape(b, nb * parts)  # live: [B, nb * P]
-    summ = summ.reshape(b, hkv, nb * parts, d)  # summ: [B, Hkv, nb * P, D] (a view of a block prefix)
-    qs = q.to(summ.dtype)  # products in the summaries' dtype, summed in float32 (no copy of them)
-    if head_score == "sum":  # sum_h q_h . s_g(h) = sum_g (sum of g's query heads) . s_g
-        qg = q.float().view(b, hkv, h // hkv, d).sum(dim=2)  # qg: [B, Hkv, D]
-        part = torch.einsum("bgd,bgnd->bn", qg, summ.float())  # part: [B, nb * P], float32 (fp16 ties/overflows)
-    else:
-        per = torch.einsum("bgjd,bgnd->bgjn", qs.view(b, hkv, h // hkv, d), summ).float()  # [B, Hkv, G, nb * P]
-        per = (per / math.sqrt(d)).masked_fill(~live[:, None, None], -math.inf)
-        part = per.softmax(dim=-1).sum(dim=(1, 2))  # part: [B, nb * P]
-    return part.masked_fill(~live, -math.inf).view(b, nb, parts).amax(dim=-1)  # [B, nb]
 
 
 @dataclass(eq=False)
