@@ -59,13 +59,16 @@ class KVReader:
                                       speculate=self.speculate)
         if sel is None:
             return Done(None)
-        return self.io.submit(self._gather_guess if sel.guess else self._gather, t, sel)
+        return self.io.submit(self._gather_guess if sel.guess else self._gather, t, sel, False)
 
-    def _gather(self, t: BlockTable, sel) -> Fetched:
+    def _gather(self, t: BlockTable, sel, on_compute: bool = True) -> Fetched:
         """A selective policy's copy of part of an offloaded cache goes through the recall (only
         what the table's arena lacks is read; engine/recall.py), unless the policy observes what
-        attention read in gather order (H2O); the rest, through the ring."""
+        attention read in gather order (H2O); the rest, through the ring. On CUDA only on the
+        compute stream (on_compute): an arena outlives the step, and an I/O-stream write to a slot
+        last read by the compute stream would need an event between them."""
         if self.recall is not None and not self.policy.reads_all and not self.policy.observes and \
+                (on_compute or not self.devices.streams.active) and \
                 Recall.applies(t, sel) and len(sel.blocks) < t.num_blocks:
             return self.recall.gather(t, sel, self.dtype, self.devices.compute)
         return gather_selection(t, sel, self.dtype, self.devices.compute, self.ring)
