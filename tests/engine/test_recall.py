@@ -19,14 +19,14 @@ PLACEMENTS = {"disk": dict(cache_gpu_percent=0, cache_cpu_percent=0), "cpu": dic
                                                                                   cache_cpu_percent=100)}
 
 
-def run(model_dir, tmp_path, policy: str, placement: str, recall: bool, ngb: int = 1):
+def run(model_dir, tmp_path, policy: str, placement: str, recall: bool, ngb: int = 1, device: str = "cpu"):
     knobs = {"keep_ratio": 0.2}
     if policy == "sparpr":
         knobs["costs"] = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, live=False)
     if policy == "quest":
         knobs["dense_layers"] = 0  # the tiny models have two layers
     pol = make_policy(policy, **knobs)
-    cfg = EngineConfig(device="cpu", dtype="float32", kv_dtype="float32", block_size=8, offload_dir=str(tmp_path),
+    cfg = EngineConfig(device=device, dtype="float32", kv_dtype="float32", block_size=8, offload_dir=str(tmp_path),
                        direct_io=True)
     with Engine(resolve_source(str(model_dir), ""), Policy(gpu_batch_size=len(PROMPTS) // ngb, num_gpu_batches=ngb,
                                                           **PLACEMENTS[placement]), cfg) as eng:
@@ -41,14 +41,14 @@ def run(model_dir, tmp_path, policy: str, placement: str, recall: bool, ngb: int
 
 @pytest.mark.parametrize("placement", ["disk", "cpu"])
 @pytest.mark.parametrize("policy", ["sparpr", "quest", "streaming-llm"])
-def test_recall_changes_nothing_but_the_bytes(tiny_model_dir, tmp_path, policy, placement):
-    ref_tokens, ref_logits, ref_moved = run(tiny_model_dir, tmp_path / "a", policy, placement, recall=False)
-    tokens, logits, moved = run(tiny_model_dir, tmp_path / "b", policy, placement, recall=True)
+def test_recall_changes_nothing_but_the_bytes(tiny_model_dir, tmp_path, policy, placement, device):
+    ref_tokens, ref_logits, ref_moved = run(tiny_model_dir, tmp_path / "a", policy, placement, False, device=device)
+    tokens, logits, moved = run(tiny_model_dir, tmp_path / "b", policy, placement, True, device=device)
     assert tokens == ref_tokens
     for a, b in zip(logits, ref_logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the same tokens, summed in another order
     link = "disk->cpu" if placement == "disk" else "cpu->compute"
-    if placement == "disk":  # the CPU tier of a CPU engine is the compute device: nothing crosses
+    if placement == "disk" or device == "cuda":  # a CPU engine's CPU tier is its compute device: nothing crosses
         assert moved[link] < 0.7 * ref_moved[link], (moved[link], ref_moved[link])
 
 
