@@ -19,8 +19,7 @@ CHILD = """
 import sys
 for name in {missing!r}:
     sys.modules[name] = None  # `import name` now raises ImportError, as if not installed
-sys.path.insert(0, "scripts")
-import _common  # noqa: F401  (the scripts' helpers: flexgen_sparpr.bench.args, results, offload)
+import flexgen_sparpr.bench.args, flexgen_sparpr.bench.results, flexgen_sparpr.bench.offload  # noqa: E401,F401 (the scripts' helpers)
 from flexgen_sparpr.runtime.profile import free_memory
 from flexgen_sparpr.cli.run import run
 import torch
