@@ -59,7 +59,9 @@ class KVReader:
                                       speculate=self.speculate)
         if sel is None:
             return Done(None)
-        return self.io.submit(self._gather_guess if sel.guess else self._gather, t, sel, False)
+        if sel.guess:
+            return self.io.submit(self._gather_guess, t, sel)
+        return self.io.submit(self._gather, t, sel, False)
 
     def _gather(self, t: BlockTable, sel, on_compute: bool = True) -> Fetched:
         """A selective policy's copy of part of an offloaded cache goes through the recall (only
