@@ -3,7 +3,7 @@
 - upstream FlexGen (flexgen==0.1.8, flexgen_sparpr/upstream) in a child process, with a timeout;
 - HF transformers: `generate` on a loaded checkpoint (hf_generate), or OPT with random weights
   under accelerate's offload below a memory cap (hf_offload_opt);
-- llama.cpp: its runner belongs here too, in the same shape.
+- llama.cpp (llama-cpp-python, an optional bench extra) on a GGUF: greedy, batch 1 (llamacpp_greedy).
 
 A runner returns a dict: {"ok": True, "prefill_s", "decode_s" or "step_s", ...} when it ran,
 {"ok": False, "error": one line} when it did not (a timeout also sets "timeout", an OOM "oom").
@@ -123,5 +123,39 @@ def hf_offload_opt(spec, prompts: list[list[int]], gen_len: int, cap: float, see
 
 
 # --- llama.cpp ---
-# A llama.cpp runner (llama-cli / llama-bench on a GGUF of the same model, its prefill and
-# decode seconds parsed from its timings) goes here, returning the same dict.
+def llamacpp_version() -> str | None:
+    """llama-cpp-python's version, or None when it is not installed (an optional bench extra)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp.__version__
+
+
+def llamacpp_greedy(gguf, prompt: list[int], gen_len: int, threads: int) -> dict:
+    """llama.cpp (llama-cpp-python) on a GGUF: the prompt's ids evaluated in one call, then
+    gen_len greedy tokens, each the argmax of the last logits, evaluated one at a time. prefill_s:
+    the prompt's eval; step_s: each one-token eval after it. Returns tokens [gen_len] too."""
+    try:
+        import numpy as np
+        import llama_cpp
+    except ImportError as e:
+        return {"ok": False, "error": f"not available ({e})"}
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + gen_len + 8, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, verbose=False)
+    vocab = llm.n_vocab()
+    try:
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill = time.perf_counter() - t0
+        tokens, steps = [], []
+        for i in range(gen_len):  # the last token's logits, read from the context (eval keeps them only with logits_all)
+            last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            tokens.append(int(np.argmax(last)))
+            if i < gen_len - 1:
+                t0 = time.perf_counter()
+                llm.eval(tokens[-1:])
+                steps.append(time.perf_counter() - t0)
+    finally:
+        llm.close()
+    return {"ok": True, "prefill_s": prefill, "step_s": steps, "tokens": tokens}

@@ -1,0 +1,52 @@
+"""scripts/bench_llamacpp.py: this engine beside llama.cpp on the prepared SmolLM2 GGUF. Without
+llama-cpp-python (an optional bench extra CI does not build) the script says so in one line;
+with it, a tiny run writes both sides and where their greedy tokens part."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flexgen_sparpr.bench.llamacpp import first_difference, gguf_path
+from flexgen_sparpr.bench.peers import llamacpp_version
+from tests.scripts.runner import REPO, run_script
+
+WITHOUT = ("import runpy, sys; sys.modules['llama_cpp'] = None; sys.argv = ['bench_llamacpp.py', '--out', {out!r}]; "
+           "runpy.run_path('scripts/bench_llamacpp.py', run_name='__main__')")
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([4], [5, 6]) == 0
+
+
+def test_without_llama_cpp_one_line_and_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-c", WITHOUT.format(out=str(tmp_path))], capture_output=True, text=True,
+                       cwd=REPO)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "llama-cpp-python is not installed" in r.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args", [["--gen-len", "1"], ["--lengths", "10"], ["--threads", "0"]])
+def test_bad_flags_one_line(args):
+    r = run_script("bench_llamacpp.py", *args)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+@pytest.mark.skipif(llamacpp_version() is None, reason="llama-cpp-python is an optional bench extra, not built here")
+@pytest.mark.skipif(gguf_path() is None, reason="needs the prepared SmolLM2 (`flexgen-sparpr prepare`)")
+def test_tiny_run_writes_both_sides(tmp_path):
+    r = run_script("bench_llamacpp.py", "--lengths", "200", "--gen-len", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (cell,) = json.loads((tmp_path / "llamacpp.json").read_text())["cells"]
+    assert cell["llamacpp"]["ok"] and len(cell["llamacpp"]["tokens"]) == 4 and len(cell["llamacpp"]["step_s"]) == 3
+    assert set(cell["engine"]) == {"dense", "sparpr@0.1"}
+    assert all(len(row["tokens"]) == 4 and row["decode_tok_s"] > 0 and "first_difference" in row
+               for row in cell["engine"].values())
+    assert all(0 <= t < 49152 for t in cell["llamacpp"]["tokens"])  # SmolLM2's vocabulary
+    # the same weights, the same prompt: dense's first greedy token is llama.cpp's (a fixed prompt)
+    assert cell["engine"]["dense"]["first_difference"] != 0
+    assert "llama.cpp (Q4_1)" in (tmp_path / "llamacpp.md").read_text()
