@@ -6,11 +6,13 @@ weight is read: no model loads per example (the API's tests share one tiny model
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import json
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -90,6 +92,7 @@ def test_a_numeric_flag_is_accepted_or_refused_in_one_line_naming_it(action, tex
 
 
 YAML_DIR = Path(tempfile.mkdtemp(prefix="flexgen-sparpr-yaml-"))
+atexit.register(shutil.rmtree, YAML_DIR, ignore_errors=True)  # hypothesis draws files here: gone at exit
 
 
 @FAST
