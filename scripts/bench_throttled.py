@@ -4,7 +4,7 @@ upstream FlexGen vs upstream + apply_sparpr, and the time model checked against 
 
 The cap: by default the read bandwidth that gives this CPU the laptop's FLOP-per-byte balance
 (bench/balance.py: this machine's profiled FLOP/s x the laptop's effective KV link / its FLOP/s,
-x 2 since the KV here is float32 and the laptop's float16; hardware files --here-hardware,
+x the KV bytes here over there: both float16 now; hardware files --here-hardware,
 --there-hardware and the laptop's cache split --there-cache-percent); --read-mbps gives caps
 (a sweep) instead. Not root or no blkio: runs unthrottled, with a note in the results.
 

@@ -6,8 +6,8 @@ Two machines have the same ratio for the same model and step when
 
     link_here = flops_here x (bytes_here / bytes_there) x link_there / flops_there
 
-where bytes_here / bytes_there is the KV dtype's size here over there (this engine keeps the KV in
-float32 on a CPU, the laptop in float16: 2). The laptop's link is the one its cache crosses:
+where bytes_here / bytes_there is the KV dtype's size here over there (`kv_bytes_ratio`: this
+engine stores the offloaded KV in its default --kv-dtype, float16 on a CPU as on the laptop: 1). The laptop's link is the one its cache crosses:
 with the cache split over its homes (the policy file's percent), one byte costs
 sum(share_home / bw_home) seconds, so its effective bandwidth is the inverse (the compute
 device's own share crosses no link and is left out). FLOP/s is each machine's compute device's
@@ -52,10 +52,23 @@ def kv_link_Bps(hw: Hardware, cache_percent: tuple[float, float, float]) -> floa
     return moved / per_byte  # bytes/s over the moved share
 
 
+def kv_bytes_ratio(there_dtype: str = "float16") -> float:
+    """Bytes of an offloaded KV value in this engine's default storage on the CPU (--kv-dtype auto,
+    computing in float32) over `there_dtype`'s."""
+    import torch
+
+    from ..engine.config import EngineConfig
+    here = EngineConfig(device="cpu", dtype="float32").torch_kv_dtype(torch.float32)
+    return here.itemsize / getattr(torch, there_dtype).itemsize
+
+
 def balanced_read(here: Hardware, there: Hardware, there_cache_percent: tuple[float, float, float],
                   here_dtype: str = "float32", there_dtype: str = "float16",
-                  dtype_bytes_ratio: float = 2.0) -> Balance:
-    """The disk read cap for `here` at `there`'s FLOP-per-byte balance (see the module docstring)."""
+                  dtype_bytes_ratio: float | None = None) -> Balance:
+    """The disk read cap for `here` at `there`'s FLOP-per-byte balance (see the module docstring);
+    dtype_bytes_ratio None: this engine's default KV storage over there_dtype (kv_bytes_ratio)."""
+    if dtype_bytes_ratio is None:
+        dtype_bytes_ratio = kv_bytes_ratio(there_dtype)
     link = kv_link_Bps(there, there_cache_percent)
     f_there, f_here = there.compute_flops(there_dtype), here.compute_flops(here_dtype)
     ratio = f_there / link

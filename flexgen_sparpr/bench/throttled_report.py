@@ -83,9 +83,10 @@ def render_md(payload: dict) -> str:
     notes = [
         f"- {cfg['model']} dummy weights, batch {cfg['batch']}, block {cfg['block_size']}, SparPR keep ceiling "
         f"{cfg['keep_ratio']}, min_keep {cfg['min_keep']}, gamma {cfg['gamma']}; KV all on the disk tier (this "
-        "engine: float32, O_DIRECT; upstream: float16, page cache dropped after each disk sync).",
+        f"engine: {'float16' if bal['kv_dtype_bytes_here_over_there'] == 1 else 'float32'} blocks, O_DIRECT; "
+        "upstream: float16, page cache dropped after each disk sync).",
         f"- Balanced cap: {bal['read_mbps']:.1f} MB/s = this CPU's {bal['here_TFLOPS']:.4f} TFLOPS x "
-        f"{bal['kv_dtype_bytes_here_over_there']:g} (float32 KV here / float16 there) / the laptop's "
+        f"{bal['kv_dtype_bytes_here_over_there']:g} (KV bytes here / there) / the laptop's "
         f"{bal['there_flop_per_byte']:.0f} FLOP per byte ({bal['there_TFLOPS']:g} TFLOPS over its "
         f"{bal['there_link_GBps']:.2f} GB/s effective KV link: cache split {cfg['there_cache_percent']}), from "
         f"{bal['here_hardware']} and {bal['there_hardware']} (bench/balance.py).",

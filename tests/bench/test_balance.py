@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from flexgen_sparpr.bench.balance import balanced_read, kv_link_Bps
+from flexgen_sparpr.bench.balance import balanced_read, kv_bytes_ratio, kv_link_Bps
 from flexgen_sparpr.runtime.hardware import load_hardware
 from tests.scripts.runner import REPO
 
@@ -26,10 +26,13 @@ def test_link_is_the_harmonic_mix_of_the_cache_homes():
 
 
 def test_balanced_cap_keeps_the_flop_per_byte_ratio():
-    b = balanced_read(HERE, LAPTOP, (0, 95, 5))
+    b = balanced_read(HERE, LAPTOP, (0, 95, 5), dtype_bytes_ratio=2.0)
     there = LAPTOP.compute_flops("float16") / kv_link_Bps(LAPTOP, (0, 95, 5))
     # with the KV twice the bytes here, twice the bandwidth keeps I/O time / compute time equal
     assert HERE.compute_flops("float32") / (b.read_Bps / 2) == pytest.approx(there)
+    # by default the engine's own offloaded KV dtype: float16 on a CPU, as the laptop's
+    assert kv_bytes_ratio() == 1.0
+    assert balanced_read(HERE, LAPTOP, (0, 95, 5)).read_Bps == pytest.approx(b.read_Bps / 2)
     fast = dataclasses.replace(HERE, flops={"float32": 2 * HERE.compute_flops("float32")})
-    assert balanced_read(fast, LAPTOP, (0, 95, 5)).read_Bps == pytest.approx(2 * b.read_Bps)
+    assert balanced_read(fast, LAPTOP, (0, 95, 5), dtype_bytes_ratio=2.0).read_Bps == pytest.approx(2 * b.read_Bps)
     assert 50 < b.read_mbps < 500 and b.to_dict()["read_mbps"] == b.read_mbps
