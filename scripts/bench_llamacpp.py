@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit()
 from flexgen_sparpr.bench.args import OneLineParser, die  # noqa: E402
 from flexgen_sparpr.bench.llamacpp import gguf_path, render, run_context  # noqa: E402
 from flexgen_sparpr.bench.peers import llamacpp_version  # noqa: E402
-from flexgen_sparpr.bench.results import engine_commit, machine_info, write_results  # noqa: E402
+from flexgen_sparpr.bench.results import publish  # noqa: E402
 from flexgen_sparpr.utils.guard import guarded  # noqa: E402
 
 
@@ -47,11 +47,9 @@ def main() -> int:
         print(f"{n}: llama.cpp " + (f"{c['llamacpp']['decode_tok_s']:.1f} tok/s" if c["llamacpp"]["ok"] else
                                    c["llamacpp"]["error"]) + ", " + ", ".join(
             f"{k} {v['decode_tok_s']:.1f} tok/s" for k, v in c["engine"].items()), flush=True)
-    payload = {"config": {**vars(args), "model": "smollm2-135m", "gguf": gguf_path().name, "llamacpp_version": version,
-                          "engine_commit": engine_commit(), "engine": "defaults, batch 1, KV resident"},
-               "machine": machine_info(), "cells": cells}
-    write_results(Path(args.out), "llamacpp", payload, render(payload))
-    print(f"wrote {args.out}/llamacpp.json and llamacpp.md")
+    publish(args.out, "llamacpp", {**vars(args), "model": "smollm2-135m", "gguf": gguf_path().name,
+                                   "llamacpp_version": version, "engine": "defaults, batch 1, KV resident"},
+            cells, render)
     return 0
 
 

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 
 from flexgen_sparpr.bench.args import OneLineParser  # noqa: E402
-from flexgen_sparpr.bench.results import engine_commit, machine_info, write_results  # noqa: E402
-from flexgen_sparpr.bench.step import PLACEMENTS, add_ratios, disk_read_Bps, render, run_cell  # noqa: E402
+from flexgen_sparpr.bench.results import publish  # noqa: E402
+from flexgen_sparpr.bench.step import PLACEMENTS, add_ratios, defaults_said, disk_read_Bps, render, run_cell  # noqa: E402
 from flexgen_sparpr.utils.guard import guarded  # noqa: E402
 
 
@@ -44,12 +44,8 @@ def main() -> int:
                 print(f"{tokens} x{batch} {placement}: " + ", ".join(
                     f"{k} {v['step_s']:.3f}s" for k, v in cell["policies"].items()), flush=True)
     add_ratios(cells, read_Bps)
-    payload = {"config": {**vars(args), "model": "smollm2-135m", "defaults": "engine defaults (block 16, "
-                          "--kv-dtype auto) but the placement; disk: O_DIRECT", "disk_read_Bps": read_Bps,
-                          "engine_commit": engine_commit()},
-               "machine": machine_info(), "cells": cells}
-    write_results(Path(args.out), "step", payload, render(payload))
-    print(f"wrote {args.out}/step.json and step.md")
+    publish(args.out, "step", {**vars(args), "model": "smollm2-135m", "defaults": defaults_said(cells),
+                               "disk_read_Bps": read_Bps}, cells, render)
     return 0
 
 

@@ -18,8 +18,9 @@ from .needle_prompt import NeedlePrompts, random_key
 from .peers import llamacpp_greedy
 from .results import md_table
 from .sweep import REFERENCE
+from .texts import TEXTS
 
-TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "alice29.txt"
+TEXT = TEXTS["alice29"].path  # the demo's text (tuning split: bench/texts.py)
 
 
 def gguf_path() -> Path | None:

@@ -90,6 +90,15 @@ def write_results(out_dir: Path, stem: str, payload: dict, markdown: str | None 
     return paths
 
 
+def publish(out_dir: Path, stem: str, config: dict, cells: list, render) -> dict:
+    """A benchmark's results: {config (with the engine commit), machine, cells} written as
+    out_dir/stem.json and render(payload) as stem.md, said on stdout. Returns the payload."""
+    payload = {"config": {**config, "engine_commit": engine_commit()}, "machine": machine_info(), "cells": cells}
+    write_results(Path(out_dir), stem, payload, render(payload))
+    print(f"wrote {out_dir}/{stem}.json and {stem}.md")
+    return payload
+
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     """A GitHub-markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

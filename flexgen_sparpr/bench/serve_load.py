@@ -18,7 +18,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "alice29.txt"
+from .texts import TEXTS
+
+TEXT = TEXTS["alice29"].path  # the demo's text (tuning split: bench/texts.py)
 BACKOFF_S = 0.5
 
 

@@ -22,10 +22,11 @@ from ..storage.disk_store import disk_bandwidth
 from .needle_prompt import NeedlePrompts, random_key
 from .results import md_table
 from .sweep import REFERENCE
+from .texts import TEXTS
 
 PLACEMENTS = {"resident": [100, 0, 100, 0, 100, 0], "disk": [100, 0, 0, 0, 100, 0]}
 PARTS = ("select", "read", "rebuild", "io_wait", "compute")
-TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "alice29.txt"
+TEXT = TEXTS["alice29"].path  # the demo's text (tuning split: bench/texts.py)
 
 
 def disk_read_Bps(folder: Path) -> tuple[float, str]:
@@ -47,7 +48,8 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
         runs = llm.compare(prompts, {f"sparpr@{k:g}": {"kv_policy": "sparpr", "keep_ratio": k} for k in keeps},
                            max_new_tokens=steps + 1, stop=None)
         kv_dtype = str(llm.engine.cfg.torch_kv_dtype(llm.engine.dtype)).removeprefix("torch.")
-    cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": kv_dtype,
+        block_size = llm.engine.cfg.block_size
+    cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": kv_dtype, "block_size": block_size,
             "prefill_s": runs[REFERENCE][1].prefill_s, "policies": {}}
     for label, (_, s) in runs.items():
         decode = s.step_times[0][1:]
@@ -58,6 +60,14 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
             row["effective_keep"] = s.kv_policy_stats["totals"]["effective_keep"]
         cell["policies"][label] = row
     return cell
+
+
+def defaults_said(cells: list[dict]) -> str:
+    """The configuration the cells ran at, as the engine resolved it."""
+    blocks = sorted({c["block_size"] for c in cells})
+    kv = sorted({c["kv_dtype"] for c in cells})
+    return (f"engine defaults (block {', '.join(map(str, blocks))}, KV stored {', '.join(kv)}) but the placement; "
+            "disk: O_DIRECT")
 
 
 def add_ratios(cells: list[dict], read_Bps: float) -> None:
