@@ -64,12 +64,12 @@ class KVReader:
         return self.io.submit(self._gather, t, sel, False)
 
     def _gather(self, t: BlockTable, sel, on_compute: bool = True) -> Fetched:
-        """A selective policy's copy of part of an offloaded cache goes through the recall (only
-        what the table's arena lacks is read; engine/recall.py), unless the policy observes what
-        attention read in gather order (H2O); the rest, through the ring. On CUDA only on the
-        compute stream (on_compute): an arena outlives the step, and an I/O-stream write to a slot
-        last read by the compute stream would need an event between them."""
-        if self.recall is not None and not self.policy.reads_all and not self.policy.observes and \
+        """A copy of part of an offloaded cache by a policy that keeps arenas (`arena_share`: a
+        selective one that does not observe attention's reads in gather order) goes through the
+        recall (only what the table's arena lacks is read; engine/recall.py); the rest, through
+        the ring. On CUDA only on the compute stream (on_compute): an arena outlives the step, and
+        an I/O-stream write to a slot last read by the compute stream would need an event."""
+        if self.recall is not None and self.policy.arena_share() > 0 and \
                 (on_compute or not self.devices.streams.active) and \
                 Recall.applies(t, sel) and len(sel.blocks) < t.num_blocks:
             return self.recall.gather(t, sel, self.dtype, self.devices.compute)

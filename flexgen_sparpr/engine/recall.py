@@ -76,11 +76,11 @@ class Recall:
         known = torch.tensor([s >= 0 for s in slots], dtype=torch.bool)  # known: [n]
         held = ar.had[:, [max(s, 0) for s in slots]] & known  # held: [B, n]
         short = ~held & need  # short: [B, n] rows to read
-        hit = ~short.any(dim=0)  # hit: [n] nothing to read
-        for s, h in zip(slots, hit.tolist()):
+        hit = (~short.any(dim=0)).tolist()  # hit: [n] nothing to read
+        for s, h in zip(slots, hit):
             if h:
                 ar.used[s] = ar.step
-        miss = [i for i, h in enumerate(hit.tolist()) if not h]
+        miss = [i for i, h in enumerate(hit) if not h]
         if miss:
             chosen = set(sealed)
             free = iter(sorted((s for s in range(ar.slots) if ar.used[s] != ar.step and
