@@ -42,8 +42,13 @@ def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int)
         label = f"sparpr@{keep:g}"
         runs = llm.compare([ids], {label: {"kv_policy": "sparpr", "keep_ratio": keep}}, max_new_tokens=gen_len,
                            stop=None)
+        eng = llm.engine
+        resolved = {"compute_dtype": str(eng.dtype).removeprefix("torch."), "block_size": eng.cfg.block_size,
+                    "kv_dtype": str(eng.cfg.torch_kv_dtype(eng.dtype)).removeprefix("torch."),
+                    "placement": {"weights": list(eng.policy.weight_percents), "kv": list(eng.policy.cache_percents)},
+                    "sparpr": runs[label][1].kv_policy_stats.get("config")}
     peer = llamacpp_greedy(gguf_path(), ids, gen_len, threads)
-    cell = {"tokens": len(ids), "gen_len": gen_len, "llamacpp": peer, "engine": {}}
+    cell = {"tokens": len(ids), "gen_len": gen_len, "resolved": resolved, "llamacpp": peer, "engine": {}}
     if peer["ok"]:
         peer["decode_tok_s"] = 1 / statistics.median(peer["step_s"])
         peer["prefill_tok_s"] = len(ids) / peer["prefill_s"]
