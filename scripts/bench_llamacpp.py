@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--gen-len", type=int, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
     ap.add_argument("--keep", type=float, default=0.1, help="SparPR's keep ratio (default 0.1)")
+    ap.add_argument("--weight-formats", nargs="+", default=["auto", "raw"], choices=["auto", "raw", "bfloat16", "int8", "int4"],
+                    help="this engine's --weight-format values, one run each (default: auto raw)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "llamacpp"))
     args = ap.parse_args()
@@ -42,7 +44,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     cells = []
     for n in args.lengths:
-        cells.append(run_context(n, args.gen_len, args.threads, args.keep, args.seed))
+        cells.append(run_context(n, args.gen_len, args.threads, args.keep, args.seed, tuple(args.weight_formats)))
         c = cells[-1]
         print(f"{n}: llama.cpp " + (f"{c['llamacpp']['decode_tok_s']:.1f} tok/s" if c["llamacpp"]["ok"] else
                                    c["llamacpp"]["error"]) + ", " + ", ".join(

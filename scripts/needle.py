@@ -51,6 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--trials", type=int, default=10, help="trials per task and length")
     ap.add_argument("--batch", type=int, default=5, help="prompts per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family (Quest's page)")
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "raw", "bfloat16", "int8", "int4"],
+                    help="the engine's --weight-format (default auto, the engine's default)")
     ap.add_argument("--dkv-block", type=int, default=DKV_BLOCK,
                     help="KV block of the dkv family (default: the dkv policy's --dkv-block)")
     ap.add_argument("--dkv-rank", type=int, default=DKV_RANK, help="rank of the dkv family's joint K|V delta")
@@ -112,6 +114,7 @@ def main(argv=None) -> None:
     plan = {"split": args.split, "texts": [t.name for t in args.text_objs], "depths": args.depths, "seed": args.seed,
             "tasks": args.tasks, "lengths": args.lengths, "trials": args.trials, "batch": args.batch,
             "configs": [c.label for c in args.configs], "block_size": args.block_size, "dkv_block": args.dkv_block,
+            "weight_format": args.weight_format,
             "answer_prefix": args.answer_prefix, **({"dkv_args": args.dkv_args} if args.dkv_args else {})}
     out = Path(args.out)
     try:
@@ -128,7 +131,7 @@ def main(argv=None) -> None:
     print(f"{len(done)} batches already in {out / 'needle.json'}; {len(todo)} to run", flush=True)
     eos = src.spec.eos_id
     sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block,
-                        dkv_args=args.dkv_args)
+                        dkv_args=args.dkv_args, weight_format=args.weight_format)
     base = payload["wall_s"]
     try:
         with timer() as wall:

@@ -46,6 +46,8 @@ def parse_args(argv=None):
     ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
     ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "raw", "bfloat16", "int8", "int4"],
+                    help="the engine's --weight-format (default auto, the engine's default)")
     ap.add_argument("--dkv-block", type=int, default=DKV_BLOCK,
                     help="KV block of the dkv family (default: the dkv policy's --dkv-block)")
     exact_routed_arg(ap)
@@ -96,7 +98,7 @@ def main(argv=None) -> None:
     plan = {"split": args.split, "texts": [t.name for t in args.text_objs], "seed": args.seed,
             "lengths": args.lengths, "score_tokens": args.score_tokens, "windows": args.windows,
             "configs": [c.label for c in args.configs], "batch": args.batch, "block_size": args.block_size,
-            "dkv_block": args.dkv_block}
+            "dkv_block": args.dkv_block, "weight_format": args.weight_format}
     dkv_args = {"exact_routed": args.dkv_exact_routed} if args.dkv_exact_routed else {}
     plan |= {"dkv_args": dkv_args} if dkv_args else {}  # older plans (no such key) still resume
     plan |= {"stream": True} if args.stream else {}
@@ -114,7 +116,7 @@ def main(argv=None) -> None:
                "records": old["records"] if old else [], "skipped": [], "wall_s": old.get("wall_s", 0) if old else 0}
     done = done_ids(old)
     sweep = PolicySweep(src, device=args.device, block_size=args.block_size, dkv_block=args.dkv_block,
-                        dkv_args=dkv_args)
+                        dkv_args=dkv_args, weight_format=args.weight_format)
     todo = [(bid, n, ws) for bid, n, ws in batches if bid not in done]
     print(f"{len(batches) - len(todo)} of {len(batches)} batches already in {out / 'ppl.json'}", flush=True)
     base = payload["wall_s"]

@@ -49,7 +49,9 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
                            max_new_tokens=steps + 1, stop=None)
         kv_dtype = str(llm.engine.cfg.torch_kv_dtype(llm.engine.dtype)).removeprefix("torch.")
         block_size = llm.engine.cfg.block_size
+        weights = llm.engine.weight_format.describe()
     cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": kv_dtype, "block_size": block_size,
+            "weight_format": weights,
             "prefill_s": runs[REFERENCE][1].prefill_s, "policies": {}}
     for label, (_, s) in runs.items():
         decode = s.step_times[0][1:]
@@ -66,7 +68,9 @@ def defaults_said(cells: list[dict]) -> str:
     """The configuration the cells ran at, as the engine resolved it."""
     blocks = sorted({c["block_size"] for c in cells})
     kv = sorted({c["kv_dtype"] for c in cells})
-    return (f"engine defaults (block {', '.join(map(str, blocks))}, KV stored {', '.join(kv)}) but the placement; "
+    weights = sorted({c.get("weight_format", "raw (before --weight-format)") for c in cells})
+    return (f"engine defaults (block {', '.join(map(str, blocks))}, KV stored {', '.join(kv)}, weights "
+            f"{'; '.join(weights)}) but the placement; "
             "disk: O_DIRECT")
 
 

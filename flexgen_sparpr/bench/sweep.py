@@ -111,8 +111,9 @@ class PolicySweep:
     per family and decodes it under every configuration."""
 
     def __init__(self, source, *, device: str = "cpu", block_size: int = 16, dkv_block: int = 256,
-                 dkv_args: dict | None = None):
+                 dkv_args: dict | None = None, weight_format: str = "auto"):
         self.src, self.device, self.block_size, self.dkv_block = source, device, block_size, dkv_block
+        self.weight_format = weight_format
         self.dkv_args = dict(dkv_args or {})
         self._engines: dict[tuple[str, int], Engine] = {}
 
@@ -120,10 +121,10 @@ class PolicySweep:
         key = (family, batch)
         if key not in self._engines:
             if family == RAW:
-                cfg = EngineConfig(device=self.device, block_size=self.block_size)
+                cfg = EngineConfig(device=self.device, block_size=self.block_size, weight_format=self.weight_format)
             else:  # the codec's own policy prefills the cache in its form
                 cfg = EngineConfig(device=self.device, block_size=self.dkv_block, kv_policy=family,
-                                   policy_args=self.dkv_args)
+                                   policy_args=self.dkv_args, weight_format=self.weight_format)
             self._engines[key] = Engine(self.src, Policy(gpu_batch_size=batch), cfg)
         return self._engines[key]
 

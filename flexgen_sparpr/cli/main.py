@@ -47,7 +47,11 @@ def main(argv=None) -> int:
         return guarded(profile, rest)
     if cmd == "prepare":
         from ..weights.prepare import main as prepare_main
-        return guarded(prepare_main, rest)
+        rc = guarded(prepare_main, rest)
+        if rc == 0 and not {"-h", "--help"} & set(rest):  # what --weight-format auto will choose from
+            from ..runtime.probe import say_weight_formats
+            rc = guarded(lambda: say_weight_formats(print, refresh=False) or 0)
+        return rc
     print(f"error: unknown command {cmd!r} (commands: run, chat, batch, serve, models, prepare, profile; see --help)", file=sys.stderr)
     return 2
 

@@ -73,6 +73,7 @@ class Generated:
     device: str
     dtype: str
     kv_stats: dict | None = None  # the KV policy's per-step statistics, if it keeps them
+    weight_format: str = ""  # what --weight-format resolved to (engine/weight_format.py describe)
 
 
 def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig, pipeline=None) -> Setup:
@@ -119,6 +120,7 @@ def generate(s: Setup, link=None) -> Generated:
     s.say("init weight...")
     bars = bars_wanted(opts.quiet) and opts.verbose >= 1
     with LLM.loaded(opts, s.policy, s.engine, s.source, s.tokenizer, progress=bars, link=link) as llm:
+        s.say(f"weight format: {llm.engine.weight_format.describe()}")
         if opts.warmup:
             s.say("warmup - generate")
             llm.generate_ids([p[:32] for p in s.prompts], Params(1), sort=False)
@@ -131,8 +133,9 @@ def generate(s: Setup, link=None) -> Generated:
         if printer is not None:
             printer.close()
         st = llm.last_stats
+        formats = llm.engine.weight_format.describe()
     res = GenerationResult(tokens=rows, step_times=st.step_times[0], step_parts=st.step_parts[0])
-    return Generated(res, st.bytes_moved, st.peak_memory, st.disk_io_mode, st.device, st.dtype, st.kv_policy_stats)
+    return Generated(res, st.bytes_moved, st.peak_memory, st.disk_io_mode, st.device, st.dtype, st.kv_policy_stats, formats)
 
 
 def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
@@ -176,6 +179,7 @@ def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
                     "decode_tokens_per_s": n * (steps_done - 1) / max(decode_lat, 1e-10)},
         "peak_memory": g.memory, "bytes_moved": g.bytes_moved, "disk_io_mode": g.disk_modes,
         "policy": dataclasses.asdict(s.policy), "engine": engine_report(s.engine), "torch": torch.__version__,
+        "weight_format": g.weight_format,
     }
     if s.plan is not None:
         out["auto_policy"] = {"hardware": s.hardware.name, "hardware_source": s.hardware.source,

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from ..kv import policies
+from ..models.packed import FORMATS as WEIGHT_FORMATS
 from ..utils.args import OneLineParser
 from ..weights.resolve import KNOWN_NAMES, SMOLLM2
 
@@ -20,7 +21,7 @@ DEFAULTS = {
     "sep_layer": True, "pin_weight": True, "cpu_cache_compute": False, "attn_sparsity": 1.0,
     "compress_weight": False, "compress_cache": False, "log_file": "auto", "no_log": False,
     "verbose": 2, "overlap": True,
-    "device": "auto", "dtype": "auto", "kv_dtype": "auto", "gpu_mem": None, "block_size": 16, "max_seq_len": None, "prompt": None,
+    "device": "auto", "dtype": "auto", "kv_dtype": "auto", "weight_format": "auto", "gpu_mem": None, "block_size": 16, "max_seq_len": None, "prompt": None,
     "prompt_file": None, "prompt_ids_file": None, "chat": False, "output_json": None, "config": None,
     "kv_policy": policies.DEFAULT, "cold_codec": "raw", "direct_io": False, "io_threads": 2, "seed": 0,
     "speculative_prefetch": False,
@@ -88,6 +89,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "on read (auto: float16, bfloat16 under --dtype bfloat16; float32 keeps them exact; "
                         "q8 / q4: 8- / 4-bit codes with a min and scale per 64 values, as --compress-cache's q4, "
                         "which also quantizes the compute tier's)")
+    g.add_argument("--weight-format", choices=list(WEIGHT_FORMATS),
+                   help="how projection weights are stored and multiplied: raw (the compute dtype), bfloat16, "
+                        "int8 (a scale per row), int4 (a scale and minimum per 32 inputs, GGUF's Q4_1; the LM head "
+                        "as 8-bit groups); int8 and int4 on the CPU only. auto (default): the fastest format on this "
+                        "machine (a cached probe) that holds the checkpoint's values exactly, as the prepared "
+                        "SmolLM2's Q4_1 weights in int4; others stay raw (docs/weights.md)")
     g.add_argument("--gpu-mem", type=float, help="cap the CUDA device at this many GiB, its context included, "
                    "so a bigger GPU runs like a card that size (placement and --policy auto plan for it too)"),
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16: the block selecting policies pick from)")

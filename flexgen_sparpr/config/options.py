@@ -21,7 +21,7 @@ from .validate import check_names, check_ranges, flag_name, one_of_flags, typed_
 
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
                  "cpu_cache_compute", "attn_sparsity", "compress_weight", "compress_cache")
-_ENGINE_FLAGS = ("device", "dtype", "kv_dtype", "gpu_mem", "block_size", "offload_dir", "direct_io", "io_threads",
+_ENGINE_FLAGS = ("device", "dtype", "kv_dtype", "weight_format", "gpu_mem", "block_size", "offload_dir", "direct_io", "io_threads",
                  "speculative_prefetch")
 
 

@@ -11,6 +11,7 @@ import torch
 from ..errors import ConfigError
 from ..kv import policies
 from ..kv.policy import KVPolicy
+from ..models.packed import FORMATS as WEIGHT_FORMATS
 from ..storage.tiers import resolve_device
 
 
@@ -92,6 +93,9 @@ class EngineConfig:
     # how raw KV blocks homed on the CPU and disk tiers are stored ("auto": float16, or bfloat16
     # under a bfloat16 compute dtype); compute-tier blocks are in the compute dtype
     kv_dtype: str = "auto"
+    # how projection weights are stored and multiplied (engine/weight_format.py; auto: the probe's
+    # fastest format that holds the checkpoint's values exactly)
+    weight_format: str = "auto"
     gpu_mem: float | None = None  # GiB: cap the CUDA device, as a card this size (storage/device_memory.py)
     block_size: int = 16  # measured: results/fidelity/defaults-block (docs/sparpr.md "Default block")
     offload_dir: str = "~/flexgen_offload_dir"
@@ -116,6 +120,8 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32 (got {self.dtype})")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-dtype must be {', '.join(KV_DTYPES[:-1])} or {KV_DTYPES[-1]} (got {self.kv_dtype})")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ConfigError(f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weight_format})")
         if self.gpu_mem is not None and not self.gpu_mem > 0:
             raise ConfigError(f"--gpu-mem must be > 0 GiB (got {self.gpu_mem})")
         if isinstance(self.kv_policy, str) and self.kv_policy not in policies.POLICIES:

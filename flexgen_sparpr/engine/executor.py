@@ -32,7 +32,7 @@ from .prefetch import Ahead, CacheReads
 from .sampling import Sampler
 from .state import GenerationResult, GenState, Snapshot
 from .step_clock import StepClock
-from .weights import WeightStore, transposed_weights
+from .weights import WeightStore
 
 
 class Engine:
@@ -65,9 +65,9 @@ class Engine:
             from tqdm import tqdm
             bar = tqdm(total=len(self.layers), desc="load weights", leave=False)
         try:
-            self.weights = WeightStore(source, [l.names for l in self.layers], policy.weight_percents,
-                                       self.devices, self.dtype, self.disk, policy.compress_weight,
-                                       policy.pin_weight, bar, transpose=transposed_weights(self.devices, policy))
+            self.weights = WeightStore.for_schedule(source, self.layers, policy, cfg.weight_format, self.devices,
+                                                    self.dtype, self.disk, bar)
+            self.weight_format = self.weights.fmt
         except BaseException:
             self.close()
             raise

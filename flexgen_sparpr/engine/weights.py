@@ -6,9 +6,11 @@ from dataclasses import dataclass
 import torch
 
 from ..models.layers import Transposed
+from ..models.packed import Packed, unpack_like
 from ..storage.codec import GroupCodec
 from ..storage.compress import CompressionConfig
 from ..storage.tiers import Devices, Tier, split_by_percent
+from .weight_format import WeightFormat
 
 WEIGHT_COMPRESSION = CompressionConfig(num_bits=4, group_size=64, group_dim=0)
 
@@ -26,28 +28,52 @@ class StoredWeight:
 class WeightStore:
     """layers: per executor layer, {short key: checkpoint name}. percents = (compute, cpu, disk).
 
-    Tensors shared by two layers (tied embeddings) are stored once, where the first layer puts them.
+    Tensors shared by two layers (tied embeddings) are stored once, where the first layer puts them;
+    the LM head's copy of a tied embedding is stored apart when its format packs it (the embedding
+    lookup reads raw rows). fmt (engine/weight_format.py): the format each matmul weight is stored in.
     """
 
     def __init__(self, source, layers: list[dict[str, str]], percents, devices: Devices,
                  dtype: torch.dtype, disk=None, compress: bool = False, pin: bool = True,
-                 progress=None, transpose: bool = False):
-        self.layers, self.devices, self.dtype = layers, devices, dtype
+                 progress=None, transpose: bool = False, fmt=None, head: int | None = None):
+        self.devices, self.dtype = devices, dtype
         # projections (not embedding tables) of compute-resident layers, stored [in, out]
         self.transpose = transpose
+        self.fmt = fmt
         self.stored: dict[str, StoredWeight] = {}
+        self.layers = [dict(names) for names in layers]
         self._files = []
-        for names in layers:
-            fresh = [n for n in dict.fromkeys(names.values()) if n not in self.stored]
+        for j, names in enumerate(self.layers):
+            matmul = {n for short, n in names.items() if _is_projection(n) or j == head and short == "tok"}
+            fresh = [n for n in dict.fromkeys(names.values()) if n not in self.stored or j == head and n in matmul]
             tensors = [source.get(n) for n in fresh]
             homes = split_by_percent([t.numel() for t in tensors], percents)
             for n, t, home in zip(fresh, tensors, homes):
-                self.stored[n] = self._put(n, t.to(dtype), devices.effective(home), disk, compress, pin)
+                t = t.to(dtype)
+                w = fmt.store(t, head=j == head) if fmt is not None and n in matmul and not compress else t
+                if j == head and n in self.stored:  # the tied embedding: raw already stored
+                    if w is t:
+                        continue
+                    names["tok"] = n = n + "@head"
+                self.stored[n] = self._put(n, w, devices.effective(home), disk, compress, pin)
             if progress:
                 progress.update(1)
 
-    def _put(self, name: str, t: torch.Tensor, home: Tier, disk, compress: bool, pin: bool) -> StoredWeight:
+    @classmethod
+    def for_schedule(cls, source, layers, policy, weight_format: str, devices: Devices, dtype: torch.dtype,
+                     disk=None, progress=None) -> "WeightStore":
+        """The weights of the schedule's layers (engine/compute.py Layer) under FlexGen's policy, in
+        --weight-format `weight_format` (the LM head: the last layer, when the schedule has it)."""
+        fmt = WeightFormat(weight_format, devices.compute, dtype, policy.gpu_batch_size)
+        head = len(layers) - 1 if layers and layers[-1].kind == "head" else None
+        return cls(source, [l.names for l in layers], policy.weight_percents, devices, dtype, disk,
+                   policy.compress_weight, policy.pin_weight, progress,
+                   transpose=transposed_weights(devices, policy), fmt=fmt, head=head)
+
+    def _put(self, name: str, t, home: Tier, disk, compress: bool, pin: bool) -> StoredWeight:
         dev = self.devices
+        if isinstance(t, Packed):
+            return self._put_packed(name, t, home, disk, pin)
         codec = GroupCodec(tuple(t.shape), self.dtype, WEIGHT_COMPRESSION) if compress and t.dim() >= 2 else None
         if codec:
             t = codec.encode(t.to(dev.compute) if home == Tier.COMPUTE else t)
@@ -66,8 +92,25 @@ class WeightStore:
         self._files.append(f)
         return StoredWeight(home, tuple(t.shape), 0, nbytes, codec, f)
 
+    def _put_packed(self, name: str, p: Packed, home: Tier, disk, pin: bool) -> StoredWeight:
+        """A packed weight: on the compute device as it is; on the CPU or disk tier as one byte
+        buffer (one read, one copy), viewed back into its tensors when fetched."""
+        dev = self.devices
+        if home == Tier.COMPUTE:
+            return StoredWeight(home, p.shape, unpack_like(p, {k: t.to(dev.compute) for k, t in p.tensors().items()}),
+                                p.nbytes)
+        buf, layout = _flatten(p)
+        if home == Tier.CPU:
+            return StoredWeight(home, p.shape, (dev.host.pin(buf) if pin else buf, layout, p), buf.numel())
+        if disk is None:
+            raise ValueError("weights placed on disk but no --offload-dir store was given")
+        f = disk.new_file(f"w-{name}", 1, buf.numel())
+        f.write(0, buf)
+        self._files.append(f)
+        return StoredWeight(home, p.shape, (None, layout, p), buf.numel(), None, f)
+
     def is_resident(self, j: int) -> bool:
-        """Layer j's weights already sit raw on the compute device (loading is free)."""
+        """Layer j's weights already sit on the compute device as they are multiplied (loading is free)."""
         return all(self.stored[n].home == Tier.COMPUTE and self.stored[n].codec is None
                    for n in self.layers[j].values())
 
@@ -77,6 +120,8 @@ class WeightStore:
 
     def fetch(self, name: str) -> torch.Tensor:
         w, dev = self.stored[name], self.devices
+        if isinstance(w.data, tuple) and not isinstance(w.data, Transposed):  # packed, on the CPU or disk tier
+            return self._fetch_packed(w)
         if w.home == Tier.DISK:
             host = dev.empty_host(w.shape, torch.uint8 if w.codec else self.dtype)
             w.file.read(0, host)
@@ -84,12 +129,24 @@ class WeightStore:
             t = host
         else:
             t = w.data
-        if isinstance(t, Transposed):
+        if isinstance(t, (Transposed, Packed)):
             return t
         if t.device != dev.compute:
             t = dev.host.to_compute_new(t)
             dev.counters.add("cpu", "compute", t.nbytes)
         return w.codec.decode(t) if w.codec else t
+
+    def _fetch_packed(self, w: StoredWeight):
+        dev = self.devices
+        buf, layout, like = w.data
+        if w.home == Tier.DISK:
+            buf = dev.empty_host((w.nbytes,), torch.uint8)
+            w.file.read(0, buf)
+            dev.counters.add("disk", "cpu", buf.nbytes)
+        if buf.device != dev.compute:
+            buf = dev.host.to_compute_new(buf)
+            dev.counters.add("cpu", "compute", buf.nbytes)
+        return unpack_like(like, _unflatten(buf, layout))
 
     def nbytes_on(self, tier: Tier) -> int:
         return sum(w.nbytes for w in self.stored.values() if w.home == tier)
@@ -98,6 +155,23 @@ class WeightStore:
         for f in self._files:
             f.close()
         self._files.clear()
+
+
+def _flatten(p: Packed):
+    """A packed weight's tensors as one byte buffer [nbytes] uint8, and where each lies in it."""
+    parts = {k: t.contiguous() for k, t in p.tensors().items() if isinstance(t, torch.Tensor)}
+    layout, offset = [], 0
+    for k, t in parts.items():
+        layout.append((k, t.dtype, tuple(t.shape), offset, t.numel() * t.element_size()))
+        offset += -(-layout[-1][-1] // 8) * 8  # each part 8-byte aligned, so its dtype view is valid
+    buf = torch.empty(offset, dtype=torch.uint8)
+    for (k, _, _, off, n), t in zip(layout, parts.values()):
+        buf[off:off + n] = t.view(-1).view(torch.uint8)
+    return buf, layout
+
+
+def _unflatten(buf: torch.Tensor, layout) -> dict[str, torch.Tensor]:
+    return {k: buf[off:off + n].view(dtype).view(shape) for k, dtype, shape, off, n in layout}
 
 
 def _is_projection(name: str) -> bool:

@@ -10,6 +10,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .packed import Packed
+
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), w, b, eps)
@@ -32,6 +34,9 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., in]; w: [out, in] (or Transposed: [in, out]) -> [..., out]."""
     if isinstance(w, Transposed):
         y = x @ w.t
+        return y + b if b is not None else y
+    if isinstance(w, Packed):  # --weight-format: the packed kernels take [rows, in]
+        y = w.matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], w.shape[0])
         return y + b if b is not None else y
     rows = x.numel() // x.shape[-1]
     if x.device.type == "cpu" and rows <= 16:

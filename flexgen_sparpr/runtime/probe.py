@@ -1,8 +1,9 @@
 """A short start-up probe of the machine's speeds, cached per machine.
 
 Measures host <-> device copy bandwidth (CUDA only), the O_DIRECT read bandwidth of a folder
-(storage/disk_store.py `disk_bandwidth`), and per dtype the matmul FLOP/s and one small matmul's
-latency on the compute device. The answers are cached in
+(storage/disk_store.py `disk_bandwidth`), per dtype the matmul FLOP/s and one small matmul's
+latency on the compute device, and on the CPU how fast each weight format multiplies (the choice
+of --weight-format auto). The answers are cached in
 `default_cache_dir()/probe-<hostname>-<device>.json` and extended when a new dtype or folder
 is asked for; `refresh=True` measures again.
 """
@@ -123,3 +124,53 @@ def probe(device: torch.device, dtypes: list[torch.dtype], disk_dir: str | Path,
         data["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         save(path, data)
     return data
+
+
+WEIGHT_PROBE_SHAPES = ((1024, 1024), (4096, 1024), (1024, 4096))  # a decoder layer's kinds of matrix
+WEIGHT_PROBE_LAYERS = 6  # 6 x 9.4 M weights, 226 MB in float32: larger than any cache, as a model is
+
+
+def measure_weight_formats(rows: int, formats=("raw", "bfloat16", "int8", "int4")) -> dict[str, float]:
+    """Seconds per product of a [rows, in] input with each format's weights, as the engine runs them
+    (models/layers.linear; raw float32 transposed at one row, as engine/weights.py stores it),
+    streamed from memory: WEIGHT_PROBE_LAYERS layers of distinct weights, so no cache holds them.
+    A format the machine's torch lacks a kernel for is left out."""
+    from ..models.layers import Transposed, linear
+    from ..models.packed import pack
+    gen = torch.Generator().manual_seed(0)
+    raws = [torch.randn(s, generator=gen) * 0.02 for _ in range(WEIGHT_PROBE_LAYERS) for s in WEIGHT_PROBE_SHAPES]
+    xs = {n: torch.randn(rows, n, generator=gen) for n in {s[1] for s in WEIGHT_PROBE_SHAPES}}
+    out = {}
+    for fmt in formats:
+        try:
+            ws = [Transposed(w.T.contiguous()) if fmt == "raw" and rows == 1 else pack(w, fmt) for w in raws]
+            run = lambda: [linear(xs[w.shape[1] if not isinstance(w, Transposed) else w.t.shape[0]], w) for w in ws]
+            out[fmt] = _timed(run, torch.device("cpu")) / len(ws)
+        except (RuntimeError, NotImplementedError):  # no such kernel in this build of torch
+            continue
+    return out
+
+
+def weight_formats(rows: int, refresh: bool = False, cache_dir: Path | None = None) -> dict[str, float]:
+    """measure_weight_formats on the CPU for `rows` rows (one sequence, or a batch of up to 16),
+    measured once per machine and cached with the probe (`prepare` and `profile` measure it anew)."""
+    rows = 1 if rows <= 1 else min(rows, 16)
+    path = cache_path(torch.device("cpu"), cache_dir)
+    data = load(path) or {"version": VERSION, "hostname": platform.node(),
+                                                  "device": "cpu", "torch": torch.__version__, "h2d_Bps": None,
+                                                  "d2h_Bps": None, "disk": {}, "matmul_flops": {}, "matmul_latency_s": {}}
+    table = data.setdefault("weight_format_s", {})
+    if refresh or str(rows) not in table:
+        table[str(rows)] = measure_weight_formats(rows)
+        data["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        save(path, data)
+    return table[str(rows)]
+
+
+def say_weight_formats(say, refresh: bool = True) -> None:
+    """Measure (refresh) the weight formats at one row and at a batch of 4, and say what was found."""
+    for rows in (1, 4):
+        t = weight_formats(rows, refresh=refresh)
+        say(f"weight formats, {rows} row{'s' if rows > 1 else ''}: " +
+            ", ".join(f"{f} {s * 1e6:.0f} us" for f, s in sorted(t.items(), key=lambda kv: kv[1])) +
+            " per product (a 4 M-weight matrix streamed from memory)")

@@ -87,6 +87,9 @@ def measure(device: torch.device, offload_dir: str | Path, quick: bool = False,
         flops[dtype_name(dt)], latency[dtype_name(dt)] = measure_matmul(device, dt)
     cpu_flops = dict(flops) if not is_cuda else {
         dtype_name(dt): measure_matmul(torch.device("cpu"), dt)[0] for dt in DTYPES}
+    if not is_cuda:
+        from .probe import say_weight_formats
+        say_weight_formats(lambda msg: (say(msg), notes.append(msg)))
     say("device memory bandwidth...")
     mem_bw = measure_memory_bw(device, sizes["membw_bytes"])
     compute_mem, cpu_mem = free_memory(device)

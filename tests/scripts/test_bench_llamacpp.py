@@ -43,10 +43,12 @@ def test_tiny_run_writes_both_sides(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (cell,) = json.loads((tmp_path / "llamacpp.json").read_text())["cells"]
     assert cell["llamacpp"]["ok"] and len(cell["llamacpp"]["tokens"]) == 4 and len(cell["llamacpp"]["step_s"]) == 3
-    assert set(cell["engine"]) == {"dense", "sparpr@0.1"}
+    assert set(cell["engine"]) == {f"{run}, weights {fmt}" for run in ("dense", "sparpr@0.1") for fmt in ("auto", "raw")}
+    # auto packs the prepared Q4_1 projections (and the Q8_0 head) for the int4 kernel where it is faster
+    assert cell["resolved"]["auto"]["weight_format"].startswith("auto: ")
     assert all(len(row["tokens"]) == 4 and row["decode_tok_s"] > 0 and "first_difference" in row
                for row in cell["engine"].values())
     assert all(0 <= t < 49152 for t in cell["llamacpp"]["tokens"])  # SmolLM2's vocabulary
     # the same weights, the same prompt: dense's first greedy token is llama.cpp's (a fixed prompt)
-    assert cell["engine"]["dense"]["first_difference"] != 0
+    assert cell["engine"]["dense, weights raw"]["first_difference"] != 0
     assert "llama.cpp (Q4_1)" in (tmp_path / "llamacpp.md").read_text()

@@ -240,7 +240,8 @@ def test_error_is_a_value_error():
 @pytest.mark.parametrize("kv_dtype", ["float32", "auto"])
 def test_smollm2_matches_hf_with_the_cache_split_to_disk(smollm2_dir, tmp_path, kv_dtype):
     """Greedy tokens equal HF's; logits within 1e-3 with the disk blocks stored exact, and within
-    2e-3 of the logit scale stored float16 (the default, tests/engine/test_kv_dtype.py)."""
+    2e-3 of the logit scale stored float16 (the default, tests/engine/test_kv_dtype.py). The weights
+    as HF multiplies them (raw float32): test_smollm2_in_int4_keeps_the_raw_tokens tests the default."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     text = (Path(__file__).parents[1] / "data" / "alice29.txt").read_text(encoding="latin-1")
@@ -249,7 +250,8 @@ def test_smollm2_matches_hf_with_the_cache_split_to_disk(smollm2_dir, tmp_path, 
     src = resolve_source(str(smollm2_dir), "")
     assert src.spec.tie_embeddings and src.spec.num_kv_heads == 3
     pol = Policy(gpu_batch_size=1, cache_gpu_percent=50, cache_cpu_percent=0)
-    with Engine(src, pol, EngineConfig(block_size=32, offload_dir=str(tmp_path / "off"), kv_dtype=kv_dtype)) as eng:
+    cfg = EngineConfig(block_size=32, offload_dir=str(tmp_path / "off"), kv_dtype=kv_dtype, weight_format="raw")
+    with Engine(src, pol, cfg) as eng:
         r = eng.generate([ids], 16, keep_logits=True)
         assert eng.devices.counters.snapshot().get("disk->cpu", 0) > 0  # the cache really used disk
     ref_tokens, ref_logits = hf_greedy(smollm2_dir, [ids], 16, src.spec.pad_id)
@@ -259,3 +261,25 @@ def test_smollm2_matches_hf_with_the_cache_split_to_disk(smollm2_dir, tmp_path, 
         assert err < 1e-3, float(err)
     else:
         assert err / ref_logits.abs().max() < 2e-3, float(err / ref_logits.abs().max())
+
+
+@pytest.mark.slow
+def test_smollm2_in_int4_keeps_the_raw_tokens(smollm2_dir, tmp_path):
+    """--weight-format auto packs the prepared SmolLM2 (its GGUF's Q4_1 codes, the Q8_0 head) for the
+    int4 kernel, whose bfloat16 activations and scales move the logits by ~1.2 % of their scale
+    (measured on this passage): the greedy tokens stay the raw float32 run's."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = (Path(__file__).parents[1] / "data" / "alice29.txt").read_text(encoding="latin-1")
+    ids = tok(text[2000:4000])["input_ids"][:200]
+    src = resolve_source(str(smollm2_dir), "")
+    out = {}
+    for fmt in ("raw", "auto"):
+        with Engine(src, Policy(gpu_batch_size=1), EngineConfig(weight_format=fmt)) as eng:
+            out[fmt] = eng.generate([ids], 16, keep_logits=True)
+            if fmt == "auto" and "int4" not in eng.weight_format.describe():
+                pytest.skip(f"this machine's probe found no packed format faster than float32 "
+                            f"({eng.weight_format.describe()})")
+    assert out["auto"].tokens == out["raw"].tokens
+    raw = torch.stack(out["raw"].logits)
+    assert (torch.stack(out["auto"].logits) - raw).abs().max() / raw.abs().max() < 0.03

@@ -1,0 +1,196 @@
+"""Weight formats a projection is stored and multiplied in (--weight-format).
+
+A decode step on the CPU reads every weight once per token, so its time is the weights' bytes over
+how fast the kernel streams them. torch ships packed weight-only kernels that read 1- and 0.5-byte
+weights and take bfloat16 activations (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`);
+runtime/probe.py times them against a float32 product on the machine, and engine/weights.py packs
+each projection once at load. Every format keeps the product's contract: x [..., in] -> [..., out]
+in x's dtype.
+
+- raw: the compute dtype, as loaded (float32 on the CPU).
+- bfloat16: the weights rounded to bfloat16.
+- int8: 8-bit codes with one scale per output row (symmetric).
+- int4: 4-bit codes with a scale and a minimum per group of 32 inputs (GGUF's Q4_1 layout: a Q4_1
+  checkpoint packs without changing a code); the LM head, whose 8-bit groups (Q8_0) a 4-bit code
+  cannot hold, as 8-bit groups of 32 split into two 4-bit halves (still exact for Q8_0).
+The packed kernels' scales and activations are bfloat16: that rounding is the formats' cost beyond
+their codes (docs/weights.md measures it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("auto", "raw", "bfloat16", "int8", "int4")
+GROUP = 32  # inputs per int4 / grouped-int8 scale (GGUF's Q4_1 and Q8_0 block)
+_BF16 = torch.bfloat16
+
+
+class Packed:
+    """A projection weight in a packed format: matmul(x) is x @ W^T."""
+
+    fmt: str
+    shape: tuple[int, int]  # (out, in), the weight's logical shape
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)}
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # x2: [rows, in] -> [rows, out]
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class Bf16Weight(Packed):
+    fmt = "bfloat16"
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w  # [out, in] bfloat16
+        self.shape = tuple(w.shape)
+
+    def matmul(self, x2):
+        return F.linear(x2.to(_BF16), self.w).to(x2.dtype)
+
+
+class Int8Weight(Packed):
+    fmt = "int8"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        self.q, self.scales = q, scales  # q: [out, in] int8; scales: [out] bfloat16
+        self.shape = tuple(q.shape)
+
+    def matmul(self, x2):
+        return torch._weight_int8pack_mm(x2.to(_BF16), self.q, self.scales).to(x2.dtype)
+
+
+class Int4Weight(Packed):
+    fmt = "int4"
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, shape: tuple[int, int]):
+        self.packed = packed  # [out, in/2] uint8, the kernel's layout
+        self.scale_zero = scale_zero  # [in/GROUP, out, 2] bfloat16: w = (code - 8) * scale + zero
+        self.shape = tuple(shape)
+
+    def matmul(self, x2):
+        return torch._weight_int4pack_mm_for_cpu(x2.to(_BF16), self.packed, GROUP, self.scale_zero).to(x2.dtype)
+
+
+class Int8x2Weight(Packed):
+    """8-bit codes in groups of 32 (Q8_0) as two 4-bit halves: code = 16 * high + low."""
+
+    fmt = "int4"
+
+    def __init__(self, high: Int4Weight, low: Int4Weight):
+        self.high, self.low = high, low
+        self.shape = high.shape
+
+    def tensors(self):
+        return {f"{h}.{k}": t for h, part in (("high", self.high), ("low", self.low))
+                for k, t in part.tensors().items()}
+
+    def matmul(self, x2):
+        xb = x2.to(_BF16)
+        hi = torch._weight_int4pack_mm_for_cpu(xb, self.high.packed, GROUP, self.high.scale_zero)
+        lo = torch._weight_int4pack_mm_for_cpu(xb, self.low.packed, GROUP, self.low.scale_zero)
+        return hi.to(x2.dtype) + lo.to(x2.dtype)
+
+
+def packable(fmt: str, shape: tuple[int, ...]) -> bool:
+    """Whether a weight of this shape can be stored in fmt (the int4 kernel wants whole groups)."""
+    if len(shape) != 2:
+        return False
+    return fmt != "int4" or shape[1] % GROUP == 0 and shape[0] % 16 == 0
+
+
+def _groups(w: torch.Tensor) -> torch.Tensor:
+    out, inn = w.shape
+    return w.float().reshape(out, inn // GROUP, GROUP)  # [out, in/G, G]
+
+
+def _int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Weight:
+    """codes: [out, in] in 0..15; scale, zero: [out, in/G]; w = (code - 8) * scale + zero."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(_BF16)  # sz: [in/G, out, 2]
+    return Int4Weight(packed, sz, tuple(codes.shape))
+
+
+def int4_codes(w: torch.Tensor):
+    """Q4_1-style asymmetric 4-bit codes of w [out, in]: (codes [out, in] uint8, scale, low [out, in/G])."""
+    g = _groups(w)
+    low, high = g.amin(-1), g.amax(-1)  # low, high: [out, in/G]
+    scale = (high - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((g - low[..., None]) / safe[..., None]).round().clamp(0, 15)  # codes: [out, in/G, G]
+    return codes.reshape(w.shape).to(torch.uint8), scale, low
+
+
+def int8g_codes(w: torch.Tensor):
+    """Q8_0-style symmetric 8-bit codes per group of 32: (codes [out, in] int, scale [out, in/G])."""
+    g = _groups(w)
+    scale = g.abs().amax(-1) / 127  # scale: [out, in/G]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (g / safe[..., None]).round().clamp(-127, 127)
+    return codes.reshape(w.shape).to(torch.int16), scale
+
+
+def pack_int4(w: torch.Tensor) -> Int4Weight:
+    codes, scale, low = int4_codes(w)
+    return _int4(codes, scale, low + 8 * scale)
+
+
+def pack_int8x2(w: torch.Tensor) -> Int8x2Weight:
+    codes, scale = int8g_codes(w)
+    high = torch.div(codes, 16, rounding_mode="floor")  # high: [out, in] in -8..7
+    low = codes - 16 * high  # low: in 0..15
+    return Int8x2Weight(_int4(high + 8, 16 * scale, torch.zeros_like(scale)), _int4(low, scale, 8 * scale))
+
+
+def pack_int8(w: torch.Tensor) -> Int8Weight:
+    scale = w.float().abs().amax(-1) / 127  # scale: [out]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (w.float() / safe[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q, scale.to(_BF16))
+
+
+def pack(w: torch.Tensor, fmt: str, head: bool = False):
+    """w [out, in] in the format fmt ("raw": w itself); the LM head (head=True) under int4 is
+    stored as grouped 8-bit codes (Int8x2Weight)."""
+    if fmt == "raw" or not packable(fmt, tuple(w.shape)):
+        return w
+    if fmt == "bfloat16":
+        return Bf16Weight(w.to(_BF16).contiguous())
+    if fmt == "int8":
+        return pack_int8(w)
+    return pack_int8x2(w) if head else pack_int4(w)
+
+
+def on_grid(w: torch.Tensor, fmt: str, head: bool = False, tol: float = 1e-3) -> bool:
+    """Whether w's values already lie on fmt's codes (a quantized checkpoint): every value within
+    tol of a quantization step of its code, so packing changes nothing but the scales' rounding."""
+    if not packable(fmt, tuple(w.shape)) or fmt not in ("int4", "bfloat16"):
+        return False
+    if fmt == "bfloat16":
+        return bool(torch.equal(w.to(_BF16).to(w.dtype), w))
+    g = _groups(w)
+    if head:
+        codes, scale = int8g_codes(w)
+        back = codes.reshape(g.shape).float() * scale[..., None]
+    else:
+        codes, scale, low = int4_codes(w)
+        back = codes.reshape(g.shape).float() * scale[..., None] + low[..., None]
+    err = (back - g).abs().amax(-1)  # err: [out, in/G]
+    return bool((err <= tol * scale.clamp(min=torch.finfo(torch.float32).tiny)).all())
+
+
+def unpack_like(like, flat: dict[str, torch.Tensor]):
+    """A packed weight of like's kind over the tensors `flat` (as like.tensors() names them), e.g.
+    read back from a tier."""
+    if isinstance(like, Int8x2Weight):
+        part = {h: {k.split(".", 1)[1]: t for k, t in flat.items() if k.startswith(h + ".")} for h in ("high", "low")}
+        return Int8x2Weight(unpack_like(like.high, part["high"]), unpack_like(like.low, part["low"]))
+    new = object.__new__(type(like))
+    new.__dict__.update(like.__dict__)
+    new.__dict__.update(flat)
+    return new
