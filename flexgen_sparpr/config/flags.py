@@ -70,7 +70,8 @@ def add_flexgen_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-sparsity", type=float, help="FlexGen's top-k attention: fraction of positions "
                    "kept per head, renormalised; runs as --kv-policy flexgen-topk --keep-ratio S "
                    "(default 1.0 = dense)")
-    g.add_argument("--compress-weight", action="store_true", default=None, help="4-bit group-wise weights (group 64)")
+    g.add_argument("--compress-weight", action="store_true", default=None, help="4-bit group-wise weights (group 64, decoded as they load; on the CPU "
+                   "--weight-format int4's packed groups of 32, multiplied as they are)")
     g.add_argument("--compress-cache", action="store_true", default=None, help="4-bit group-wise KV cache (group 64)")
     g.add_argument("--log-file", help="FlexGen benchmark log file; 'auto' names it fo-<size>-gbs...log (default auto)")
     g.add_argument("--no-log", action="store_true", default=None, help="write no log file")

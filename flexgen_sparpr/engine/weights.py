@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..models.layers import Transposed
 from ..models.packed import Packed, unpack_like
 from ..storage.codec import GroupCodec
@@ -64,10 +65,17 @@ class WeightStore:
                      disk=None, progress=None) -> "WeightStore":
         """The weights of the schedule's layers (engine/compute.py Layer) under FlexGen's policy, in
         --weight-format `weight_format` (the LM head: the last layer, when the schedule has it)."""
+        compress = policy.compress_weight
+        if compress and weight_format not in ("auto", "int4"):
+            raise ConfigError(f"--compress-weight chooses the weights' format: not with --weight-format {weight_format}")
+        if compress and not devices.is_cuda:
+            # FlexGen's 4-bit weights, as the packed int4 kernel multiplies them (no per-step decode);
+            # what it cannot hold (embedding tables, odd shapes) stays in the compute dtype
+            weight_format, compress = "int4", False
         fmt = WeightFormat(weight_format, devices.compute, dtype, policy.gpu_batch_size)
         head = len(layers) - 1 if layers and layers[-1].kind == "head" else None
         return cls(source, [l.names for l in layers], policy.weight_percents, devices, dtype, disk,
-                   policy.compress_weight, policy.pin_weight, progress,
+                   compress, policy.pin_weight, progress,
                    transpose=transposed_weights(devices, policy), fmt=fmt, head=head)
 
     def _put(self, name: str, t, home: Tier, disk, compress: bool, pin: bool) -> StoredWeight:

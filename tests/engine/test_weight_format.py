@@ -91,3 +91,15 @@ def test_formats_a_device_cannot_run_are_one_clear_error():
         WeightFormat("int4", torch.device("cuda"), torch.float16, 1)
     with pytest.raises(ConfigError, match="--weight-format must be one of"):
         EngineConfig(weight_format="q3")
+
+
+def test_compress_weight_on_the_cpu_is_the_packed_int4_format(tmp_path):
+    """FlexGen's --compress-weight keeps its meaning (4-bit weights on every tier) but on the CPU
+    the kernel multiplies the packed groups instead of decoding every weight at every step."""
+    src = QuantizedSource(SPEC, build_arch(SPEC))
+    tokens, logits, wf, kinds = _run(src, "auto", tmp_path, compress_weight=True, w_gpu_percent=0, w_cpu_percent=50)
+    assert wf.fmt == "int4" and wf.chosen == {"int4": 15} and "Int4Weight" in kinds
+    int4_tokens, int4_logits, _, _ = _run(src, "int4", tmp_path)
+    assert tokens == int4_tokens and torch.equal(logits, int4_logits)
+    with pytest.raises(ConfigError, match="--compress-weight chooses"):
+        _run(src, "int8", tmp_path, compress_weight=True)
