@@ -43,14 +43,19 @@ class WeightFormat:
         return sorted((f for f, s in self._timings.items() if f in ("int4", "bfloat16") and s < raw),
                       key=self._timings.get)
 
-    def store(self, w: torch.Tensor, head: bool):
-        """w [out, in] as it will be multiplied: packed, or w itself (raw)."""
+    def choose(self, w: torch.Tensor, head: bool = False) -> str:
+        """The format w [out, in] will be stored in ("raw": as it is)."""
         fmt = self.fmt
         if fmt == "auto":
             fmt = next((f for f in self._auto_order(w) if on_grid(w, f, head)), "raw")
-        out = pack(w, fmt, head) if fmt != "raw" and packable(fmt, tuple(w.shape)) else w
-        self.chosen[fmt if out is not w else "raw"] += 1
-        return out
+        return fmt if fmt != "raw" and packable(fmt, tuple(w.shape)) else "raw"
+
+    def store(self, w: torch.Tensor, head: bool, fmt: str | None = None, parts: int = 1):
+        """w [out, in] as it will be multiplied: packed, or w itself (raw). fmt: choose()'s answer,
+        if already asked; parts: the weights w fuses (each counted)."""
+        fmt = fmt or self.choose(w, head)
+        self.chosen[fmt] += parts
+        return w if fmt == "raw" else pack(w, fmt, head)
 
     def _auto_order(self, w: torch.Tensor) -> list[str]:
         if not hasattr(self, "_order"):

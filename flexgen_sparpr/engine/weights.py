@@ -47,11 +47,14 @@ class WeightStore:
         for j, names in enumerate(self.layers):
             matmul = {n for short, n in names.items() if _is_projection(n) or j == head and short == "tok"}
             fresh = [n for n in dict.fromkeys(names.values()) if n not in self.stored or j == head and n in matmul]
-            tensors = [source.get(n) for n in fresh]
+            got = {n: source.get(n).to(dtype) for n in fresh}
+            chosen = {} if fmt is None or compress else {n: fmt.choose(got[n], head=j == head) for n in matmul & set(got)}
+            fused = _fuse(names, got, chosen)
+            fresh = [n for n in fresh if n in got] + list(fused)
+            tensors = [got[n] for n in fresh]
             homes = split_by_percent([t.numel() for t in tensors], percents)
             for n, t, home in zip(fresh, tensors, homes):
-                t = t.to(dtype)
-                w = fmt.store(t, head=j == head) if fmt is not None and n in matmul and not compress else t
+                w = fmt.store(t, j == head, chosen[n], fused.get(n, 1)) if n in chosen else t
                 if j == head and n in self.stored:  # the tied embedding: raw already stored
                     if w is t:
                         continue
@@ -163,6 +166,33 @@ class WeightStore:
         for f in self._files:
             f.close()
         self._files.clear()
+
+
+# projections that one packed product serves, when both are in the same packed format and have no
+# bias: one kernel call and one activation cast instead of two (the engine reads the fused key)
+FUSED = (("k.w", "v.w", "kv.w"), ("gate.w", "up.w", "gate_up.w"))
+
+
+def _fuse(names: dict[str, str], got: dict[str, torch.Tensor], chosen: dict[str, str]) -> dict[str, int]:
+    """Fuse FUSED pairs of a layer in place: their tensors in `got` (and formats in `chosen`) become
+    one [out_a + out_b, in] tensor under a new name, which `names` maps the fused key to. Returns
+    {fused name: 2}."""
+    out = {}
+    for prefix in ("", "a.", "m."):
+        for a, b, key in FUSED:
+            na, nb = names.get(prefix + a), names.get(prefix + b)
+            if na is None or nb is None or prefix + a[:-1] + "b" in names or prefix + b[:-1] + "b" in names:
+                continue
+            if na not in chosen or nb not in chosen or chosen[na] != chosen[nb] or chosen[na] == "raw":
+                continue
+            name = f"{na}+{b[:-2]}"
+            got[name] = torch.cat([got.pop(na), got.pop(nb)])  # [out_a + out_b, in]
+            chosen[name] = chosen.pop(na)
+            chosen.pop(nb)
+            del names[prefix + a], names[prefix + b]
+            names[prefix + key] = name
+            out[name] = 2
+    return out
 
 
 def _flatten(p: Packed):

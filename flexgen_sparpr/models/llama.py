@@ -66,8 +66,11 @@ class Llama:
     def kv(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None):
         """h: [B, S, hidden]; pos: [B, S] -> k, v: [B, Hkv, S, D] (RoPE applied to k)."""
         cos, sin = rope or self._rope(pos, h.dtype)
-        k = split_heads(linear(h, w["k.w"], w.get("k.b")), self.spec.num_kv_heads)
-        v = split_heads(linear(h, w["v.w"], w.get("v.b")), self.spec.num_kv_heads)
+        if "kv.w" in w:  # k and v packed as one product (engine/weights.py FUSED)
+            k, v = linear(h, w["kv.w"]).chunk(2, dim=-1)  # [B, S, kv_dim] each
+        else:
+            k, v = linear(h, w["k.w"], w.get("k.b")), linear(h, w["v.w"], w.get("v.b"))
+        k, v = split_heads(k, self.spec.num_kv_heads), split_heads(v, self.spec.num_kv_heads)
         return apply_rope(k, cos, sin), v
 
     def query(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None) -> torch.Tensor:
@@ -84,7 +87,10 @@ class Llama:
 
     def mlp(self, w, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, w["ln.w"], self.spec.norm_eps)
-        gate, up = linear(h, w["gate.w"], w.get("gate.b")), linear(h, w["up.w"], w.get("up.b"))
+        if "gate_up.w" in w:  # one packed product (engine/weights.py FUSED)
+            gate, up = linear(h, w["gate_up.w"]).chunk(2, dim=-1)  # [B, S, ffn] each
+        else:
+            gate, up = linear(h, w["gate.w"], w.get("gate.b")), linear(h, w["up.w"], w.get("up.b"))
         return x + linear(F.silu(gate) * up, w["down.w"], w.get("down.b"))
 
     def head(self, w, x: torch.Tensor) -> torch.Tensor:

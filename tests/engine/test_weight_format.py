@@ -45,6 +45,7 @@ def _run(src, fmt, tmp_path, timings=FAST, **policy):
                     EngineConfig(block_size=4, weight_format=fmt, offload_dir=str(tmp_path / "off"))) as eng:
             r = eng.generate(PROMPTS, 6, keep_logits=True)
             kinds = {type(eng.weights.fetch(n)).__name__ for n in eng.weights.stored}
+            kinds |= {key for names in eng.weights.layers for key in names if key in ("kv.w", "gate_up.w")}
             return r.tokens, torch.stack(r.logits), eng.weight_format, kinds
 
 
@@ -54,6 +55,7 @@ def test_auto_packs_a_quantized_checkpoint_and_keeps_its_tokens(tmp_path):
     tokens, logits, wf, kinds = _run(src, "auto", tmp_path)
     assert wf.chosen == {"int4": 2 * 7 + 1}  # 7 projections a layer, and the head
     assert {"Int4Weight", "Int8x2Weight"} <= kinds
+    assert {"kv.w", "gate_up.w"} <= kinds  # k|v and gate|up, one packed product each
     assert tokens == raw_tokens
     # bfloat16 activations and scales in the packed kernels: a few parts in a thousand
     assert float((logits - raw_logits).norm() / raw_logits.norm()) < 0.02
