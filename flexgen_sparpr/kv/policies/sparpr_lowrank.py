@@ -45,20 +45,21 @@ def summary_share(share: float, dtype_bytes: int) -> float:
 class KeyBasis:
     u: torch.Tensor  # [Hkv, D, r] float16 (stored; used in float32): orthonormal directions per KV head
     step: torch.Tensor  # [Hkv, r] float32: the quantisation step of each direction
-    # the directions as a query meets them (made once, at the first step): float32 [Hkv, D, r / 2] of the
-    # even and of the odd directions, each scaled by its step and 1 / sqrt(D)
-    _query: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # the directions as a query meets them (made once, at the first step): float32 [Hkv, D, r], the
+    # even directions then (odd - 16 even), each scaled by its step and 1 / sqrt(D) (lowrank_block_scores)
+    _query: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self._query is None else sum(t.numel() * t.element_size() for t in self._query)
+        extra = 0 if self._query is None else self._query.numel() * self._query.element_size()
         return self.u.numel() * self.u.element_size() + self.step.numel() * self.step.element_size() + extra
 
-    def query_basis(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(even, odd) directions scaled for scoring: [Hkv, D, r / 2] float32 each, contiguous."""
+    def query_basis(self) -> torch.Tensor:
+        """[Hkv, D, r] float32, contiguous: the even directions and (odd - 16 even), scaled for scoring."""
         if self._query is None:
             scaled = self.u.float() * (self.step[:, None, :] / math.sqrt(self.u.shape[1]))  # scaled: [Hkv, D, r]
-            self._query = (scaled[..., 0::2].contiguous(), scaled[..., 1::2].contiguous())
+            even, odd = scaled[..., 0::2], scaled[..., 1::2]
+            self._query = torch.cat([even, odd - 16 * even], dim=-1).contiguous()
         return self._query
 
 
@@ -104,16 +105,16 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     (None: all) -> [B, nb] (-inf: a block with no valid token)."""
     b, h, _, d = q.shape
     hkv, t = codes.shape[1], codes.shape[3]
-    even, odd = basis.query_basis()  # [Hkv, D, r / 2] each, steps and 1/sqrt(D) folded in
+    half = codes.shape[2]
     qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
-    qe, qo = torch.matmul(qg, even), torch.matmul(qg, odd)  # qe, qo: [B, Hkv, G, r / 2]
+    qs = torch.matmul(qg, basis.query_basis())  # qs: [B, Hkv, G, r] = [qe | qo - 16 qe]
     # q . k~ = sum_j qs_j (c_j - 8), c_j the nibble of direction j (even j low, odd j high). With the
-    # byte v = lo + 16 hi: qe . lo + qo . hi = qe . v + (qo - 16 qe) . hi, read from the stored bytes
-    # (two conversions, two products; no decoded [B, Hkv, T, r] copy)
-    logit = torch.matmul(qe, codes.float())  # logit: [B, Hkv, G, T]
-    logit += torch.matmul(qo - 16 * qe, (codes >> 4).float())
+    # byte v = lo + 16 hi: qe . lo + qo . hi = qe . v + (qo - 16 qe) . hi: one product over the stored
+    # bytes and their high nibbles (one conversion; no decoded [B, Hkv, T, r] copy)
+    logit = torch.matmul(qs, torch.cat([codes, codes >> 4], dim=2).float())  # logit: [B, Hkv, G, T]
     if head_score == "sum":  # the -8 offset is one constant per head: softmax does not see it
-        logit -= (LEVELS + 1) * (qe.sum(dim=-1, keepdim=True) + qo.sum(dim=-1, keepdim=True))
+        qe, rest = qs[..., :half], qs[..., half:]  # qo = rest + 16 qe
+        logit -= (LEVELS + 1) * (17 * qe.sum(dim=-1, keepdim=True) + rest.sum(dim=-1, keepdim=True))
     if pad_bias is not None:
         logit += pad_bias[:, None, None]
     if head_score == "softmax":  # each query head's estimated attention mass per block, summed
