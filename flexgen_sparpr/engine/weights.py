@@ -44,6 +44,8 @@ class WeightStore:
         self.stored: dict[str, StoredWeight] = {}
         self.layers = [dict(names) for names in layers]
         self._files = []
+        self._resident: dict[int, bool] = {}
+        self._loaded: dict[int, dict] = {}
         for j, names in enumerate(self.layers):
             matmul = {n for short, n in names.items() if _is_projection(n) or j == head and short == "tok"}
             fresh = [n for n in dict.fromkeys(names.values()) if n not in self.stored or j == head and n in matmul]
@@ -122,11 +124,18 @@ class WeightStore:
 
     def is_resident(self, j: int) -> bool:
         """Layer j's weights already sit on the compute device as they are multiplied (loading is free)."""
-        return all(self.stored[n].home == Tier.COMPUTE and self.stored[n].codec is None
-                   for n in self.layers[j].values())
+        if j not in self._resident:  # where a weight lives is fixed at load
+            self._resident[j] = all(self.stored[n].home == Tier.COMPUTE and self.stored[n].codec is None
+                                    for n in self.layers[j].values())
+        return self._resident[j]
 
     def load(self, j: int) -> dict[str, torch.Tensor]:
-        """Layer j's weights on the compute device: {short key: tensor}."""
+        """Layer j's weights on the compute device: {short key: tensor} (a resident layer's: one dict
+        made once, read-only to its users)."""
+        if self.is_resident(j):
+            if j not in self._loaded:
+                self._loaded[j] = {short: self.fetch(full) for short, full in self.layers[j].items()}
+            return self._loaded[j]
         return {short: self.fetch(full) for short, full in self.layers[j].items()}
 
     def fetch(self, name: str) -> torch.Tensor:
