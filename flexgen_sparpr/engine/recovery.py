@@ -69,7 +69,8 @@ def gather_selection(t: BlockTable, sel: Selection, dtype: torch.dtype, device: 
         pos = torch.cat([sel.rows, sel.rows.new_zeros(b, 1)], dim=1)  # pos: [B, T+1]
         return Fetched(t.gather_rows(sel.rows, buf), pos, sel)
     rebuild = sorted(set(sel.recompute) & set(sel.blocks)) if t.checkpoints is not None else []
-    total = sum(t.block_len(x) for x in sel.blocks)
+    last = t.num_blocks - 1  # every block is whole but the open one (no Python loop per block)
+    total = len(sel.blocks) * t.bs - (t.bs - t.block_len(last) if last in sel.blocks else 0)
     shape = (2, b, hkv, total + 1 + room, d)
     buf = ring.take(shape, dtype, device) if ring is not None else torch.empty(shape, dtype=dtype, device=device)
     out = buf[:, :, :, :total + 1]  # out: [2, B, Hkv, T+1, D]

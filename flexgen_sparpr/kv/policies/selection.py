@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import compress
 
 import torch
 
@@ -53,8 +54,8 @@ def selection_from_pick(table: BlockTable, pick: torch.Tensor, view: StepView) -
     per_seq = pick if pick.dim() == 2 else pick.any(dim=1)  # per_seq: [B, nb]
     readers = per_seq.sum(dim=0)  # readers: [nb] sequences that picked each block
     most, *host = torch.cat([per_seq.sum(dim=1).amax()[None], readers]).tolist()  # the one host sync
-    blocks = [i for i, n in enumerate(host) if n]
-    nseq = [host[i] for i in blocks]
+    blocks = list(compress(range(len(host)), host))  # the picked blocks, ascending (no Python loop per block)
+    nseq = list(filter(None, host))
     open_len = view.length - view.sealed * bs
     if open_len:
         blocks.append(view.sealed)
