@@ -133,3 +133,28 @@ def test_probe_cache_round_trips(tmp_path, monkeypatch):
                                                                       "mode": "o_direct"})
     again = probe_mod.probe(torch.device("cpu"), [torch.float32], disk, cache_dir=cache)
     assert again["disk"][key]["read_Bps"] == 1e9 and probe_mod.load(path) == again
+
+
+def test_weight_format_timings_are_cached_beside_the_probe_and_refreshed_on_demand(tmp_path, monkeypatch):
+    """--weight-format auto's timings (runtime/probe.py weight_formats): measured once per machine and
+    row count, kept in the probe's file beside its other figures, measured again on refresh."""
+    cache, disk = tmp_path / "cache", tmp_path / "offload"
+    first = probe_mod.probe(torch.device("cpu"), [torch.float32], disk, cache_dir=cache)
+    calls = []
+
+    def fake(rows, formats=("raw", "bfloat16", "int8", "int4")):
+        calls.append(rows)
+        return {"raw": 2e-3, "int4": 5e-4 * len(calls)}
+    monkeypatch.setattr(probe_mod, "measure_weight_formats", fake)
+    assert probe_mod.weight_formats(1, cache_dir=cache) == {"raw": 2e-3, "int4": 5e-4}
+    assert probe_mod.weight_formats(1, cache_dir=cache) == {"raw": 2e-3, "int4": 5e-4} and calls == [1]
+    assert probe_mod.weight_formats(6, cache_dir=cache)["int4"] == 1e-3 and calls == [1, 6]  # a batch: its own
+    assert probe_mod.weight_formats(1, refresh=True, cache_dir=cache)["int4"] == 1.5e-3
+    kept = probe_mod.load(probe_mod.cache_path(torch.device("cpu"), cache))
+    assert kept["disk"] == first["disk"] and set(kept["weight_format_s"]) == {"1", "6"}
+
+
+def test_measured_weight_formats_time_every_kernel_this_torch_has():
+    t = probe_mod.measure_weight_formats(1)
+    assert set(t) <= {"raw", "bfloat16", "int8", "int4"} and {"raw", "bfloat16"} <= set(t)
+    assert all(0 < s < 1 for s in t.values())
