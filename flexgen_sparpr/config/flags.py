@@ -95,7 +95,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "int8 (a scale per row), int4 (a scale and minimum per 32 inputs, GGUF's Q4_1; the LM head "
                         "as 8-bit groups); int8 and int4 on the CPU only. auto (default): the fastest format on this "
                         "machine (a cached probe) that holds the checkpoint's values exactly, as the prepared "
-                        "SmolLM2's Q4_1 weights in int4; others stay raw (docs/weights.md)")
+                        "SmolLM2's Q4_1 weights in int4; others stay raw (docs/weights.md); on the CPU under float32 or "
+                        "bfloat16")
     g.add_argument("--gpu-mem", type=float, help="cap the CUDA device at this many GiB, its context included, "
                    "so a bigger GPU runs like a card that size (placement and --policy auto plan for it too)"),
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16: the block selecting policies pick from)")

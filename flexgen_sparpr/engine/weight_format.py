@@ -34,7 +34,7 @@ class WeightFormat:
 
     def candidates(self) -> list[str]:
         """auto: the formats faster than raw on this machine, fastest first."""
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             return []
         if self._timings is None:
             from ..runtime.probe import weight_formats

@@ -49,14 +49,19 @@ class WeightStore:
         for j, names in enumerate(self.layers):
             matmul = {n for short, n in names.items() if _is_projection(n) or j == head and short == "tok"}
             fresh = [n for n in dict.fromkeys(names.values()) if n not in self.stored or j == head and n in matmul]
-            got = {n: source.get(n).to(dtype) for n in fresh}
-            chosen = {} if fmt is None or compress else {n: fmt.choose(got[n], head=j == head) for n in matmul & set(got)}
+            # a packed format is chosen and packed from the checkpoint's own values (a Q4_1 grid survives
+            # no rounding to the compute dtype first); the rest is stored in the compute dtype
+            got = {n: source.get(n) for n in fresh}
+            chosen = {} if fmt is None or compress else {n: fmt.choose(got[n].float(), head=j == head)
+                                                         for n in matmul & set(got)}
             fused = _fuse(names, got, chosen)
             fresh = [n for n in fresh if n in got] + list(fused)
-            tensors = [got[n] for n in fresh]
+            tensors = [got[n] if chosen.get(n, "raw") != "raw" else got[n].to(dtype) for n in fresh]
             homes = split_by_percent([t.numel() for t in tensors], percents)
             for n, t, home in zip(fresh, tensors, homes):
-                w = fmt.store(t, j == head, chosen[n], fused.get(n, 1)) if n in chosen else t
+                w = t
+                if n in chosen:  # packed from float32 values; raw: t itself, in the compute dtype
+                    w = fmt.store(t.float() if chosen[n] != "raw" else t, j == head, chosen[n], fused.get(n, 1))
                 if j == head and n in self.stored:  # the tied embedding: raw already stored
                     if w is t:
                         continue

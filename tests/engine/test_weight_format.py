@@ -36,13 +36,14 @@ class QuantizedSource(DummySource):
         return (codes.float().reshape(*scale.shape, 32) * scale[..., None] + low[..., None]).reshape(w.shape)
 
 
-def _run(src, fmt, tmp_path, timings=FAST, **policy):
+def _run(src, fmt, tmp_path, timings=FAST, dtype="float32", **policy):
     """(tokens, logits, the engine's WeightFormat, the kinds of weight it stored), with the probe's
     timings given (the machine's own would make the choice depend on it)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("flexgen_sparpr.runtime.probe.weight_formats", lambda rows: timings)
         with Engine(src, Policy(gpu_batch_size=2, **policy),
-                    EngineConfig(block_size=4, weight_format=fmt, offload_dir=str(tmp_path / "off"))) as eng:
+                    EngineConfig(block_size=4, weight_format=fmt, offload_dir=str(tmp_path / "off"),
+                                 dtype=dtype)) as eng:
             r = eng.generate(PROMPTS, 6, keep_logits=True)
             kinds = {type(eng.weights.fetch(n)).__name__ for n in eng.weights.stored}
             kinds |= {key for names in eng.weights.layers for key in names if key in ("kv.w", "gate_up.w")}
@@ -105,3 +106,13 @@ def test_compress_weight_on_the_cpu_is_the_packed_int4_format(tmp_path):
     assert tokens == int4_tokens and torch.equal(logits, int4_logits)
     with pytest.raises(ConfigError, match="--compress-weight chooses"):
         _run(src, "int8", tmp_path, compress_weight=True)
+
+
+def test_auto_packs_from_the_checkpoint_values_under_a_bfloat16_compute_dtype(tmp_path):
+    """The grid check and the packing read the checkpoint's own values: rounding a Q4_1 grid to the
+    compute dtype first would hide it (bfloat16 moves a value by more than the check's tolerance)."""
+    src = QuantizedSource(SPEC, build_arch(SPEC))
+    tokens, logits, wf, kinds = _run(src, "auto", tmp_path, dtype="bfloat16")
+    assert wf.chosen == {"int4": 15} and "Int4Weight" in kinds
+    f32_tokens, f32_logits, _, _ = _run(src, "auto", tmp_path)
+    assert float((logits.float() - f32_logits).norm() / f32_logits.norm()) < 0.05
