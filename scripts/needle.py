@@ -163,7 +163,8 @@ def main(argv=None) -> None:
                                 stop=None if nf else eos, on_done=done_one)
                 payload["records"] += recs
                 payload["batches"].append({"id": bid, "task": task, "length": n, "trials": len(trials), **pre,
-                                           "decode_s": times, "engine": config["engine_commit"]})
+                                           "decode_s": times, "engine": config["engine_commit"],
+                                           "weight_format": sweep.weight_formats()})
                 payload["wall_s"] = round(base + wall(), 1)
                 dh = sum(r["hit"] for r in recs if r["label"] == "dense")
                 print(f"{bid}: dense {dh}/{len(trials)}, prefill {pre['prefill_s']}, elapsed {wall():.0f}s", flush=True)

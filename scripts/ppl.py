@@ -142,7 +142,8 @@ def main(argv=None) -> None:
                                 on_done=done_one)
                 payload["records"] += recs
                 payload["batches"].append({"id": bid, "length": n, "windows": len(ws), **pre, "decode_s": times,
-                                           "engine": config["engine_commit"]})
+                                           "engine": config["engine_commit"],
+                                           "weight_format": sweep.weight_formats()})
                 payload["wall_s"] = round(base + wall(), 1)
                 dense = [r for r in recs if r["label"] == "dense"]
                 print(f"{bid}: dense ppl {math.exp(sum(r['nll_sum'] for r in dense) / sum(r['n'] for r in dense)):.2f}"

@@ -128,6 +128,10 @@ class PolicySweep:
             self._engines[key] = Engine(self.src, Policy(gpu_batch_size=batch), cfg)
         return self._engines[key]
 
+    def weight_formats(self) -> dict[str, str]:
+        """What --weight-format resolved to in each engine made so far: {family: describe()}."""
+        return {family: eng.weight_format.describe() for (family, _), eng in self._engines.items()}
+
     def run(self, prompts: list[list[int]], max_new: int, cfgs: list[Config],
             sampler_for: Callable[[Config | None], object], stop: int | None = None,
             on_done: Callable[[Config, object, object, float], None] | None = None) -> dict:

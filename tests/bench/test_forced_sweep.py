@@ -57,6 +57,10 @@ def test_sweep_decodes_every_config_from_one_prefill(tiny_llama_dir):
     try:
         times = sweep.run([t[:P] for t in TEXT], 80 - P, cfgs,
                           lambda c: ForcedTokens([t[P + (c is not None):] for t in TEXT]), on_done=done)
+        # what each family's engine resolved --weight-format to (ppl.py / needle.py record it per batch)
+        # (random float weights: auto keeps every matmul weight raw, the projections and the head)
+        formats = sweep.weight_formats()
+        assert set(formats) == {"raw", "dkv"} and all(f.startswith("auto: raw (") for f in formats.values())
     finally:
         sweep.close()
     assert set(seen) == set(cfgs) and set(times["prefill_s"]) == {"raw", "dkv"}
