@@ -31,6 +31,7 @@ class WeightFormat:
         self.fmt, self.device, self.dtype, self.rows = fmt, device, dtype, rows
         self._timings = timings  # {format: seconds per product}; None: asked of the probe when needed
         self.chosen: Counter = Counter()  # format -> weights stored in it
+        self._order: list[str] | None = None  # auto's candidates, asked once (the probe)
 
     def candidates(self) -> list[str]:
         """auto: the formats faster than raw on this machine, fastest first."""
@@ -58,7 +59,7 @@ class WeightFormat:
         return w if fmt == "raw" else pack(w, fmt, head)
 
     def _auto_order(self, w: torch.Tensor) -> list[str]:
-        if not hasattr(self, "_order"):
+        if self._order is None:
             self._order = self.candidates()
         return [f for f in self._order if packable(f, tuple(w.shape))]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +25,15 @@ class StoredWeight:
     nbytes: int
     codec: GroupCodec | None = None
     file: object = None
+
+
+class PackedBytes(NamedTuple):
+    """A packed weight off the compute tier: one byte buffer (None: on disk), where each of its
+    tensors lies in it, and the weight it was made from (its kind and shape)."""
+
+    buf: torch.Tensor | None  # [nbytes] uint8 in host memory
+    layout: list
+    like: Packed
 
 
 class WeightStore:
@@ -119,13 +129,13 @@ class WeightStore:
                                 p.nbytes)
         buf, layout = _flatten(p)
         if home == Tier.CPU:
-            return StoredWeight(home, p.shape, (dev.host.pin(buf) if pin else buf, layout, p), buf.numel())
+            return StoredWeight(home, p.shape, PackedBytes(dev.host.pin(buf) if pin else buf, layout, p), buf.numel())
         if disk is None:
             raise ValueError("weights placed on disk but no --offload-dir store was given")
         f = disk.new_file(f"w-{name}", 1, buf.numel())
         f.write(0, buf)
         self._files.append(f)
-        return StoredWeight(home, p.shape, (None, layout, p), buf.numel(), None, f)
+        return StoredWeight(home, p.shape, PackedBytes(None, layout, p), buf.numel(), None, f)
 
     def is_resident(self, j: int) -> bool:
         """Layer j's weights already sit on the compute device as they are multiplied (loading is free)."""
@@ -145,7 +155,7 @@ class WeightStore:
 
     def fetch(self, name: str) -> torch.Tensor:
         w, dev = self.stored[name], self.devices
-        if isinstance(w.data, tuple) and not isinstance(w.data, Transposed):  # packed, on the CPU or disk tier
+        if isinstance(w.data, PackedBytes):  # packed, on the CPU or disk tier
             return self._fetch_packed(w)
         if w.home == Tier.DISK:
             host = dev.empty_host(w.shape, torch.uint8 if w.codec else self.dtype)
@@ -211,7 +221,7 @@ def _fuse(names: dict[str, str], got: dict[str, torch.Tensor], chosen: dict[str,
 
 def _flatten(p: Packed):
     """A packed weight's tensors as one byte buffer [nbytes] uint8, and where each lies in it."""
-    parts = {k: t.contiguous() for k, t in p.tensors().items() if isinstance(t, torch.Tensor)}
+    parts = {k: t.contiguous() for k, t in p.tensors().items()}
     layout, offset = [], 0
     for k, t in parts.items():
         layout.append((k, t.dtype, tuple(t.shape), offset, t.numel() * t.element_size()))

@@ -74,7 +74,10 @@ class Int4Weight(Packed):
         self.shape = tuple(shape)
 
     def matmul(self, x2):
-        return torch._weight_int4pack_mm_for_cpu(x2.to(_BF16), self.packed, GROUP, self.scale_zero).to(x2.dtype)
+        return self.product(x2.to(_BF16)).to(x2.dtype)
+
+    def product(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [rows, in] bfloat16 -> [rows, out] bfloat16
+        return torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scale_zero)
 
 
 class Int8x2Weight(Packed):
@@ -91,10 +94,8 @@ class Int8x2Weight(Packed):
                 for k, t in part.tensors().items()}
 
     def matmul(self, x2):
-        xb = x2.to(_BF16)
-        hi = torch._weight_int4pack_mm_for_cpu(xb, self.high.packed, GROUP, self.high.scale_zero)
-        lo = torch._weight_int4pack_mm_for_cpu(xb, self.low.packed, GROUP, self.low.scale_zero)
-        return hi.to(x2.dtype) + lo.to(x2.dtype)
+        xb = x2.to(_BF16)  # one cast for both halves
+        return self.high.product(xb).to(x2.dtype) + self.low.product(xb).to(x2.dtype)
 
 
 def packable(fmt: str, shape: tuple[int, ...]) -> bool:

@@ -92,16 +92,19 @@ def measure_matmul(device: torch.device, dtype: torch.dtype) -> tuple[float, flo
     return flops, _timed(lambda: x @ w, device)
 
 
+def _empty(device: torch.device) -> dict:
+    """A probe file with nothing measured yet."""
+    return {"version": VERSION, "hostname": platform.node(), "device": device_label(device),
+            "torch": torch.__version__, "h2d_Bps": None, "d2h_Bps": None, "disk": {},
+            "matmul_flops": {}, "matmul_latency_s": {}}
+
+
 def probe(device: torch.device, dtypes: list[torch.dtype], disk_dir: str | Path,
           refresh: bool = False, cache_dir: Path | None = None) -> dict:
     """The machine's speeds for `device`, the given dtypes and the disk folder `disk_dir`,
     measured once per machine and cached (see the module docstring)."""
     path = cache_path(device, cache_dir)
-    data = None if refresh else load(path)
-    if data is None:
-        data = {"version": VERSION, "hostname": platform.node(), "device": device_label(device),
-                "torch": torch.__version__, "h2d_Bps": None, "d2h_Bps": None, "disk": {},
-                "matmul_flops": {}, "matmul_latency_s": {}}
+    data = (None if refresh else load(path)) or _empty(device)
     changed = False
     if device.type == "cuda" and data["h2d_Bps"] is None:
         data["h2d_Bps"], data["d2h_Bps"] = measure_copy(device)
@@ -156,9 +159,7 @@ def weight_formats(rows: int, refresh: bool = False, cache_dir: Path | None = No
     measured once per machine and cached with the probe (`prepare` and `profile` measure it anew)."""
     rows = 1 if rows <= 1 else min(rows, 16)
     path = cache_path(torch.device("cpu"), cache_dir)
-    data = load(path) or {"version": VERSION, "hostname": platform.node(),
-                                                  "device": "cpu", "torch": torch.__version__, "h2d_Bps": None,
-                                                  "d2h_Bps": None, "disk": {}, "matmul_flops": {}, "matmul_latency_s": {}}
+    data = load(path) or _empty(torch.device("cpu"))
     table = data.setdefault("weight_format_s", {})
     if refresh or str(rows) not in table:
         table[str(rows)] = measure_weight_formats(rows)
