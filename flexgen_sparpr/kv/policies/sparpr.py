@@ -18,6 +18,8 @@ from ..knobs import KnobError, at_least, in_unit, knob, knobs, one_of
 from ..policy import Selection
 from .base import masked_mean_keys
 from .selection import BlockSelectionPolicy, StepView, shared_pick
+from . import sparpr_int4
+from .sparpr_int4 import PackedCodes, packed_nbytes
 from .sparpr_lowrank import KeyBasis, encode, fit_basis, lowrank_block_scores, rank_for, summary_share
 from .sparpr_mean import block_scores
 from .sparpr_plan import CostPlan
@@ -123,6 +125,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         self._init_plan()
         self.step_stats = StepStats()
         self._basis: weakref.WeakKeyDictionary[BlockTable, KeyBasis] = weakref.WeakKeyDictionary()
+        self._packed: weakref.WeakKeyDictionary[BlockTable, PackedCodes] = weakref.WeakKeyDictionary()
 
     @property
     def lowrank(self) -> bool:
@@ -253,7 +256,20 @@ class SparPR(CostPlan, BlockSelectionPolicy):
             return score
         b, hkv, half, sealed, bs = summ[0].shape
         codes = summ[0].flatten(3)  # codes: [B, Hkv, r / 2, T], a view
-        return lowrank_block_scores(q, codes, self._basis[table], bs, self.head_score, view.pad_bias, view.live)
+        return lowrank_block_scores(q, codes, self._basis[table], bs, self.head_score, view.pad_bias, view.live,
+                                    self._packed_codes(table, codes))
+
+    def _packed_codes(self, table: BlockTable, codes: torch.Tensor) -> PackedCodes | None:
+        """The table's codes in the CPU int4 kernel's layout, synced with its sealed tokens, where
+        that kernel scores them (sparpr_int4.applies); None elsewhere."""
+        b, hkv, half, t = codes.shape
+        if not sparpr_int4.applies(codes.device, 2 * half, table.dtype):
+            return None
+        packed = self._packed.get(table)
+        if packed is None:
+            packed = self._packed[table] = PackedCodes.empty(b * hkv, table.capacity, 2 * half, codes.device)
+        packed.sync(codes, t, table.rewinds)
+        return packed
 
     def summary_bytes(self, table: BlockTable, on_host: bool = False) -> int:
         """Bytes of the table's summaries (every block's) on the compute device, with the low-rank
@@ -261,7 +277,8 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         if table not in self._sums or (self.summaries_on == "compute") == on_host:
             return 0
         basis = None if on_host else self._basis.get(table)
-        return sum(t.numel() * t.element_size() for t in self._sums[table].parts) + (basis.nbytes if basis else 0)
+        return sum(t.numel() * t.element_size() for t in self._sums[table].parts) + (basis.nbytes if basis else 0) + \
+            (0 if on_host else packed_nbytes(self._packed.get(table)))
 
     def host_summary_bytes(self, table: BlockTable) -> int:
         return self.summary_bytes(table, on_host=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...utils.linalg import eigh
+from .sparpr_int4 import PackedCodes, plain_query_basis
 
 LEVELS = 7  # codes -7..7 (4 bits, symmetric); stored + 8 as a nibble
 FIT_QUANTILE = 0.999  # the step: this quantile of |coordinate| over the fitted keys, not the max (sink keys are outliers)
@@ -48,11 +49,18 @@ class KeyBasis:
     # the directions as a query meets them (made once, at the first step): float32 [Hkv, D, r], the
     # even directions then (odd - 16 even), each scaled by its step and 1 / sqrt(D) (lowrank_block_scores)
     _query: torch.Tensor | None = field(default=None, repr=False)
+    _plain: torch.Tensor | None = field(default=None, repr=False)  # [Hkv, D, r]: the int4 kernel's (plain_basis)
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self._query is None else self._query.numel() * self._query.element_size()
+        extra = sum(t.numel() * t.element_size() for t in (self._query, self._plain) if t is not None)
         return self.u.numel() * self.u.element_size() + self.step.numel() * self.step.element_size() + extra
+
+    def plain_basis(self) -> torch.Tensor:
+        """[Hkv, D, r] float32: the directions scaled for scoring, in direction order (sparpr_int4.py)."""
+        if self._plain is None:
+            self._plain = plain_query_basis(self.u, self.step)
+        return self._plain
 
     def query_basis(self) -> torch.Tensor:
         """[Hkv, D, r] float32, contiguous: the even directions and (odd - 16 even), scaled for scoring."""
@@ -99,22 +107,27 @@ def decode(codes: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
 
 
 def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, bs: int, head_score: str,
-                         pad_bias: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
+                         pad_bias: torch.Tensor | None = None, live: torch.Tensor | None = None,
+                         packed: PackedCodes | None = None) -> torch.Tensor:
     """q: [B, H, 1, D]; codes: [B, Hkv, r / 2, T] (tokens innermost) of T = nb * bs sealed tokens;
     pad_bias: [B, T] 0 or -inf (None: no left padding); live: [B, nb] blocks holding a valid token
-    (None: all) -> [B, nb] (-inf: a block with no valid token)."""
+    (None: all); packed: the same codes in the CPU int4 kernel's layout, synced (sparpr_int4.py),
+    or None -> [B, nb] (-inf: a block with no valid token)."""
     b, h, _, d = q.shape
     hkv, t = codes.shape[1], codes.shape[3]
     half = codes.shape[2]
     qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
-    qs = torch.matmul(qg, basis.query_basis())  # qs: [B, Hkv, G, r] = [qe | qo - 16 qe]
-    # q . k~ = sum_j qs_j (c_j - 8), c_j the nibble of direction j (even j low, odd j high). With the
-    # byte v = lo + 16 hi: qe . lo + qo . hi = qe . v + (qo - 16 qe) . hi: one product over the stored
-    # bytes and their high nibbles (one conversion; no decoded [B, Hkv, T, r] copy)
-    logit = torch.matmul(qs, torch.cat([codes, codes >> 4], dim=2).float())  # logit: [B, Hkv, G, T]
-    if head_score == "sum":  # the -8 offset is one constant per head: softmax does not see it
-        qe, rest = qs[..., :half], qs[..., half:]  # qo = rest + 16 qe
-        logit -= (LEVELS + 1) * (17 * qe.sum(dim=-1, keepdim=True) + rest.sum(dim=-1, keepdim=True))
+    if packed is not None:  # the kernel reads the packed codes as c - 8: no offset to take off
+        logit = packed.logits(torch.matmul(qg, basis.plain_basis()), t)  # logit: [B, Hkv, G, T]
+    else:
+        qs = torch.matmul(qg, basis.query_basis())  # qs: [B, Hkv, G, r] = [qe | qo - 16 qe]
+        # q . k~ = sum_j qs_j (c_j - 8), c_j the nibble of direction j (even j low, odd j high). With the
+        # byte v = lo + 16 hi: qe . lo + qo . hi = qe . v + (qo - 16 qe) . hi: one product over the stored
+        # bytes and their high nibbles (one conversion; no decoded [B, Hkv, T, r] copy)
+        logit = torch.matmul(qs, torch.cat([codes, codes >> 4], dim=2).float())  # logit: [B, Hkv, G, T]
+        if head_score == "sum":  # the -8 offset is one constant per head: softmax does not see it
+            qe, rest = qs[..., :half], qs[..., half:]  # qo = rest + 16 qe
+            logit -= (LEVELS + 1) * (17 * qe.sum(dim=-1, keepdim=True) + rest.sum(dim=-1, keepdim=True))
     if pad_bias is not None:
         logit += pad_bias[:, None, None]
     if head_score == "softmax":  # each query head's estimated attention mass per block, summed
