@@ -112,18 +112,34 @@ class BlockTable:
         dev = self.devices.compute
         if out is None and self.store.resident and blocks == list(range(nb)):
             return self.store.resident_view(self.length), torch.arange(self.length, device=dev)
-        if self.store.resident:  # every token in one compute arena: one indexed copy, whatever the blocks
-            pos = self.positions(blocks, dev)  # pos: [T]
-            src = self.store.resident_view(self.length)  # src: [planes, B, Hkv, L, D]
-            if out is None or out.shape[3] < pos.shape[0]:
-                return src.index_select(3, pos), pos
-            kv = out[:, :, :, :pos.shape[0]]
-            torch.index_select(src, 3, pos, out=kv)
-            return kv, pos
+        if self.store.resident:  # every token in one compute arena: indexed copies, whatever the blocks
+            return self._resident_gather(blocks, out, dev)
         need = seqs.T.tolist() if seqs is not None else None  # need: [n][B] (no sync: seqs is a host tensor)
         kv = self.store.gather(blocks, [self.block_len(b) for b in blocks], self.sealed, out, need, zero_unread,
                                starts)
         return kv, self.positions(blocks, dev)
+
+    def _resident_gather(self, blocks: list[int], out: torch.Tensor | None, dev: torch.device):
+        """gather for a wholly resident cache (blocks ascending): the whole blocks in one indexed copy
+        of bs-token rows (a block's tokens copy as one run, not token by token), then the open
+        block's tokens when it is asked for."""
+        planes, b, hkv, bs, d = self.block_shape
+        sealed = self.sealed
+        whole = blocks[:-1] if blocks and blocks[-1] >= sealed else blocks
+        n, open_len = len(whole), (self.length - sealed * bs if len(whole) < len(blocks) else 0)
+        if out is None or out.shape[3] < n * bs + open_len:
+            out = torch.empty(planes, b, hkv, n * bs + open_len, d, dtype=self.dtype, device=dev)
+        kv = out[:, :, :, :n * bs + open_len]  # kv: [planes, B, Hkv, T, D]
+        arena = self.store.resident_arena()  # arena: [planes, B, Hkv, cap, D]
+        ids = torch.tensor(whole, dtype=torch.long).to(dev, non_blocking=True)  # ids: [n]
+        pos = (ids[:, None] * bs + torch.arange(bs, device=dev)).flatten()  # pos: [n * bs]
+        if n:
+            src = arena[:, :, :, :sealed * bs].unflatten(3, (sealed, bs))  # src: [planes, B, Hkv, sealed, bs, D]
+            torch.index_select(src, 3, ids, out=kv[:, :, :, :n * bs].unflatten(3, (n, bs)))
+        if open_len:
+            kv[:, :, :, n * bs:].copy_(arena[:, :, :, sealed * bs:self.length])
+            pos = torch.cat([pos, torch.arange(sealed * bs, self.length, device=dev)])  # pos: [T]
+        return kv, pos
 
     def gather_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """A resident cache's tokens per sequence: rows: [B, T] cache positions of each sequence ->
