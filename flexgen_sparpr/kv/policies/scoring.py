@@ -29,10 +29,10 @@ def budgeted_pick(score: torch.Tensor, counts: torch.Tensor, room: torch.Tensor,
     (broadcast to score); room: [...] tokens the picked blocks may add; own: [..., nb] bool, blocks
     always read (outside the budget and the ranking) or None. Returns pick: [..., nb] bool."""
     if own is not None:
-        score, counts = score.masked_fill(own, -math.inf), counts * ~own
-    order = score.argsort(dim=-1, descending=True)  # order: [..., nb]
+        score, counts = score.masked_fill(own, -math.inf), counts.masked_fill(own, 0)
+    ranked, order = score.sort(dim=-1, descending=True)  # ranked, order: [..., nb]
     taken = counts.expand_as(order).gather(-1, order).cumsum(dim=-1)  # taken: [..., nb]
-    fits = (taken <= room[..., None]) & (score.gather(-1, order) > -math.inf)
+    fits = (taken <= room[..., None]) & (ranked > -math.inf)
     pick = torch.zeros_like(fits).scatter_(-1, order, fits)
     return pick if own is None else own | pick
 

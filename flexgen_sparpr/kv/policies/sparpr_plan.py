@@ -99,6 +99,8 @@ class CostPlan:
     def keep_target(self, table: BlockTable, q: torch.Tensor) -> tuple[float, float]:
         if self.quest_only or not self.dynamic_budget:
             return self.keep_ratio, math.nan
+        if not self.offloaded(table, table.length // table.bs):  # nothing to move: rho 0, the ceiling
+            return self.keep_ratio, 0.0
         return self.target_keep(table, self.block_costs(table, self.hidden_of(table, q)))
 
     # --- the plan for the chosen blocks ---
@@ -130,14 +132,13 @@ class CostPlan:
                 moved = sum(self.offloaded(table, sealed).values())
             else:
                 est = self._est_bytes(table, chosen, rebuild, nseq)
-        if nspans is None:  # nothing offloaded: spans of adjacent chosen blocks, counted on the device
-            col = per_seq.any(dim=0)  # col: [nb]
-            nspans = (col[1:] & ~col[:-1]).sum() + col[:1].sum() if sealed else 0
-        read = sum(view.n_valid) if fell_back else (view.counts * per_seq).sum() + view.open_tokens
+        # nothing offloaded: spans of adjacent chosen blocks and tokens read, counted on the device per step
+        picked = (per_seq, view.counts, view.open_tokens) if nspans is None and not fell_back else None
+        read = sum(view.n_valid) if fell_back else None if picked else (view.counts * per_seq).sum() + view.open_tokens
         self.step_stats.add(table, blocks_selected=len(sel.blocks), copied=moved - len(rebuild),
                             rebuilt=len(rebuild), spans=nspans,
                             n_valid=view.n_valid, tokens_read=read, target=target, rho=rho, sparse_s=sparse_s,
-                            dense_s=dense_s, fell_back=fell_back, est_bytes=est)
+                            dense_s=dense_s, fell_back=fell_back, est_bytes=est, picked=picked)
         sel = dataclasses.replace(sel, recompute=tuple(rebuild))
         # DKV cold blocks left out are still attended on their exact rows, held on compute (nothing moves)
         return sel if fell_back else with_exact_rows(table, sel, view.valid)

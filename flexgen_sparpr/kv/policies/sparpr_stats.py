@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..block_table import BlockTable
 
 
@@ -20,15 +22,24 @@ class StepStats:
 
     def __init__(self):
         self.steps: list[dict] = []
+        self._picked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # this step's, not yet counted
 
     def add(self, table: BlockTable, *, blocks_selected: int, copied: int, rebuilt: int, spans, n_valid: list[int],
             tokens_read, target: float, rho: float, sparse_s: float, dense_s: float, fell_back: bool,
-            est_bytes: dict[str, int]) -> None:
+            est_bytes: dict[str, int], picked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """One layer's selection. spans and tokens_read may be device tensors: they are summed
-        there and read at report time (no sync per step)."""
+        there and read at report time (no sync per step). picked (pick [B, nb] bool, counts [B, nb],
+        open tokens []): count spans and tokens read from it instead, all of a step's layers at once
+        when the step ends (a few tensor calls a step, not a layer)."""
+        if not self.steps or self.steps[-1]["context"] != table.length or \
+                picked is not None and self._picked and self._picked[0][0].shape != picked[0].shape:
+            self._count_picked()
         if not self.steps or self.steps[-1]["context"] != table.length:
             self.steps.append({"context": table.length, **dict.fromkeys(self.KEYS, 0), "est_bytes": {}})
         s = self.steps[-1]
+        if picked is not None:
+            self._picked.append(picked)
+            spans = tokens_read = 0
         s["rho"] = _finite(rho)  # copy / recompute cost of this step's offloaded blocks (last layer)
         for k, v in (("calls", 1), ("blocks_total", table.num_blocks), ("blocks_selected", blocks_selected),
                      ("blocks_copied", copied), ("blocks_recomputed", rebuilt), ("spans", spans),
@@ -39,7 +50,21 @@ class StepStats:
         for link, n in est_bytes.items():
             s["est_bytes"][link] = s["est_bytes"].get(link, 0) + n
 
+    def _count_picked(self) -> None:
+        """The spans (runs of blocks some sequence picked) and tokens read of the picks held, into
+        the step they belong to (the last)."""
+        if not self._picked:
+            return
+        picks = torch.stack([p for p, _, _ in self._picked])  # picks: [n, B, nb]
+        counts = torch.stack([c for _, c, _ in self._picked])  # counts: [n, B, nb]
+        col = picks.any(dim=1)  # col: [n, nb] blocks some sequence read
+        s = self.steps[-1]
+        s["spans"] += (col[:, 1:] & ~col[:, :-1]).sum() + col[:, :1].sum()
+        s["tokens_read"] += (counts * picks).sum() + torch.stack([o for _, _, o in self._picked]).sum()
+        self._picked.clear()
+
     def report(self) -> dict:
+        self._count_picked()
         for s in self.steps:
             s["tokens_read"], s["spans"] = int(s["tokens_read"]), int(s["spans"])
         steps = [{**s, "effective_keep": s["tokens_read"] / max(1, s["tokens_valid"]),
