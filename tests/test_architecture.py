@@ -1,8 +1,9 @@
 """The package's shape, checked mechanically (docs/design.md): folders are layers of the stack and
 import downward only, no module imports itself back through a circle, no code outside kv/
 branches on a KV policy's name (a policy's facts are methods on it), and scripts/ reach the engine
-only through the API or the bench floor (flexgen_sparpr/bench/), named exceptions aside; no module
-is longer than MAX_LINES and scripts/ stay thin."""
+only through the API or the bench floor (flexgen_sparpr/bench/), named exceptions aside, and the
+bench floor and every script reach the engine only through the API; no module is longer than
+MAX_LINES and scripts/ stay thin."""
 from __future__ import annotations
 
 import ast
@@ -23,7 +24,8 @@ LAYERS = [
     {"kv"},
     {"engine"},
     {"config"},  # options, validation, preflight, prompts: under every face
-    {"api", "upstream", "bench"},
+    {"api", "upstream"},
+    {"bench"},  # the benchmarks: above the API they drive
     {"cli", "serve", "flex_opt", "dist_flex_opt", "__main__"},
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -74,6 +76,17 @@ def test_import_linter_contracts_hold():
     r = subprocess.run([str(exe), "--no-cache"], cwd=repo, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(repo)})
     assert r.returncode == 0 and "0 broken" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+# what the bench floor reaches only through the API (api/llm.py, api/engines.py); import-linter's
+# contract says the same
+BENCH_BEHIND_THE_API = ("engine", "storage")
+
+
+def test_the_bench_floor_reaches_the_engine_only_through_the_api():
+    found = sorted(f"{m} imports {d}" for m, deps in graph().items() if folder(m) == "bench"
+                   for d in deps if folder(d) in BENCH_BEHIND_THE_API)
+    assert not found, "\n".join(found)
 
 
 def test_every_folder_has_a_layer():
@@ -165,6 +178,12 @@ def reached_behind_the_api(source: str) -> list[str]:
 def test_scripts_reach_the_engine_only_through_the_api_or_the_bench_floor():
     found = [f"scripts/{p.name} imports {m}" for p in sorted(SCRIPTS.glob("*.py")) if p.name not in SCRIPT_EXCEPTIONS
              for m in reached_behind_the_api(p.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_no_script_imports_the_engine_not_even_an_exception():
+    found = [f"scripts/{p.name} imports {m}" for p in sorted(SCRIPTS.glob("*.py"))
+             for m in reached_behind_the_api(p.read_text()) if m.split(".")[1] == "engine"]
     assert not found, "\n".join(found)
 
 

@@ -25,14 +25,14 @@ def needle_trials(tokenizer, n: int, length: int):
 
 def needle_run(src, tokenizer, trials, args, policy: str, pargs: dict) -> list[str]:
     """The answers of every trial, the KV cache all on the (throttled) disk tier."""
-    from ..engine.config import EngineConfig, Policy
-    from ..engine.executor import Engine
+    from ..api.engines import open_engine
     answers = []
     for i in range(0, len(trials), args.needle_batch):
         group = trials[i:i + args.needle_batch]
-        cfg = EngineConfig(device="cpu", dtype="float32", block_size=args.needle_block_size, direct_io=True,
-                           offload_dir=args.offload_dir, kv_policy=policy, policy_args=pargs)
-        with Engine(src, Policy(gpu_batch_size=len(group), cache_gpu_percent=0, cache_cpu_percent=0), cfg) as eng:
+        cfg = dict(device="cpu", dtype="float32", block_size=args.needle_block_size, direct_io=True,
+                   offload_dir=args.offload_dir, kv_policy=policy, policy_args=pargs)
+        with open_engine(src, {"gpu_batch_size": len(group), "cache_gpu_percent": 0, "cache_cpu_percent": 0},
+                         **cfg) as eng:
             res = eng.decode(eng.prefill([t.ids for t in group], 8))
         answers += [tokenizer.decode(toks) for toks in res.tokens]
     return answers

@@ -57,8 +57,8 @@ def kv_bytes_ratio(there_dtype: str = "float16") -> float:
     computing in float32) over `there_dtype`'s."""
     import torch
 
-    from ..engine.config import EngineConfig
-    here = EngineConfig(device="cpu", dtype="float32").torch_kv_dtype(torch.float32)
+    from ..api.engines import engine_config
+    here = engine_config(device="cpu", dtype="float32").torch_kv_dtype(torch.float32)
     return here.itemsize / getattr(torch, there_dtype).itemsize
 
 

@@ -95,9 +95,8 @@ def bench_cell(engine, model, tokens, ctx: int, batch: int, gen_len: int, repeat
 
 
 def make_engine(src, batch: int, device: str = "cpu", dtype: str = "float32"):
-    from ..engine.config import EngineConfig, Policy
-    from ..engine.executor import Engine
-    return Engine(src, Policy(gpu_batch_size=batch), EngineConfig(device=device, dtype=dtype))
+    from ..api.engines import open_engine
+    return open_engine(src, {"gpu_batch_size": batch}, device=device, dtype=dtype)
 
 
 def warm_up(engine, model, tokens, batch: int) -> None:

@@ -12,10 +12,9 @@ def run(src, prompts, n, device, dtype, placement):
     """Greedy tokens [B][n] and logits [B, n, V] (on the CPU) of `prompts` on a fresh engine."""
     import torch
 
-    from ..engine.config import EngineConfig, Policy
-    from ..engine.executor import Engine
-    pol = Policy(gpu_batch_size=len(prompts), **placement)
-    with Engine(src, pol, EngineConfig(device=device, dtype=dtype, block_size=64, offload_dir="unused")) as eng:
+    from ..api.engines import open_engine
+    pol = {"gpu_batch_size": len(prompts), **placement}
+    with open_engine(src, pol, device=device, dtype=dtype, block_size=64, offload_dir="unused") as eng:
         r = eng.generate(prompts, n, keep_logits=True)
     return r.tokens, torch.stack(r.logits, 1)  # logits: [B, n, V] on the CPU
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.config import EngineConfig, Policy
-from ..engine.executor import Engine
+from ..api.engines import open_engine
 from ..kv.dkv.codec import PICKS, DKVCodec  # noqa: F401  (PICKS: the script's --residual-pick choices)
 from ..kv.policies import make_policy
 from ..models.spec import opt_spec
@@ -32,20 +31,21 @@ def compression_rows(block: int, rank: int, residuals: int) -> list[list]:
     return rows
 
 
-def engine_for(src, config: str, args, batch: int, offload: str) -> Engine:
+def engine_for(src, config: str, args, batch: int, offload: str):
+    """The configuration's engine (api/engines.py) for one batch of `batch` prompts."""
     dkv = {"rank": args.rank, "residuals": args.residuals, "residual_pick": args.residual_pick}
     if config == REFERENCE:
-        cfg = EngineConfig(device="cpu", block_size=args.block)
+        cfg = dict(device="cpu", block_size=args.block)
     elif config.startswith("dkv"):
-        cfg = EngineConfig(device="cpu", block_size=args.block, kv_policy="dkv",
-                           policy_args=dkv | {"topk": args.topk, "dense_layers": args.dense_layers, "route": args.route,
-                                              "sparse_prefill": config == "dkv-sparse-prefill"}
-                           | ({"pick_follow": args.pick_follow} if args.pick_follow is not None else {}))
+        cfg = dict(device="cpu", block_size=args.block, kv_policy="dkv",
+                   policy_args=dkv | {"topk": args.topk, "dense_layers": args.dense_layers, "route": args.route,
+                                      "sparse_prefill": config == "dkv-sparse-prefill"}
+                   | ({"pick_follow": args.pick_follow} if args.pick_follow is not None else {}))
     else:  # sparpr decodes from a dense-policy prefill of a disk cache (raw, or in DKV form)
         cold = {"cold_codec": "dkv", "codec_args": dkv} if config == "sparpr+dkv" else {}
-        cfg = EngineConfig(device="cpu", block_size=args.block, offload_dir=offload, direct_io=True, **cold)
-    pol = Policy(gpu_batch_size=batch, cache_gpu_percent=0 if config.startswith("sparpr") else 100)
-    return Engine(src, pol, cfg)
+        cfg = dict(device="cpu", block_size=args.block, offload_dir=offload, direct_io=True, **cold)
+    pol = {"gpu_batch_size": batch, "cache_gpu_percent": 0 if config.startswith("sparpr") else 100}
+    return open_engine(src, pol, **cfg)
 
 
 def answers(res, trials, tok, eos) -> list[dict]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..engine.config import EngineConfig, Policy
-from ..engine.executor import Engine
+from ..api.engines import open_engine
 from .results import md_table, timer
 from .tasks import canonical
 
@@ -17,8 +16,7 @@ def interleaved(src, tok, trials, args) -> dict:
     """One batch of passkey trials: each engine's decode tok/s per round, their ratios and median,
     and how many answers equal dense's (args: --batch, --gen-len, --rounds, --block, --dkv-exact-routed)."""
     eos = src.spec.eos_id
-    engines = {name: Engine(src, Policy(gpu_batch_size=args.batch),
-                            EngineConfig(device="cpu", block_size=args.block, **kw))
+    engines = {name: open_engine(src, {"gpu_batch_size": args.batch}, device="cpu", block_size=args.block, **kw)
                for name, kw in (("dense", {}), ("dkv", {"kv_policy": "dkv", "policy_args": {
                    "exact_routed": args.dkv_exact_routed}}))}
     try:

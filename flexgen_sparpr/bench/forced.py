@@ -14,8 +14,8 @@ import torch
 
 def greedy():
     """The engine's greedy sampler: what a sweep's rows without forced tokens decode with."""
-    from ..engine.sampling import Sampler
-    return Sampler()
+    from ..api.engines import greedy as engine_greedy
+    return engine_greedy()
 
 
 class ForcedTokens:

@@ -11,8 +11,8 @@ from contextlib import nullcontext
 def resolve_device(device: str = "auto", dtype: str = "auto"):
     """(torch device, torch dtype) the engine runs these flags on ("auto": CUDA in float16 when
     there is one, else the CPU in float32); ConfigError (a ValueError) on a bad pair."""
-    from ..engine.config import EngineConfig
-    cfg = EngineConfig(device=device, dtype=dtype)
+    from ..api.engines import engine_config
+    cfg = engine_config(device=device, dtype=dtype)
     return cfg.torch_device(), cfg.torch_dtype(cfg.torch_device())
 
 
@@ -54,20 +54,18 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     Returns prefill/decode seconds, per-step seconds, the bytes moved per link during decode,
     the engine's measured disk read bandwidth, the disk modes, tokens, the policy's stats, and
     with `trace` the per-step trace (runtime/timemodel.py), with `memory` peak memory."""
-    from ..engine.config import EngineConfig, Policy
-    from ..engine.executor import Engine
-    from ..engine.memory import PeakMemory
+    from ..api.engines import PeakMemory, engine_config, open_engine
     from ..runtime.trace import TraceRecorder
 
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
-    cfg = EngineConfig(device=device, dtype=dtype, block_size=block_size, direct_io=True,
-                       offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {},
-                       speculative_prefetch=speculate, gpu_mem=gpu_mem)
-    pol = Policy(gpu_batch_size=batch // gpu_batches, num_gpu_batches=gpu_batches,
-                 w_gpu_percent=weight_percents[0], w_cpu_percent=weight_percents[1],
-                 cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=cache_cpu_percent)
-    peak = PeakMemory(cfg.torch_device())
-    with peak if memory else nullcontext(), Engine(src, pol, cfg) as eng:
+    settings = dict(device=device, dtype=dtype, block_size=block_size, direct_io=True,
+                    offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {},
+                    speculative_prefetch=speculate, gpu_mem=gpu_mem)
+    pol = dict(gpu_batch_size=batch // gpu_batches, num_gpu_batches=gpu_batches,
+               w_gpu_percent=weight_percents[0], w_cpu_percent=weight_percents[1],
+               cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=cache_cpu_percent)
+    peak = PeakMemory(engine_config(**settings).torch_device())
+    with peak if memory else nullcontext(), open_engine(src, pol, **settings) as eng:
         rec = TraceRecorder(eng) if trace else None
         st = eng.prefill(prompts, gen_len)
         before, before_req = eng.devices.counters.snapshot(), eng.devices.counters.requests()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..api.engines import disk_bandwidth
 from ..api.llm import LLM
-from ..storage.disk_store import disk_bandwidth
 from .needle_prompt import NeedlePrompts, random_key
 from .results import md_table
 from .sweep import REFERENCE

@@ -19,8 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..engine.config import EngineConfig, Policy
-from ..engine.executor import Engine
+from ..api.engines import engine_config, open_engine, placement
 from ..kv import policies
 from ..kv.knobs import knobs
 from ..kv.policies import POLICIES, make_policy
@@ -115,17 +114,18 @@ class PolicySweep:
         self.src, self.device, self.block_size, self.dkv_block = source, device, block_size, dkv_block
         self.weight_format = weight_format
         self.dkv_args = dict(dkv_args or {})
-        self._engines: dict[tuple[str, int], Engine] = {}
+        self._engines: dict[tuple[str, int], object] = {}
 
-    def engine(self, family: str, batch: int) -> Engine:
+    def engine(self, family: str, batch: int):
+        """The family's engine for batches of `batch` (api/engines.py), made on first use."""
         key = (family, batch)
         if key not in self._engines:
             if family == RAW:
-                cfg = EngineConfig(device=self.device, block_size=self.block_size, weight_format=self.weight_format)
+                cfg = dict(device=self.device, block_size=self.block_size, weight_format=self.weight_format)
             else:  # the codec's own policy prefills the cache in its form
-                cfg = EngineConfig(device=self.device, block_size=self.dkv_block, kv_policy=family,
-                                   policy_args=self.dkv_args, weight_format=self.weight_format)
-            self._engines[key] = Engine(self.src, Policy(gpu_batch_size=batch), cfg)
+                cfg = dict(device=self.device, block_size=self.dkv_block, kv_policy=family,
+                           policy_args=self.dkv_args, weight_format=self.weight_format)
+            self._engines[key] = open_engine(self.src, {"gpu_batch_size": batch}, **cfg)
         return self._engines[key]
 
     def weight_formats(self) -> dict[str, str]:
@@ -186,9 +186,9 @@ def resolved_config(cfgs, device: str, block_size: int, dkv_block: int, dkv_args
 
     def knob_values(p) -> dict:
         return {k.name: getattr(p, k.name) for k in knobs(type(p))}
-    ec = EngineConfig(device=device, block_size=block_size)
+    ec = engine_config(device=device, block_size=block_size)
     compute = ec.torch_dtype(torch.device(device))
-    pl = Policy()
+    pl = placement()
     out = {"compute_dtype": str(compute).removeprefix("torch."),
            "kv_dtype": str(ec.torch_kv_dtype(compute)).removeprefix("torch.") + " (raw blocks on the CPU/disk tiers; "
            "none here: every block is on the compute tier, in the compute dtype)",
