@@ -89,6 +89,42 @@ def test_the_bench_floor_reaches_the_engine_only_through_the_api():
     assert not found, "\n".join(found)
 
 
+# the floor under the faces and the faces other than the command line: no flag parsing in them
+# (the command line builds its parser from config/flags.py's table; cli/parser.py)
+NO_ARGPARSE = ("config", "api", "serve")
+PARSING = ("argparse", "flexgen_sparpr.utils.args", "flexgen_sparpr.cli")
+
+
+def absolute_imports(name: str, path: Path) -> set[str]:
+    """Every module `name` imports anywhere in its file, absolute (the standard library's too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def test_config_api_and_serve_parse_no_flags():
+    """Options, types and checks live in config/ as a table, not as argparse calls: config/, api/ and
+    serve/ import neither argparse, nor utils/args.py's parser, nor anything of cli/."""
+    found = sorted(f"{m} imports {d}" for m, path in modules().items() if folder(m) in NO_ARGPARSE
+                   for d in absolute_imports(m, path) if any(d == x or d.startswith(x + ".") for x in PARSING))
+    assert not found, "\n".join(found)
+
+
+def test_the_parsing_check_catches_what_it_looks_for():
+    assert "argparse" in absolute_imports("flexgen_sparpr.utils.args", ROOT / "utils" / "args.py")
+    assert "flexgen_sparpr.utils.args" in absolute_imports("flexgen_sparpr.cli.parser", ROOT / "cli" / "parser.py")
+    assert "flexgen_sparpr.config.flags" in absolute_imports("flexgen_sparpr.cli.parser", ROOT / "cli" / "parser.py")
+
+
 def test_every_folder_has_a_layer():
     assert {folder(m) for m in modules() if m != "flexgen_sparpr"} <= set(LEVEL)
 

@@ -22,7 +22,7 @@ def _text() -> str:
 
 def _defined() -> set[str]:
     """Every flag some parser here defines: the commands' and the scripts'."""
-    from flexgen_sparpr.config.flags import build_parser
+    from flexgen_sparpr.cli.parser import build_parser
     found = {s for a in build_parser()._actions for s in a.option_strings}
     for pattern in ("flexgen_sparpr/**/*.py", "scripts/*.py", "scripts/*.sh"):
         for p in ROOT.glob(pattern):
@@ -63,6 +63,6 @@ def test_the_docs_cite_no_issue_numbers_or_commit_hashes():
 
 
 def test_help_points_to_the_glossary():
-    from flexgen_sparpr.config.flags import build_parser
+    from flexgen_sparpr.cli.parser import build_parser
     assert "docs/glossary.md" in build_parser().format_help().replace("\n", " ")
     assert (ROOT / "docs" / "glossary.md").is_file()

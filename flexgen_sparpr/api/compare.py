@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from ..config.flags import build_parser
 from ..config.options import resolve
 from ..config.validate import typed_flag_values
 from ..engine.memory import PeakMemory
@@ -20,7 +19,7 @@ def policy_for(llm, label: str, values: dict):
     if llm._given is None:
         raise ConfigError("compare() needs an LLM made by LLM(...)")
     try:
-        values = typed_flag_values(values, build_parser())
+        values = typed_flag_values(values)
         merged = {**llm._given, **values}
         names = [n for n in (merged.get("kv_policy", policies.DEFAULT), merged.get("cold_codec", "raw")) if n != "raw"]
         # the LLM's own knobs carry over where the compared policy (or the cold codec) reads them

@@ -9,13 +9,11 @@ arguments. A prompt is a text or a list of token ids; outputs come back in input
 """
 from __future__ import annotations
 
-import functools
 import numbers
 import os
 import weakref
 
 from ..config import preflight
-from ..config.flags import build_parser
 from ..config.options import apply_auto_policy, resolve
 from ..config.prompts import is_token_ids, load_tokenizer, text_ids
 from ..config.validate import typed_flag_values
@@ -58,7 +56,7 @@ class LLM:
         for key in sorted(set(given) & set(_PER_CALL)):
             raise ConfigError(f"LLM() takes no {key!r}: {_PER_CALL[key]}")
         keep = given.pop("prefix_cache_gb", None)
-        given = typed_flag_values(given, _parser())
+        given = typed_flag_values(given)
         opts, pol, ecfg = resolve(given)
         src = resolve_source(opts.model, opts.path, opts.max_seq_len, opts.seed)
         cap = None
@@ -245,8 +243,7 @@ class LLM:
     def params(self, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                stop=STOP_DEFAULT, seed: int | None = None) -> Params:
         """generate()'s settings, checked as their flags are (--gen-len, --temperature, ...)."""
-        return make_params(self.spec, self.opts.seed, _parser(), max_new_tokens, do_sample, temperature, top_p,
-                           stop, seed)
+        return make_params(self.spec, self.opts.seed, max_new_tokens, do_sample, temperature, top_p, stop, seed)
 
     def _check_lengths(self, ids: list[list[int]], params: Params | list[Params], pad_to: int = 0) -> None:
         max_new = max(p.max_new for p in params) if isinstance(params, list) else params.max_new
@@ -268,11 +265,6 @@ class LLM:
 def _close(cache: PrefixCache, engine: Engine) -> None:
     cache.close()
     engine.close()
-
-
-@functools.cache
-def _parser():
-    return build_parser()
 
 
 def _is_id_list(p) -> bool:

@@ -31,15 +31,14 @@ class Params:
         return Sampler(self.do_sample, self.temperature, self.top_p, self.seed)
 
 
-def make_params(spec, default_seed: int, parser, max_new_tokens, do_sample, temperature, top_p, stop,
-                seed) -> Params:
+def make_params(spec, default_seed: int, max_new_tokens, do_sample, temperature, top_p, stop, seed) -> Params:
     """Params for the model `spec` (its vocabulary, its end token); ConfigError naming the argument."""
     seed = default_seed if seed is None else seed
     if isinstance(stop, bool) or not (stop is None or isinstance(stop, (str, numbers.Integral))):
         raise ConfigError(f"stop takes a token id, 'eos' or None (got {stop!r})")
     v = typed_flag_values({"gen_len": max_new_tokens, "do_sample": do_sample, "temperature": temperature,
                            "top_p": top_p, "seed": seed, "stop": None if stop is None else str(stop)},
-                          parser, names=ARGS)
+                          names=ARGS)
     for key in ("gen_len", "temperature", "top_p", "seed"):
         check_range(key, v[key], ARGS[key])
     if not isinstance(v["do_sample"], bool):

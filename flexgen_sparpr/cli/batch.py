@@ -23,7 +23,7 @@ from ..utils.progress import bars_wanted, progress
 from ..weights.resolve import DUMMY, resolve_source
 from ..config import preflight
 from .batch_files import Appender, read_done, read_input, same_file
-from ..config.flags import build_parser
+from .parser import build_parser
 from ..config.options import apply_auto_policy, resolve
 from .outputs import writable_file
 from ..config.prompts import load_tokenizer

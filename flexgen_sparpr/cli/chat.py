@@ -16,7 +16,7 @@ from ..api.chat import ChatSession
 from ..api.llm import LLM
 from ..errors import ConfigError
 from ..weights.resolve import SMOLLM2
-from ..config.flags import GLOSSARY, build_parser
+from .parser import GLOSSARY, build_parser
 from ..config.options import resolve
 
 # run's flags a chat has no use for: its prompts are typed, its answers end at the end token

@@ -20,7 +20,7 @@ from ..engine.config import EngineConfig, Policy
 from ..engine.pipeline import Stage, StageLink
 from ..errors import ConfigError
 from ..runtime.stages import StagePlan, StageSplit, check_stages, even_by_bytes, parse_stage_layers
-from ..config.flags import build_parser
+from .parser import build_parser
 from ..utils.guard import describe
 from .launch import DIST_FLAGS, Launch, add_dist_flags, choose_backend, init_group, launch_from, rendezvous
 from ..config.options import RunOptions, resolve, workload_for

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         from .batch import batch
         return guarded(batch, rest)
     if cmd == "serve":
-        from ..serve.command import serve
+        from .serve import serve
         return guarded(serve, rest)
     if cmd == "models":
         from .models import models

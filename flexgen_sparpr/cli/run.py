@@ -22,7 +22,7 @@ from ..utils.progress import bars_wanted
 from ..weights.resolve import DUMMY, SMOLLM2, resolve_source
 from ..config import preflight
 from . import report as fmt
-from ..config.flags import build_parser
+from .parser import build_parser
 from ..config.options import RunOptions, apply_auto_policy, resolve
 from .outputs import deliver, writable_file
 from ..config.prompts import build_prompts, load_tokenizer

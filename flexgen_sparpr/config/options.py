@@ -1,7 +1,6 @@
 """Configuration flows one way: defaults, then the --config YAML file, then explicit flags."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from ..kv import policies
 from ..kv.knobs import knobs
 from ..runtime.hardware import GiB, Hardware, hardware_from_dict, load_hardware
 from ..storage.device_memory import cap_bytes
-from .flags import DEFAULTS, build_parser
+from .flags import DEFAULTS
 from .validate import check_names, check_ranges, flag_name, one_of_flags, typed_config_values
 
 _POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "overlap", "sep_layer", "pin_weight",
@@ -112,9 +111,9 @@ def _kv_policies(merged: dict, asked, policy: Policy, explicit: set) -> tuple:
     return kvp.for_machine(merged["hardware"], disk_dir), cold
 
 
-def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, EngineConfig]:
+def resolve(args) -> tuple[RunOptions, Policy, EngineConfig]:
     """Merge defaults < YAML < flags into the three frozen objects; bad values raise ConfigError.
-    args: the parsed flags, or a dict of flag values (their dest names: `{"kv_policy": "sparpr",
+    args: the parsed flags (the command line's namespace), or a dict of flag values (their dest names: `{"kv_policy": "sparpr",
     "keep_ratio": 0.5}`) for callers without a command line."""
     given = {k: v for k, v in (args if isinstance(args, dict) else vars(args)).items() if v is not None}
     unknown = set(given) - set(DEFAULTS) - set(policies.flags()) - {"policy_args"}
@@ -125,8 +124,7 @@ def resolve(args: argparse.Namespace | dict) -> tuple[RunOptions, Policy, Engine
     if given.get("config"):
         data = load_yaml(given["config"])
         for section in ("run", "policy", "engine"):
-            values = typed_config_values(data.get(section) or {}, section, f"--config {given['config']}",
-                                         build_parser())
+            values = typed_config_values(data.get(section) or {}, section, f"--config {given['config']}")
             unknown = set(values) - set(DEFAULTS) - set(policies.flags()) - {"policy_args"}
             knob_fields = {k.name for f in policies.flags().values() for k in f.policies.values()}
             raw = sorted(map(str, set(values.get("policy_args") or {}) - knob_fields))

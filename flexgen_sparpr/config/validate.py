@@ -1,101 +1,96 @@
-"""Values checked once, whichever way they came (flag or --config YAML), before any work.
+"""Values checked once, whichever way they came (flag, --config YAML or API argument), before any work.
 
-YAML values get the same types as their flags (read off the argparse actions, so the two cannot
-drift apart); then every merged value is checked against its range. The rule for a value out of
-range is one everywhere: it is an error, never silently clamped.
+YAML and API values get the types of their options (read off the option table, config/flags.py,
+which the command line's parser is built from, so the faces cannot drift apart); then every
+merged value is checked against its range. The rule for a value out of range is one everywhere:
+it is an error, never silently clamped.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
 
 from ..errors import ConfigError
+from .flags import Option, options, parse_bool
 
 MAX_BLOCK_SIZE = 1 << 16  # tokens per KV block; a larger block only wastes its unused tail
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {a.dest: a for a in parser._actions if a.option_strings}
-
-
-def typed_config_values(values: dict, section: str, where: str, parser: argparse.ArgumentParser) -> dict:
+def typed_config_values(values: dict, section: str, where: str) -> dict:
     """A --config section's values converted as their flags convert them; ConfigError naming
-    the file, the key and the value otherwise. A null value leaves the default; keys without a
-    flag (policy_args) pass as they are."""
+    the file, the key and the value otherwise. A null value leaves the default; keys without an
+    option (policy_args) pass as they are."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: section {section}: must be a mapping of keys to values")
-    acts, out = _actions(parser), {}
+    table, out = options(), {}
     for key, v in values.items():
-        a = acts.get(key)
+        o = table.get(key)
         if key == "policy_args":
             if not isinstance(v, dict):
                 raise ConfigError(f"{where}: {section}.policy_args must be a mapping (got {v!r})")
             out[key] = v
-        elif a is not None and v is None:
+        elif o is not None and v is None:
             continue  # `key:` with no value (null) leaves the default, as a flag not given does
-        elif a is None:
+        elif o is None:
             out[key] = v
         else:
-            out[key] = _convert(a, v, f"{where}: {section}.{key}")
+            out[key] = _convert(o, v, f"{where}: {section}.{key}")
     return out
 
 
-def _convert(a: argparse.Action, v, name: str):
-    if isinstance(a, argparse._StoreTrueAction):
+def typed_flag_values(values: dict, names: dict | None = None) -> dict:
+    """Values given from Python (the API's keyword arguments) converted as their flags convert
+    them (a tuple as a list); ConfigError naming the flag (or names[key], an argument's own name)
+    otherwise. Keys without an option, and a Hardware for --hardware, pass as they are."""
+    from ..runtime.hardware import Hardware
+    table, out = options(), {}
+    for key, v in values.items():
+        o = table.get(key)
+        if isinstance(v, tuple):
+            v = list(v)
+        if o is None or v is None or (key == "hardware" and isinstance(v, Hardware)):
+            out[key] = v
+        else:
+            out[key] = _convert(o, v, (names or {}).get(key, o.flag))
+    return out
+
+
+def _convert(o: Option, v, name: str):
+    if o.kind == "switch":
         if not isinstance(v, bool):
             raise ConfigError(f"{name} must be true or false (got {v!r})")
         return v
-    if a.nargs in ("+", "*"):
+    if o.kind == "ints":
         if not isinstance(v, list) or not v:
             raise ConfigError(f"{name} must be a list (got {v!r})")
-        return [_scalar(a, x, name) for x in v]
-    return _scalar(a, v, name)
+        return [_scalar(o, x, name) for x in v]
+    return _scalar(o, v, name)
 
 
-def _scalar(a: argparse.Action, v, name: str):
-    kind = a.type
-    if kind is int:
+def _scalar(o: Option, v, name: str):
+    if o.kind in ("int", "ints"):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"{name} must be an integer (got {v!r})")
-    elif kind is float:
+    elif o.kind == "float":
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(f"{name} must be a number (got {v!r})")
         v = float(v)
-    elif kind is None:  # a string flag; YAML may read `stop: 2` as a number, Python give a path
+    elif o.kind == "str":  # YAML may read `stop: 2` as a number, Python give a path
         if isinstance(v, bool) or not isinstance(v, (str, int, float)) and not hasattr(v, "__fspath__"):
             raise ConfigError(f"{name} must be a string (got {v!r})")
         v = os.fspath(v) if hasattr(v, "__fspath__") else str(v)
         if "\0" in v:
             raise ConfigError(f"{name} holds a NUL character (got {v!r})")
-    elif getattr(kind, "__name__", "") == "str2bool":
-        if not isinstance(v, bool):
-            try:
-                v = kind(str(v))
-            except argparse.ArgumentTypeError:
-                raise ConfigError(f"{name} must be true or false (got {v!r})") from None
-    if a.choices is not None and v not in a.choices:
-        raise ConfigError(f"{name} must be one of {', '.join(map(str, a.choices))} (got {v!r})")
+    elif o.kind == "bool" and not isinstance(v, bool):
+        try:
+            v = parse_bool(str(v))
+        except ValueError:
+            raise ConfigError(f"{name} must be true or false (got {v!r})") from None
+    if o.choices is not None and v not in o.choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, o.choices))} (got {v!r})")
     return v
-
-
-def typed_flag_values(values: dict, parser: argparse.ArgumentParser, names: dict | None = None) -> dict:
-    """Values given from Python (the API's keyword arguments) converted as their flags convert
-    them (a tuple as a list); ConfigError naming the flag (or names[key], an argument's own name)
-    otherwise. Keys without a flag, and a Hardware for --hardware, pass as they are."""
-    from ..runtime.hardware import Hardware
-    acts, out = _actions(parser), {}
-    for key, v in values.items():
-        a = acts.get(key)
-        if isinstance(v, tuple):
-            v = list(v)
-        if a is None or v is None or (key == "hardware" and isinstance(v, Hardware)):
-            out[key] = v
-        else:
-            out[key] = _convert(a, v, (names or {}).get(key, a.option_strings[0]))
-    return out
 
 
 MAX_INT = (1 << 63) - 1  # an integer flag becomes a 64-bit integer (torch, numpy)

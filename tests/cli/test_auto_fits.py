@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flexgen_sparpr.config import preflight
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.config.options import apply_auto_policy, resolve
 from flexgen_sparpr.errors import ConfigError
 from flexgen_sparpr.models.spec import opt_spec

@@ -21,7 +21,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from flexgen_sparpr.api.llm import LLM
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.errors import CapacityError, ConfigError
 from flexgen_sparpr.kv import policies

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.cli.main import main
 from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.cli.report import flexgen_log_name, project_decode_latency, size_label
@@ -187,7 +187,7 @@ def test_log_name_uses_the_size_and_the_placement_run():
 
 
 def test_warm_up_only_for_flexgens_benchmark_prompt_unless_asked():
-    from flexgen_sparpr.config.flags import build_parser
+    from flexgen_sparpr.cli.parser import build_parser
     from flexgen_sparpr.config.options import resolve
 
     def warmup(*argv):

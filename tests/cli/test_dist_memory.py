@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flexgen_sparpr.config import preflight
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.cli.peers import Peers
 from flexgen_sparpr.errors import CapacityError, ConfigError

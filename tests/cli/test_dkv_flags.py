@@ -1,7 +1,7 @@
 """DKV's flags: where they land (the policy's knobs, the cold codec's, the block size) and what they refuse."""
 import pytest
 
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.cli.main import main
 from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.errors import ConfigError

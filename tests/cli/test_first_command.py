@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.cli.main import main
 from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.engine.sampling import STOP_DEFAULT

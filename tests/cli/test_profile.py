@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.cli.main import main
 from flexgen_sparpr.config.options import apply_auto_policy, resolve
 from flexgen_sparpr.engine.config import ConfigError

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.errors import ConfigError
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexgen_sparpr.config.flags import build_parser
+from flexgen_sparpr.cli.parser import build_parser
 from flexgen_sparpr.config.options import resolve
 from flexgen_sparpr.engine import cell
 from flexgen_sparpr.engine.config import ConfigError, EngineConfig, Policy

@@ -83,7 +83,7 @@ def test_grid_step_is_checked():
 @pytest.mark.parametrize("path", sorted((HW_DIR.parent / "policies").glob("opt-6.7b-*.yaml")), ids=lambda p: p.stem)
 def test_shipped_policies_are_what_auto_picks(path):
     """The policy files say their percents come from --policy auto: keep them in step with the model."""
-    from flexgen_sparpr.config.flags import build_parser
+    from flexgen_sparpr.cli.parser import build_parser
     from flexgen_sparpr.config.options import resolve, workload_for
 
     run, pol, eng = resolve(build_parser().parse_args(["--config", str(path)]))
@@ -123,7 +123,7 @@ def test_what_the_kv_policy_keeps_in_host_memory_is_counted_there():
 
 
 def test_resident_share_of_each_kv_policy():
-    from flexgen_sparpr.config.flags import build_parser
+    from flexgen_sparpr.cli.parser import build_parser
     from flexgen_sparpr.config.options import resolve
 
     def share(*argv, dtype_bytes=2):

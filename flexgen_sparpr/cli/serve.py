@@ -1,7 +1,8 @@
 """`flexgen-sparpr serve`: the model behind an OpenAI-compatible HTTP API, one engine per process.
 
-Takes `run`'s model, placement, policy and YAML flags (a request gives what a run's prompt and
-sampling flags give) plus the server's. The flags are checked and the port bound before anything
+The server's command line (serve/ holds the app, its batcher and its requests): `run`'s model,
+placement, policy and YAML flags (a request gives what a run's prompt and sampling flags give)
+plus the server's. The flags are checked and the port bound before anything
 loads (a bad one: one `error:` line, exit 2); the model then loads while the server already
 answers (503 until ready). SIGTERM or SIGINT drains: no new connection is taken, the requests in
 flight and queued are answered, the offload files are removed, and the exit code is 0.
@@ -15,10 +16,10 @@ import socket
 import sys
 
 from ..api.llm import LLM
-from ..config.flags import GLOSSARY, build_parser
-from ..utils.guard import Interrupted, describe
 from ..config.options import resolve
 from ..errors import ConfigError
+from ..utils.guard import Interrupted, describe
+from .parser import GLOSSARY, build_parser
 
 # run's flags that a request gives instead (its prompt, length and sampling) or that only a run reports
 PER_REQUEST = ("prompt", "prompt_file", "prompt_ids_file", "gen_len", "cut_gen_len", "do_sample", "temperature",
@@ -68,7 +69,7 @@ def serve(argv=None) -> int:
     sock = _listen(args.host, args.port)
     import uvicorn
 
-    from .app import ServerState, build_app
+    from ..serve.app import ServerState, build_app
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
     state = ServerState(lambda: LLM(opts.model, quiet=True, prefix_cache_gb=args.prefix_cache_gb, **model_args),
                         opts.model, args.api_key,
