@@ -194,13 +194,13 @@ class WeightStore:
 
 # projections that one packed product serves, when both are in the same packed format and have no
 # bias: one kernel call and one activation cast instead of two (the engine reads the fused key)
-FUSED = (("k.w", "v.w", "kv.w"), ("gate.w", "up.w", "gate_up.w"))
+FUSED = (("k.w", "v.w", "kv.w"), ("q.w", "kv.w", "qkv.w"), ("gate.w", "up.w", "gate_up.w"))  # in this order
 
 
 def _fuse(names: dict[str, str], got: dict[str, torch.Tensor], chosen: dict[str, str]) -> dict[str, int]:
     """Fuse FUSED pairs of a layer in place: their tensors in `got` (and formats in `chosen`) become
-    one [out_a + out_b, in] tensor under a new name, which `names` maps the fused key to. Returns
-    {fused name: 2}."""
+    one [out_a + out_b, in] tensor under a new name, which `names` maps the fused key to (a pair
+    may fuse a fused one: q with k|v). Returns {fused name: the checkpoint weights it holds}."""
     out = {}
     for prefix in ("", "a.", "m."):
         for a, b, key in FUSED:
@@ -215,7 +215,7 @@ def _fuse(names: dict[str, str], got: dict[str, torch.Tensor], chosen: dict[str,
             chosen.pop(nb)
             del names[prefix + a], names[prefix + b]
             names[prefix + key] = name
-            out[name] = 2
+            out[name] = out.pop(na, 1) + out.pop(nb, 1)
     return out
 
 

@@ -63,24 +63,41 @@ class Llama:
         self._rope_memo[key] = (pos, cos, sin)
         return cos, sin
 
+    def _part(self, w, h: torch.Tensor, part: str) -> torch.Tensor:
+        """The q ("q") or k|v ("kv") rows of a fused q|k|v product (engine/weights.py FUSED): its own
+        rows of the weight where the format can cut there, else the whole product, sliced."""
+        qd = self.spec.num_heads * self.spec.head_dim
+        fused = w["qkv.w"]
+        span = (0, qd) if part == "q" else (qd, fused.shape[0])
+        cut = fused.rows(*span)
+        return linear(h, cut) if cut is not None else linear(h, fused)[..., span[0]:span[1]]
+
     def kv(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None):
         """h: [B, S, hidden]; pos: [B, S] -> k, v: [B, Hkv, S, D] (RoPE applied to k)."""
         cos, sin = rope or self._rope(pos, h.dtype)
-        if "kv.w" in w:  # k and v packed as one product (engine/weights.py FUSED)
-            k, v = linear(h, w["kv.w"]).chunk(2, dim=-1)  # [B, S, kv_dim] each
+        if "kv.w" in w or "qkv.w" in w:  # k and v packed as one product (engine/weights.py FUSED)
+            k, v = (linear(h, w["kv.w"]) if "kv.w" in w else self._part(w, h, "kv")).chunk(2, dim=-1)
         else:
             k, v = linear(h, w["k.w"], w.get("k.b")), linear(h, w["v.w"], w.get("v.b"))
-        k, v = split_heads(k, self.spec.num_kv_heads), split_heads(v, self.spec.num_kv_heads)
+        return self._heads_kv(k, v, cos, sin)
+
+    def _heads_kv(self, k, v, cos, sin):
+        k, v = split_heads(k, self.spec.num_kv_heads), split_heads(v, self.spec.num_kv_heads)  # [B, Hkv, S, D]
         return apply_rope(k, cos, sin), v
 
     def query(self, w, h: torch.Tensor, pos: torch.Tensor, rope=None) -> torch.Tensor:
         """h: [B, S, hidden]; pos: [B, S] -> q: [B, H, S, D] with RoPE (the query alone)."""
         cos, sin = rope or self._rope(pos, h.dtype)
-        return apply_rope(split_heads(linear(h, w["q.w"], w.get("q.b")), self.spec.num_heads), cos, sin)
+        q = self._part(w, h, "q") if "qkv.w" in w else linear(h, w["q.w"], w.get("q.b"))  # q: [B, S, H * D]
+        return apply_rope(split_heads(q, self.spec.num_heads), cos, sin)
 
     def qkv(self, w, h: torch.Tensor, pos: torch.Tensor):
         rope = self._rope(pos, h.dtype)
-        return (self.query(w, h, pos, rope), *self.kv(w, h, pos, rope))
+        if "qkv.w" not in w:
+            return (self.query(w, h, pos, rope), *self.kv(w, h, pos, rope))
+        qd, kvd = self.spec.num_heads * self.spec.head_dim, self.spec.num_kv_heads * self.spec.head_dim
+        q, k, v = linear(h, w["qkv.w"]).split([qd, kvd, kvd], dim=-1)  # one product: [B, S, *] each
+        return (apply_rope(split_heads(q, self.spec.num_heads), *rope), *self._heads_kv(k, v, *rope))
 
     def attn_output(self, w, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         return x + linear(merge_heads(o).to(x.dtype), w["o.w"], w.get("o.b"))

@@ -18,6 +18,8 @@ their codes (docs/weights.md measures it).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,11 @@ class Packed:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    def rows(self, start: int, stop: int) -> "Packed | None":
+        """Output rows [start, stop) as a weight of their own, sharing this one's codes (the q or
+        the k|v part of a fused q|k|v weight); None where the layout cannot be cut there."""
+        return None
+
 
 class Bf16Weight(Packed):
     fmt = "bfloat16"
@@ -53,6 +60,9 @@ class Bf16Weight(Packed):
     def matmul(self, x2):
         return F.linear(x2.to(_BF16), self.w).to(x2.dtype)
 
+    def rows(self, start, stop):
+        return Bf16Weight(self.w[start:stop])
+
 
 class Int8Weight(Packed):
     fmt = "int8"
@@ -63,6 +73,9 @@ class Int8Weight(Packed):
 
     def matmul(self, x2):
         return torch._weight_int8pack_mm(x2.to(_BF16), self.q, self.scales).to(x2.dtype)
+
+    def rows(self, start, stop):
+        return Int8Weight(self.q[start:stop], self.scales[start:stop])
 
 
 class Int4Weight(Packed):
@@ -78,6 +91,40 @@ class Int4Weight(Packed):
 
     def product(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [rows, in] bfloat16 -> [rows, out] bfloat16
         return torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scale_zero)
+
+    def rows(self, start, stop):
+        tile = int4_tile()  # the kernel packs rows a tile at a time: a cut between tiles keeps both sides
+        if tile is None or start % tile or stop % tile and stop != self.shape[0]:
+            return None
+        return Int4Weight(self.packed[start:stop], self.scale_zero[:, start:stop].contiguous(),
+                          (stop - start, self.shape[1]))
+
+
+@functools.cache
+def int4_tile() -> int | None:
+    """Rows the CPU int4 kernel packs together (whole tiles pack alone, as they do inside a bigger
+    weight), found once, with the kernel's arithmetic checked (code c means (c - 8) x scale + zero);
+    None: no such kernel here."""
+    conv = getattr(torch, "_convert_weight_to_int4pack_for_cpu", None)
+    mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None)
+    if conv is None or mm is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (256, GROUP), generator=gen, dtype=torch.int32)  # codes: [N, K]
+    x = torch.randn(3, GROUP, generator=gen).to(_BF16)  # x: [M, K]
+    try:
+        whole = conv(codes, 1)  # whole: [N, K / 2]
+        sz = torch.stack([torch.ones(1, 256), torch.zeros(1, 256)], dim=-1).to(_BF16)  # sz: [1, N, 2]
+        got = mm(x, whole, GROUP, sz).float()  # got: [M, N]
+    except RuntimeError:
+        return None
+    want = x.float() @ (codes.float() - 8).T  # want: [M, N]
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+        return None
+    for tile in (16, 32, 64, 128):
+        if all(torch.equal(conv(codes[i:i + tile].contiguous(), 1), whole[i:i + tile]) for i in range(0, 256, tile)):
+            return tile
+    return None
 
 
 class Int8x2Weight(Packed):

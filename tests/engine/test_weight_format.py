@@ -46,7 +46,7 @@ def _run(src, fmt, tmp_path, timings=FAST, dtype="float32", **policy):
                                  dtype=dtype)) as eng:
             r = eng.generate(PROMPTS, 6, keep_logits=True)
             kinds = {type(eng.weights.fetch(n)).__name__ for n in eng.weights.stored}
-            kinds |= {key for names in eng.weights.layers for key in names if key in ("kv.w", "gate_up.w")}
+            kinds |= {key for names in eng.weights.layers for key in names if key in ("kv.w", "qkv.w", "gate_up.w")}
             return r.tokens, torch.stack(r.logits), eng.weight_format, kinds
 
 
@@ -56,7 +56,7 @@ def test_auto_packs_a_quantized_checkpoint_and_keeps_its_tokens(tmp_path):
     tokens, logits, wf, kinds = _run(src, "auto", tmp_path)
     assert wf.chosen == {"int4": 2 * 7 + 1}  # 7 projections a layer, and the head
     assert {"Int4Weight", "Int8x2Weight"} <= kinds
-    assert {"kv.w", "gate_up.w"} <= kinds  # k|v and gate|up, one packed product each
+    assert {"qkv.w", "gate_up.w"} <= kinds and "kv.w" not in kinds  # q|k|v and gate|up, one packed product each
     assert tokens == raw_tokens
     # bfloat16 activations and scales in the packed kernels: a few parts in a thousand
     assert float((logits - raw_logits).norm() / raw_logits.norm()) < 0.02
@@ -116,3 +116,27 @@ def test_auto_packs_from_the_checkpoint_values_under_a_bfloat16_compute_dtype(tm
     assert wf.chosen == {"int4": 15} and "Int4Weight" in kinds
     f32_tokens, f32_logits, _, _ = _run(src, "auto", tmp_path)
     assert float((logits.float() - f32_logits).norm() / f32_logits.norm()) < 0.05
+
+
+@pytest.mark.parametrize("heads, head_dim", [(2, 64), (3, 32)], ids=["cut-between-tiles", "cut-inside-a-tile"])
+def test_query_and_kv_alone_equal_the_fused_products_parts(tmp_path, heads, head_dim):
+    """Under a fused q|k|v weight the query alone (speculative prefetch's early query) and k, v alone
+    (a SparPR rebuild from checkpoints) are the fused product's parts: from the weight's own rows
+    where the format cuts between the kernel's tiles of rows, else sliced from the whole product."""
+    spec = ModelSpec(arch="llama", name="q4", num_layers=1, hidden=heads * head_dim, num_heads=heads,
+                     num_kv_heads=1, head_dim=head_dim, ffn=256, vocab=320, max_pos=512, pad_id=2)
+    arch = build_arch(spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("flexgen_sparpr.runtime.probe.weight_formats", lambda rows: FAST)
+        with Engine(QuantizedSource(spec, arch), Policy(gpu_batch_size=1),
+                    EngineConfig(block_size=4, weight_format="auto", offload_dir=str(tmp_path / "off"))) as eng:
+            j = next(i for i, layer in enumerate(eng.layers) if layer.kind == "attn")
+            w = eng.weights.load(j)
+            assert "qkv.w" in w and "q.w" not in w
+            h = torch.randn(1, 3, spec.hidden)
+            pos = torch.arange(3)[None]
+            q, k, v = eng.arch.qkv(w, h, pos)
+            torch.testing.assert_close(eng.arch.query(w, h, pos), q, rtol=1e-5, atol=1e-5)
+            k2, v2 = eng.arch.kv(w, h, pos)
+            torch.testing.assert_close(k2, k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v2, v, rtol=1e-5, atol=1e-5)

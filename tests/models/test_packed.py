@@ -77,3 +77,22 @@ def test_a_packed_weight_rebuilds_from_its_tensors():
     x = torch.randn(2, 64)
     assert torch.equal(back.matmul(x), p.matmul(x))
     assert p.nbytes == sum(t.numel() * t.element_size() for t in p.tensors().values()) < 32 * 64 * 4 / 2
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_rows_of_a_fused_weight_multiply_as_the_part_alone(fmt):
+    """A fused q|k|v weight's q rows and k|v rows (engine/weights.py FUSED), cut out of the packed
+    weight without copying its codes: the same products as the parts packed alone; an int4 cut
+    inside the kernel's tile of rows is refused (the caller slices the whole product)."""
+    w = q4_grid(192, 96)
+    fused = P.pack(w, fmt)
+    x = torch.randn(2, 96)
+    tile = P.int4_tile() if fmt == "int4" else 64
+    if fmt == "int4" and tile is None:
+        pytest.skip("this torch has no CPU int4 kernel that packs in tiles")
+    for start, stop in ((0, 128), (128, 192)):
+        cut = fused.rows(start, stop)
+        assert cut is not None and cut.shape == (stop - start, 96)
+        torch.testing.assert_close(linear(x, cut), linear(x, P.pack(w[start:stop], fmt)))
+    if fmt == "int4" and tile > 1:
+        assert fused.rows(1, 192) is None

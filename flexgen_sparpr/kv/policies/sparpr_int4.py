@@ -9,7 +9,7 @@ and multiplying (a bfloat16 query and bfloat16 logits, ~3 significant digits: a 
 moves by under 1 %, so only near-ties can swap). One kernel call per (sequence, KV head), each its
 own weight.
 
-The kernel packs rows a tile at a time (64 on AVX-512; `kernel_tile` finds it), so the codes are
+The kernel packs rows a tile at a time (64 on AVX-512; models/packed.py `int4_tile` finds it), so the codes are
 kept packed per table as [B * Hkv, capacity, r / 2] and repacked a tile at a time as blocks seal.
 The path is taken on the CPU when the kernel is there and packs this way, r is a multiple of 32,
 and the compute dtype is float32 or bfloat16; elsewhere (CUDA among them) the codes are scored in
@@ -17,40 +17,15 @@ float (lowrank_block_scores).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from ...models.packed import int4_tile as kernel_tile  # noqa: F401  (the tile the codes are packed in)
+
 GROUP = 32  # the kernel's smallest group of inputs: r must be a multiple
 _BF16 = torch.bfloat16
-
-
-@functools.cache
-def kernel_tile() -> int | None:
-    """Rows the CPU kernel packs together (whole tiles pack alone, as they do inside a bigger
-    weight), checked once, with the kernel's arithmetic; None: no such kernel here."""
-    conv = getattr(torch, "_convert_weight_to_int4pack_for_cpu", None)
-    mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None)
-    if conv is None or mm is None:
-        return None
-    gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (256, GROUP), generator=gen, dtype=torch.int32)  # codes: [N, K]
-    x = torch.randn(3, GROUP, generator=gen).to(_BF16)  # x: [M, K]
-    try:
-        whole = conv(codes, 1)  # whole: [N, K / 2]
-        sz = torch.stack([torch.ones(1, 256), torch.zeros(1, 256)], dim=-1).to(_BF16)  # sz: [1, N, 2]
-        got = mm(x, whole, GROUP, sz).float()  # got: [M, N]
-    except RuntimeError:
-        return None
-    want = x.float() @ (codes.float() - 8).T  # want: [M, N]
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
-        return None
-    for tile in (16, 32, 64, 128):
-        if all(torch.equal(conv(codes[i:i + tile].contiguous(), 1), whole[i:i + tile]) for i in range(0, 256, tile)):
-            return tile
-    return None
 
 
 def applies(device: torch.device, rank: int, dtype: torch.dtype) -> bool:
