@@ -22,6 +22,11 @@ class Layer:
     index: int
     names: dict[str, str]
 
+    @property
+    def reads_cache(self) -> bool:
+        """Whether the layer attends, so reads a KV cache at a decode step."""
+        return self.kind in ("attn", "block")
+
 
 def schedule_layers(arch, spec, sep_layer: bool, stage=None) -> list[Layer]:
     """The schedule's layers: this stage's decoder layers, the embeddings on the first stage and
