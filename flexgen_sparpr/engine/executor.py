@@ -79,7 +79,7 @@ class Engine:
         self.clock = StepClock()  # where each step's time goes (select, read, rebuild, io_wait, compute)
         self.reader = KVReader(self.kv_policy, self.arch, self.io, self.devices, self.dtype,
                                cpu_cache_compute=policy.cpu_cache_compute, speculate=cfg.speculative_prefetch,
-                               clock=self.clock)
+                               sparsity=policy.attn_sparsity, clock=self.clock)
         self._generation = 0
         self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
 
