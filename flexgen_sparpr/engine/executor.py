@@ -2,9 +2,11 @@
 
 While layer j computes batch k, the I/O pool loads layer j+1's weights and batch k+1's KV
 blocks, and stores the blocks batch k-1 sealed; `overlap=False` runs the same tasks inline.
-What a decode cell's attention reads is the KVReader's (engine/cell.py); the attention step
-only attends (engine/attention.py). A pipeline stage runs the same loop over its slice of layers,
-micro-batch after micro-batch, with a StageLink at the slice's ends (engine/pipeline.py).
+A step walks its schedule's cells (engine/schedule.py: what each does, as plain numbers) and
+the step's run does it (engine/step_run.py: the tensors). What a decode cell's attention reads,
+and which attention it runs, is the KVReader's (engine/cell.py). A pipeline stage runs the same
+loop over its slice of layers, micro-batch after micro-batch, with a StageLink at the slice's
+ends (engine/pipeline.py).
 """
 from __future__ import annotations
 
