@@ -1,4 +1,6 @@
-"""What one decode (layer, GPU batch) cell's attention reads from its block table.
+"""What one decode (layer, GPU batch) cell's attention reads from its block table, and which
+attention it runs: the policy's own (`attends`, DKV), CPU blocks attended where they live
+(--cpu-cache-compute), or the attention step (attention.py) over what was read.
 
 The KV policy plans the cell's blocks before the query exists, or selects them from the cell's
 early query (prefetch.py) or its real one; the chosen blocks are gathered to the compute device
@@ -13,8 +15,9 @@ from concurrent.futures import Future
 import torch
 
 from ..kv.block_table import BlockTable
-from ..kv.policy import KVPolicy
+from ..kv.policy import KVPolicy, Selection
 from ..storage.tiers import Devices, Tier
+from .attention import decode_attention_step, split_by_home
 from .io import Done, IOPool
 from .prefetch import Ahead, early_selection
 from .recall import Recall
@@ -25,12 +28,14 @@ from .step_clock import StepClock
 class KVReader:
     """The cells' KV reads for one engine. Inputs: the KV policy (swappable between runs), the
     model's maths (`arch`: query and K/V projections), the I/O pool, the devices and dtype, and
-    two switches: FlexGen's --cpu-cache-compute and speculative prefetch."""
+    FlexGen's --cpu-cache-compute and --attn-sparsity, and speculative prefetch."""
 
     def __init__(self, policy: KVPolicy, arch, io: IOPool, devices: Devices, dtype: torch.dtype, *,
-                 cpu_cache_compute: bool = False, speculate: bool = False, clock: StepClock | None = None):
+                 cpu_cache_compute: bool = False, speculate: bool = False, sparsity: float = 1.0,
+                 clock: StepClock | None = None):
         self.policy, self.arch, self.io, self.devices, self.dtype = policy, arch, io, devices, dtype
         self.cpu_cache_compute, self.speculate = cpu_cache_compute, speculate
+        self.sparsity = sparsity  # FlexGen's --attn-sparsity: the top share of scores attention keeps
         self.clock = clock or StepClock()  # the engine's: select / read / rebuild seconds of its steps
         self.ring = GatherRing()  # the decode cells' gather buffers, reused
         self.recall: Recall | None = Recall()  # each offloaded table's last selective gather (None: off)
@@ -81,6 +86,21 @@ class KVReader:
             return gather_selection(t, sel, self.dtype, self.devices.compute, self.ring, room=t.length)
 
     # --- at compute time ---
+    def attend(self, t: BlockTable, layer: int, q, k, v, fetched: Fetched | None, w, pads):
+        """Cell (layer, t)'s decode attention for query q: [B, H, 1, D] and the step's new k, v:
+        [B, Hkv, 1, D]: the policy's own when it attends (DKV: it appends too), CPU blocks attended
+        where they live (--cpu-cache-compute), else what `read` reads, with the new token. Returns
+        (o: [B, H, 1, D], store jobs)."""
+        if self.policy.attends:
+            return self.policy.attend(t, layer, q, k, v, pads)
+        if self.splits_by_home(t):
+            return split_by_home(t, q, k, v, pads), t.append(k, v)
+        fetched = self.read(t, layer, q, fetched, w, pads)
+        kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
+        o = decode_attention_step(q, kv, pos, mask, pads, sparsity=self.sparsity)
+        self.policy.observe(t, layer, q, kv, pos, fetched.sel if fetched else Selection.all(t))
+        return o, jobs
+
     def read(self, t: BlockTable, layer: int, q: torch.Tensor, fetched: Fetched | None, w,
              pads: torch.Tensor | None) -> Fetched | None:
         """What cell (layer, t) attends for query q: [B, H, 1, D]: what was prefetched, else read

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.policy import Selection
 from ..models.layers import causal_attention
 from ..storage.tiers import Tier
-from .attention import append_attention, decode_attention_step, pads_valid, split_by_home
+from .attention import append_attention, pads_valid
 from .weights import sub_weights
 
 
@@ -21,6 +20,11 @@ class Layer:
     kind: str  # embed | attn | mlp | block (attn + mlp, when not sep_layer) | head
     index: int
     names: dict[str, str]
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether the layer attends, so reads a KV cache at a decode step."""
+        return self.kind in ("attn", "block")
 
 
 def schedule_layers(arch, spec, sep_layer: bool, stage=None) -> list[Layer]:
@@ -73,15 +77,8 @@ def attention(eng, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bo
             valid = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
         for observer in (pol, *eng._observers):
             observer.on_prefill(t, layer_idx, q, kk, valid)
-    elif pol.attends:  # the policy owns the decode attention, and the append (DKV)
-        o, jobs = pol.attend(t, layer_idx, q, kk, vv, pads)
-    elif eng.reader.splits_by_home(t):  # --cpu-cache-compute: CPU blocks attended where they live
-        o, jobs = split_by_home(t, q, kk, vv, pads), t.append(kk, vv)
-    else:
-        fetched = eng.reader.read(t, layer_idx, q, fetched, w, pads)
-        kv, kpos, mask, jobs = eng.reader.add_token(t, fetched, kk, vv)
-        o = decode_attention_step(q, kv, kpos, mask, pads, sparsity=eng.policy.attn_sparsity)
-        pol.observe(t, layer_idx, q, kv, kpos, fetched.sel if fetched else Selection.all(t))
+    else:  # a decode step: the reader's path (the policy's own, split by home, or read and attend)
+        o, jobs = eng.reader.attend(t, layer_idx, q, kk, vv, fetched, w, pads)
     return a.attn_output(w, x, o), jobs + ckpt_jobs
 
 

@@ -2,14 +2,15 @@
 
 While layer j computes batch k, the I/O pool loads layer j+1's weights and batch k+1's KV
 blocks, and stores the blocks batch k-1 sealed; `overlap=False` runs the same tasks inline.
-What a decode cell's attention reads is the KVReader's (engine/cell.py); the attention step
-only attends (engine/attention.py). A pipeline stage runs the same loop over its slice of layers,
-micro-batch after micro-batch, with a StageLink at the slice's ends (engine/pipeline.py).
+A step walks its schedule's cells (engine/schedule.py: what each does, as plain numbers) and
+the step's run does it (engine/step_run.py: the tensors). What a decode cell's attention reads,
+and which attention it runs, is the KVReader's (engine/cell.py). A pipeline stage runs the same
+loop over its slice of layers, micro-batch after micro-batch, with a StageLink at the slice's
+ends (engine/pipeline.py).
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -21,17 +22,18 @@ from ..models import build_arch
 from ..storage.device_memory import cap_device
 from ..storage.disk_store import DiskStore
 from ..storage.tiers import Devices, Tier
-from .compute import Layer, compute, park, schedule_layers
+from .compute import schedule_layers
 from .prefill import prefill
 from .cell import KVReader
 from .config import EngineConfig, Policy, check_engine
-from .io import Done, IOPool, to_compute
+from .io import IOPool
 from .kv_tables import build_tables
-from .pipeline import StageLink, schedule
-from .prefetch import Ahead, CacheReads
+from .pipeline import StageLink
 from .sampling import Sampler
+from .schedule import StepSchedule, step_schedule
 from .state import GenerationResult, GenState, Snapshot
 from .step_clock import StepClock
+from .step_run import StepRun
 from .weights import WeightStore
 
 
@@ -79,7 +81,7 @@ class Engine:
         self.clock = StepClock()  # where each step's time goes (select, read, rebuild, io_wait, compute)
         self.reader = KVReader(self.kv_policy, self.arch, self.io, self.devices, self.dtype,
                                cpu_cache_compute=policy.cpu_cache_compute, speculate=cfg.speculative_prefetch,
-                               clock=self.clock)
+                               sparsity=policy.attn_sparsity, clock=self.clock)
         self._generation = 0
         self.on_step: list = []  # callbacks (prefill: bool, state) after each step, e.g. traces
 
@@ -89,13 +91,6 @@ class Engine:
         (one GPU batch, no pipeline stages: their batch shapes are fixed); else short batches are
         filled up by the caller."""
         return self.policy.num_gpu_batches == 1 and self.link is None
-
-    # --- I/O tasks ---
-    def _load_weights(self, j: int) -> Future:
-        """Resident layers load inline: a thread hand-off would cost more than it hides."""
-        if self.weights.is_resident(j):
-            return Done(self.weights.load(j))
-        return self.io.submit(self.weights.load, j)
 
     def free_tables(self) -> None:
         """Close the last generation's block tables now (their memory and offload files), rather
@@ -114,12 +109,6 @@ class Engine:
             cold_codec=self.cold_codec, max_len=max_len,
             name=f"g{self._generation}", observers=self._observers,
             layers=self.link.stage.layers if self.link else None))
-
-    def _prefetch_cache(self, layer: Layer, k: int, ahead: Ahead | None = None) -> Future:
-        """Gather batch k's blocks for layer `layer` (decode only) one cell ahead (engine/cell.py)."""
-        if layer.kind not in ("attn", "block"):
-            return Done(None)
-        return self.reader.prefetch(self.tables[(layer.index, k)], layer.index, layer.kind, ahead)
 
     # --- the generation loop ---
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
@@ -215,70 +204,34 @@ class Engine:
     def restore(self, snap: "Snapshot") -> "GenState":
         return snap.restore(self.tables)
 
-    def _step(self, ids, pos_all, pads, prefill: bool, bar=None) -> torch.Tensor | None:
+    def _step(self, ids, pos, pads, prefill: bool, bar=None) -> torch.Tensor | None:
         """One token step (or the prefill) through this engine's layers and every batch; returns
         logits [B, V] (None on a pipeline stage without the head). `bar` (a progress bar) advances once
-        per layer."""
-        p, link = self.run_policy, self.link
-        gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
-        per = ngb // self.micro_batches  # GPU batches per micro-batch
-        last = len(self.layers) - 1
-        order = schedule(len(self.layers), ngb, self.micro_batches)
-        receives = link is not None and not link.stage.is_first
-        hidden = [None] * ngb
-        logits = [None] * ngb
-        # one positions tensor per batch for the whole step: the model keeps RoPE per tensor
-        pos = [pos_all[k * gbs:(k + 1) * gbs] for k in range(ngb)]
-        if link is not None:
-            link.begin_step(per * gbs, ids.shape[1], self.spec.hidden, self.dtype)
-        w_next = self._load_weights(order[0][0])
-        reads = None if prefill else CacheReads(order, lambda j: self.layers[j].kind in ("attn", "block"))
-        stores: list[Future] = []
-        for n, (j, k) in enumerate(order):
-            layer = self.layers[j]
-            nj, nk = order[n + 1] if n + 1 < len(order) else (None, None)
-            if n == 0 or order[n - 1][0] != j:  # a layer's first cell: start loading the next layer
-                with self.clock.timed("io_wait"):
-                    w = self.io.adopt(w_next.result())
-                later = next((jj for jj, _ in order[n:] if jj != j), None)
-                if later is not None:
-                    w_next = self._load_weights(later)
-            if receives and j == 0 and k % per == 0:  # a micro-batch's input from the stage before
-                x_in = link.receive(k // per)  # [per * gbs, S, hidden]
-                for i in range(per):
-                    hidden[k + i] = x_in[i * gbs:(i + 1) * gbs]
-            # prefetch what the next cache-reading cell reads; when that is the next cell its query
-            # may be had early: its input is computed unless it is this cell's output (one GPU
-            # batch) or a micro-batch still to be received
-            m, sl = (None if prefill else reads.next_read(n)), slice(k * gbs, (k + 1) * gbs)
-            if m is not None and reads.may_start(n, m):
-                mj, mk = order[m]
-                ready = mk != k and not (receives and mj == 0)
-                ahead = Ahead(w if mj == j else w_next, hidden[mk] if ready or mk == k else None,
-                              pos[mk], ready) if m == n + 1 else None
-                reads.start(m, lambda: self._prefetch_cache(self.layers[mj], mk, ahead))
-            fetched = None if prefill else reads.take(n)
-            x = to_compute(self.devices, hidden[k])
-            with self.clock.timed("io_wait"):
-                got = self.io.adopt(fetched.result()) if fetched is not None else None
-            y, jobs = compute(self, layer, w, x, ids[sl], k, pos[k], pads[k], got, prefill)
-            stores += [self.io.submit(job) for job in jobs]
-            if layer.kind == "head":
-                logits[k] = y
-            else:
-                hidden[k] = park(self, y)
-            if nj != j:  # a layer's last cell: its sealed blocks are home before it runs again
-                with self.clock.timed("io_wait"):
-                    for f in stores:
-                        f.result()
-                stores = []
+        per layer. The schedule says what happens at each cell; the run does it."""
+        plan = self._schedule()
+        run = StepRun(self, ids, pos, pads, prefill, plan)
+        for cell in plan.cells:
+            if cell.is_first:
+                run.take_weights(cell)
+            if cell.receive is not None:
+                run.receive(cell)
+            if not prefill:
+                run.prefetch(cell)
+            run.compute(cell)
+            if cell.is_last:
+                run.finish_layer()
                 if bar is not None:
                     bar.update()
-            if link is not None and not link.stage.is_last and j == last and k % per == per - 1:
-                link.send(k // per, torch.cat(hidden[k + 1 - per:k + 1]))  # the micro-batch, on
-        if link is not None:
-            link.end_step()
-        return torch.cat(logits) if logits[0] is not None else None
+            if cell.send is not None:
+                run.send(cell)
+        return run.end()
+
+    def _schedule(self) -> StepSchedule:
+        """The current generation's step schedule (cached: the same for every step of a shape)."""
+        link = self.link
+        return step_schedule(tuple(layer.reads_cache for layer in self.layers), self.run_policy.num_gpu_batches,
+                             self.micro_batches, receives=link is not None and not link.stage.is_first,
+                             sends=link is not None and not link.stage.is_last)
 
     def close(self) -> None:
         for t in getattr(self, "tables", {}).values():

@@ -61,7 +61,7 @@ def early_selection(policy: KVPolicy, arch, table: BlockTable, layer: int, kind:
 
 
 class CacheReads:
-    """A decode step's KV gathers, keyed by schedule cell (pure bookkeeping). A cell that reads a
+    """A decode step's KV gathers in flight, keyed by schedule cell. A cell that reads a
     cache is gathered as soon as the cell before it in cache order has started, so with separate
     attention and MLP cells the gather for layer j+1 runs through layer j's attention and MLP, not
     only its MLP. Two cells early only when the cell between has its own gather in hand (it will
@@ -69,13 +69,9 @@ class CacheReads:
     A gather that cannot start yet (a query-aware policy still waiting for its query) is not
     recorded, and is tried again at the next cell."""
 
-    def __init__(self, order: list[tuple[int, int]], reads_cache):
-        self.reads = [n for n, (j, _) in enumerate(order) if reads_cache(j)]  # cells that read a cache
+    def __init__(self, reads):
+        self.reads = frozenset(reads)  # the cells that read a cache (engine/schedule.py StepSchedule.reads)
         self.pending: dict[int, Future] = {}
-
-    def next_read(self, n: int) -> int | None:
-        """The first cell after n that reads a cache."""
-        return next((m for m in self.reads if m > n), None)
 
     def may_start(self, n: int, m: int) -> bool:
         """Whether cell n may start cell m's gather: m is next, or n reads nothing or holds its own."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flexgen_sparpr.engine import cell, prefetch
+from flexgen_sparpr.engine.schedule import step_schedule
 from flexgen_sparpr.engine.cell import KVReader
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
@@ -128,9 +129,9 @@ def test_cache_reads_gather_the_next_reading_cell_two_cells_early():
 
     from flexgen_sparpr.engine.io import Done
     kinds = ["embed", "attn", "mlp", "attn", "mlp", "head"]
-    order = [(j, 0) for j in range(len(kinds))]
-    reads = prefetch.CacheReads(order, lambda j: kinds[j] == "attn")
-    assert [reads.next_read(n) for n in range(6)] == [1, 3, 3, None, None, None]
+    plan = step_schedule(tuple(kind == "attn" for kind in kinds), 1, 1)
+    reads = prefetch.CacheReads(plan.reads)
+    assert [c.read for c in plan.cells] == [1, 3, 3, None, None, None]
     assert reads.may_start(0, 1) and reads.may_start(2, 3)  # the next cell, or a cell that reads nothing
     assert not reads.may_start(1, 3)  # cell 1 has no gather of its own: it may read serially, into the ring
     started = []
@@ -139,7 +140,7 @@ def test_cache_reads_gather_the_next_reading_cell_two_cells_early():
     pending = Future()
     reads.start(3, lambda: started.append(3) or pending)
     reads.start(3, lambda: started.append("again") or Future())  # already started: not again
-    assert reads.may_start(3, 5) if reads.next_read(3) else True
+    assert reads.may_start(3, 5) if plan.cells[3].read else True
     assert started == [3] and reads.take(3) is pending and reads.take(3) is None
     reads.start(1, lambda: Future())
     assert reads.may_start(1, 3)  # cell 1 holds its own gather: cell 3's may start two cells early
