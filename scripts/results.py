@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     if args.list:
         for e in PLAN:
             note = f"  [needs: {e.needs}]" if e.needs else ("" if e.quick else "  [no quick variant]")
+            note += f"  [partial: {e.partial}]" if e.partial else ""
             print(f"{e.name}: {e.script} {' '.join(e.args)}{note}")
         return 0
     try:

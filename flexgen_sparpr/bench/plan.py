@@ -28,6 +28,7 @@ class Entry:
     quick: tuple[str, ...] | None = None  # None: no quick run makes sense
     needs: str = ""  # why it runs only when named (empty: it runs with the plan)
     resumable: bool = False  # the script resumes from its partial results (bench/resume.py)
+    partial: str = ""  # why the published file holds only part of its recorded grid (kept; --force reruns)
 
     def __post_init__(self):
         if not self.outputs or any(not o.startswith("results/") for o in self.outputs):
@@ -62,12 +63,13 @@ def expected_batches(plan: dict) -> int | None:
 
 
 def is_complete(root: Path, entry: Entry) -> bool:
-    """Every output exists, and a resumable grid's JSON holds all its batches, none skipped."""
+    """Every output exists, and a resumable grid's JSON holds all its batches, none skipped (but for
+    a published part of a grid, `partial`: the grid it asked for cannot be resumed as recorded)."""
     for out in entry.outputs:
         path = root / out
         if not path.is_file():
             return False
-        if path.suffix == ".json" and entry.resumable:
+        if path.suffix == ".json" and entry.resumable and not entry.partial:
             try:
                 data = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):

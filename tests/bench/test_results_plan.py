@@ -110,6 +110,12 @@ def test_a_grid_is_complete_only_with_all_its_batches(tmp_path):
     assert not is_complete(tmp_path, e)
     f.write_text(json.dumps({"plan": plan, "batches": [{"id": "a:8:0"}, {"id": "a:8:2"}], "skipped": []}))
     assert is_complete(tmp_path, e)
+    f.write_text(json.dumps({"plan": plan, "batches": [{"id": "a:8:0"}], "skipped": []}))
+    assert is_complete(tmp_path, Entry("g", "scripts/x.py", (), e.outputs, resumable=True, partial="kept as published"))
+
+
+def test_the_published_files_are_complete_or_kept_as_partial():
+    assert [e.name for e in PLAN if not e.needs and not is_complete(ROOT, e)] == []
 
 
 def test_the_runner_goes_on_past_a_failure_and_skips_what_is_done(tmp_path):
