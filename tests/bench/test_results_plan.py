@@ -148,3 +148,12 @@ def test_ctrl_c_stops_the_plan_in_one_line(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_plan(tmp_path, entries, quick=False, force=False, say=lambda s, **_: lines.append(s))
     assert len(lines) == 1 and lines[0].startswith("stopped (Ctrl-C) during int;")
+
+
+def test_a_results_file_names_the_command_that_made_it(tmp_path, monkeypatch):
+    from flexgen_sparpr.bench.results import write_results
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts/ppl.py"), "--lengths", "2048", "--out", "a b"])
+    write_results(tmp_path, "r", {"config": {}})
+    assert json.loads((tmp_path / "r.json").read_text())["command"] == "python scripts/ppl.py --lengths 2048 --out 'a b'"
+    write_results(tmp_path, "s", {"command": "kept"})
+    assert json.loads((tmp_path / "s.json").read_text())["command"] == "kept"
