@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup prepare run test test-fast bench wheelhouse device-dryrun clean
+.PHONY: setup prepare run test test-fast bench results results-quick wheelhouse device-dryrun clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,15 @@ test-fast: setup
 
 bench: prepare
 	$(BIN)/python scripts/bench_decode.py
+
+# Every results file behind a number in README.md or docs/ (README "Regenerating the figures"):
+# `results` writes the published files (hours; a rerun skips what is complete and resumes a grid),
+# `results-quick` runs each script once at tiny sizes into the git-ignored results/quick/ (minutes).
+results: prepare
+	$(BIN)/python scripts/results.py --full
+
+results-quick: prepare
+	$(BIN)/python scripts/results.py --quick
 
 # The GPU check (scripts/device_check.sh, README "The GPU check"): `wheelhouse` fills the
 # git-ignored .whl/ with what a lent GPU machine lacks (carried there with the tree);

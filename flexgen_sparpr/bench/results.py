@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -78,10 +80,20 @@ def machine_info() -> dict:
     return info
 
 
+def command_line() -> str:
+    """This process's command line, its script relative to the checkout: how to make the file again."""
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(REPO):
+        script = script.relative_to(REPO)
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
 def write_results(out_dir: Path, stem: str, payload: dict, markdown: str | None = None) -> list[Path]:
-    """Write out_dir/stem.json (payload, which should carry its config) and, if given,
-    out_dir/stem.md. Returns the paths written."""
+    """Write out_dir/stem.json (payload, which should carry its config, and gets the command that made
+    it unless it names one) and, if given, out_dir/stem.md. Returns the paths written."""
     out_dir = Path(out_dir)
+    if isinstance(payload, dict) and "command" not in payload:
+        payload = {**payload, "command": command_line()}
     paths = [out_dir / f"{stem}.json"]
     write_atomic(paths[0], json.dumps(payload, indent=2, default=str) + "\n")
     if markdown is not None:
