@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,16 @@ def test_the_runner_goes_on_past_a_failure_and_skips_what_is_done(tmp_path):
 
 
 def test_ctrl_c_stops_the_plan_in_one_line(tmp_path):
+    # Python's own Ctrl-C handler, as a terminal gives it: a job started in the background (`make
+    # test` under nohup, say) inherits SIGINT ignored, and Python then leaves it ignored
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_stops_the_plan(tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _ctrl_c_stops_the_plan(tmp_path):
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts/int.py").write_text("import os, signal\nos.kill(os.getppid(), signal.SIGINT)\nimport time\n"
                                              "time.sleep(5)\n")
