@@ -42,19 +42,7 @@ def modules() -> dict[str, Path]:
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Package modules `name` imports anywhere in its file (function-level imports too)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
-            out.add(base)
-            out |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
-    return {m for m in out if m in known}
+    return {m for m in absolute_imports(name, path) if m in known}
 
 
 def graph() -> dict[str, set[str]]:

@@ -131,14 +131,13 @@ class BlockTable:
             out = torch.empty(planes, b, hkv, n * bs + open_len, d, dtype=self.dtype, device=dev)
         kv = out[:, :, :, :n * bs + open_len]  # kv: [planes, B, Hkv, T, D]
         arena = self.store.resident_arena()  # arena: [planes, B, Hkv, cap, D]
-        ids = torch.tensor(whole, dtype=torch.long).to(dev, non_blocking=True)  # ids: [n]
-        pos = (ids[:, None] * bs + torch.arange(bs, device=dev)).flatten()  # pos: [n * bs]
+        pos = self.positions(blocks, dev)  # pos: [T], the whole blocks' tokens first
         if n:
+            ids = pos[:n * bs:bs] // bs  # ids: [n] the whole blocks (each block's first position)
             src = arena[:, :, :, :sealed * bs].unflatten(3, (sealed, bs))  # src: [planes, B, Hkv, sealed, bs, D]
             torch.index_select(src, 3, ids, out=kv[:, :, :, :n * bs].unflatten(3, (n, bs)))
         if open_len:
             kv[:, :, :, n * bs:].copy_(arena[:, :, :, sealed * bs:self.length])
-            pos = torch.cat([pos, torch.arange(sealed * bs, self.length, device=dev)])  # pos: [T]
         return kv, pos
 
     def gather_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -96,8 +96,11 @@ class Int4Weight(Packed):
         tile = int4_tile()  # the kernel packs rows a tile at a time: a cut between tiles keeps both sides
         if tile is None or start % tile or stop % tile and stop != self.shape[0]:
             return None
-        return Int4Weight(self.packed[start:stop], self.scale_zero[:, start:stop].contiguous(),
-                          (stop - start, self.shape[1]))
+        cuts = self.__dict__.setdefault("_cuts", {})  # made once per span: its scales are a copy
+        if (start, stop) not in cuts:
+            cuts[start, stop] = Int4Weight(self.packed[start:stop], self.scale_zero[:, start:stop].contiguous(),
+                                           (stop - start, self.shape[1]))
+        return cuts[start, stop]
 
 
 @functools.cache

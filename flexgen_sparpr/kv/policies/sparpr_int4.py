@@ -17,14 +17,12 @@ float (lowrank_block_scores).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ...models.packed import int4_tile as kernel_tile  # noqa: F401  (the tile the codes are packed in)
+from ...models.packed import GROUP, int4_tile as kernel_tile  # r must be a whole group; the tile rows pack in
 
-GROUP = 32  # the kernel's smallest group of inputs: r must be a multiple
 _BF16 = torch.bfloat16
 
 
@@ -87,8 +85,3 @@ def packed_nbytes(packed: PackedCodes | None) -> int:
         return 0
     return sum(t.numel() * t.element_size() for t in (packed.packed, packed.scale_zero))
 
-
-def plain_query_basis(u: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """[Hkv, D, r] float32: the directions u [Hkv, D, r] scaled by their steps [Hkv, r] and
-    1 / sqrt(D), in direction order (what the kernel multiplies the codes by)."""
-    return (u.float() * (step[:, None, :] / math.sqrt(u.shape[1]))).contiguous()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...utils.linalg import eigh
-from .sparpr_int4 import PackedCodes, plain_query_basis
+from .sparpr_int4 import PackedCodes
 
 LEVELS = 7  # codes -7..7 (4 bits, symmetric); stored + 8 as a nibble
 FIT_QUANTILE = 0.999  # the step: this quantile of |coordinate| over the fitted keys, not the max (sink keys are outliers)
@@ -58,14 +58,14 @@ class KeyBasis:
 
     def plain_basis(self) -> torch.Tensor:
         """[Hkv, D, r] float32: the directions scaled for scoring, in direction order (sparpr_int4.py)."""
-        if self._plain is None:
-            self._plain = plain_query_basis(self.u, self.step)
+        if self._plain is None:  # scaled: [Hkv, D, r]
+            self._plain = (self.u.float() * (self.step[:, None, :] / math.sqrt(self.u.shape[1]))).contiguous()
         return self._plain
 
     def query_basis(self) -> torch.Tensor:
         """[Hkv, D, r] float32, contiguous: the even directions and (odd - 16 even), scaled for scoring."""
         if self._query is None:
-            scaled = self.u.float() * (self.step[:, None, :] / math.sqrt(self.u.shape[1]))  # scaled: [Hkv, D, r]
+            scaled = self.plain_basis()  # scaled: [Hkv, D, r]
             even, odd = scaled[..., 0::2], scaled[..., 1::2]
             self._query = torch.cat([even, odd - 16 * even], dim=-1).contiguous()
         return self._query
