@@ -1,4 +1,4 @@
-"""This engine beside llama.cpp on the same SmolLM2 GGUF, batch 1, greedy, the same threads and
+"""This engine beside llama.cpp on the same SmolLM2 GGUF, batch 1 and 4, greedy, the same threads and
 prompt ids: prefill and decode tokens/s at 512 / 2k / 4k / 8000 tokens, dense and SparPR
 (flexgen_sparpr/bench/llamacpp.py says what each cell measures). llama-cpp-python is an optional
 bench extra: build it from source without native CPU flags, e.g.
@@ -25,6 +25,7 @@ from flexgen_sparpr.utils.guard import guarded  # noqa: E402
 def main() -> int:
     ap = OneLineParser(description=__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8000], help="prompt tokens")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="prompts decoded together (default: 1 4)")
     ap.add_argument("--gen-len", type=int, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
     ap.add_argument("--keep", type=float, default=0.1, help="SparPR's keep ratio (default 0.1)")
@@ -33,8 +34,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "llamacpp"))
     args = ap.parse_args()
-    if args.gen_len < 2 or args.threads < 1 or not all(128 <= n <= 8100 for n in args.lengths):
-        die("--gen-len must be >= 2, --threads >= 1 and --lengths in 128..8100")
+    if args.gen_len < 2 or args.threads < 1 or not all(1 <= b <= 16 for b in args.batches) or not all(128 <= n <= 8100 for n in args.lengths):
+        die("--gen-len must be >= 2, --threads >= 1, --batches in 1..16 and --lengths in 128..8100")
     version = llamacpp_version()
     if version is None:
         die("llama-cpp-python is not installed (an optional bench extra; see this script's --help)")
@@ -43,14 +44,14 @@ def main() -> int:
     import torch
     torch.set_num_threads(args.threads)
     cells = []
-    for n in args.lengths:
-        cells.append(run_context(n, args.gen_len, args.threads, args.keep, args.seed, tuple(args.weight_formats)))
+    for b, n in ((b, n) for b in args.batches for n in args.lengths):
+        cells.append(run_context(n, args.gen_len, args.threads, args.keep, args.seed, tuple(args.weight_formats), b))
         c = cells[-1]
-        print(f"{n}: llama.cpp " + (f"{c['llamacpp']['decode_tok_s']:.1f} tok/s" if c["llamacpp"]["ok"] else
+        print(f"{n} x{b}: llama.cpp " + (f"{c['llamacpp']['decode_tok_s']:.1f} tok/s" if c["llamacpp"]["ok"] else
                                    c["llamacpp"]["error"]) + ", " + ", ".join(
             f"{k} {v['decode_tok_s']:.1f} tok/s" for k, v in c["engine"].items()), flush=True)
     publish(args.out, "llamacpp", {**vars(args), "model": "smollm2-135m", "gguf": gguf_path().name,
-                                   "llamacpp_version": version, "engine": "defaults, batch 1, KV resident"},
+                                   "llamacpp_version": version, "engine": "defaults, KV resident"},
             cells, render)
     return 0
 

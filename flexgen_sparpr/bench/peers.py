@@ -3,7 +3,7 @@
 - upstream FlexGen (flexgen==0.1.8, flexgen_sparpr/upstream) in a child process, with a timeout;
 - HF transformers: `generate` on a loaded checkpoint (hf_generate), or OPT with random weights
   under accelerate's offload below a memory cap (hf_offload_opt);
-- llama.cpp (llama-cpp-python, an optional bench extra) on a GGUF: greedy, batch 1 (llamacpp_greedy).
+- llama.cpp (llama-cpp-python, an optional bench extra) on a GGUF: greedy, a batch of prompts (llamacpp_greedy).
 
 A runner returns a dict: {"ok": True, "prefill_s", "decode_s" or "step_s", ...} when it ran,
 {"ok": False, "error": one line} when it did not (a timeout also sets "timeout", an OOM "oom").
@@ -132,30 +132,67 @@ def llamacpp_version() -> str | None:
     return llama_cpp.__version__
 
 
-def llamacpp_greedy(gguf, prompt: list[int], gen_len: int, threads: int) -> dict:
-    """llama.cpp (llama-cpp-python) on a GGUF: the prompt's ids evaluated in one call, then
-    gen_len greedy tokens, each the argmax of the last logits, evaluated one at a time. prefill_s:
-    the prompt's eval; step_s: each one-token eval after it. Returns tokens [gen_len] too."""
+def llamacpp_greedy(gguf, prompts: list[list[int]], gen_len: int, threads: int, n_batch: int = 512) -> dict:
+    """llama.cpp (llama-cpp-python's C API) on a GGUF, one context holding a KV cache per prompt:
+    each prompt's ids evaluated in chunks of n_batch (prefill_s: all of them), then gen_len greedy
+    tokens per prompt, each the argmax of its last logits, one decode call a step for the whole batch
+    (step_s: each such call). Returns tokens: [prompts][gen_len]."""
     try:
         import numpy as np
-        import llama_cpp
+        import llama_cpp as lc
     except ImportError as e:
         return {"ok": False, "error": f"not available ({e})"}
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt) + gen_len + 8, n_threads=threads,
-                          n_threads_batch=threads, n_batch=512, verbose=False)
-    vocab = llm.n_vocab()
+    lc.llama_log_set(_quiet(lc), None)
+    n = len(prompts)
+    model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
+    if not model:
+        return {"ok": False, "error": f"llama.cpp could not load {gguf}"}
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_seq_max, cp.kv_unified = n * (max(map(len, prompts)) + gen_len + 8), n, False  # a cache per prompt
+    cp.n_batch = cp.n_ubatch = n_batch
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, cp)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(max(n_batch, n), 0, 1)
+
+    def run(items) -> None:  # items: (token, position, sequence, wants logits)
+        batch.n_tokens = len(items)
+        for i, (tok, pos, seq, out) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, out
+            batch.seq_id[i][0] = seq
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(i: int) -> int:  # the i-th token of the last call's logits
+        return int(np.argmax(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(vocab,))))
     try:
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        prefill = time.perf_counter() - t0
-        tokens, steps = [], []
-        for i in range(gen_len):  # the last token's logits, read from the context (eval keeps them only with logits_all)
-            last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
-            tokens.append(int(np.argmax(last)))
-            if i < gen_len - 1:
-                t0 = time.perf_counter()
-                llm.eval(tokens[-1:])
-                steps.append(time.perf_counter() - t0)
+        t0, tokens = time.perf_counter(), []
+        for s, p in enumerate(prompts):
+            for a in range(0, len(p), n_batch):
+                run([(t, a + j, s, a + j == len(p) - 1) for j, t in enumerate(p[a:a + n_batch])])
+            tokens.append([argmax((len(p) - 1) % n_batch)])
+        prefill, steps = time.perf_counter() - t0, []
+        for i in range(gen_len - 1):
+            t0 = time.perf_counter()
+            run([(tokens[s][-1], len(p) + i, s, True) for s, p in enumerate(prompts)])
+            steps.append(time.perf_counter() - t0)
+            for s in range(n):
+                tokens[s].append(argmax(s))
     finally:
-        llm.close()
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
     return {"ok": True, "prefill_s": prefill, "step_s": steps, "tokens": tokens}
+
+
+def _quiet_log(level, text, user_data) -> None:
+    """llama.cpp's log lines, dropped (its load and context reports would drown the benchmark's)."""
+
+
+_QUIET: list = []  # the C callback, made once and kept alive (llama.cpp holds the pointer)
+
+
+def _quiet(lc):
+    if not _QUIET:
+        _QUIET.append(lc.llama_log_callback(_quiet_log))
+    return _QUIET[0]

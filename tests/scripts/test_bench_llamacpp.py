@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from flexgen_sparpr.bench.llamacpp import first_difference, gguf_path
-from flexgen_sparpr.bench.peers import llamacpp_version
+from flexgen_sparpr.bench.peers import llamacpp_greedy, llamacpp_version
 from tests.scripts.runner import REPO, run_script
 
 WITHOUT = ("import runpy, sys; sys.modules['llama_cpp'] = None; sys.argv = ['bench_llamacpp.py', '--out', {out!r}]; "
@@ -30,7 +30,7 @@ def test_without_llama_cpp_one_line_and_exit_2(tmp_path):
     assert "llama-cpp-python is not installed" in r.stderr and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("args", [["--gen-len", "1"], ["--lengths", "10"], ["--threads", "0"]])
+@pytest.mark.parametrize("args", [["--gen-len", "1"], ["--lengths", "10"], ["--threads", "0"], ["--batches", "0"]])
 def test_bad_flags_one_line(args):
     r = run_script("bench_llamacpp.py", *args)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
@@ -39,16 +39,28 @@ def test_bad_flags_one_line(args):
 @pytest.mark.skipif(llamacpp_version() is None, reason="llama-cpp-python is an optional bench extra, not built here")
 @pytest.mark.skipif(gguf_path() is None, reason="needs the prepared SmolLM2 (`flexgen-sparpr prepare`)")
 def test_tiny_run_writes_both_sides(tmp_path):
-    r = run_script("bench_llamacpp.py", "--lengths", "200", "--gen-len", "4", "--out", str(tmp_path))
+    r = run_script("bench_llamacpp.py", "--lengths", "200", "--gen-len", "4", "--batches", "1", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
-    (cell,) = json.loads((tmp_path / "llamacpp.json").read_text())["cells"]
-    assert cell["llamacpp"]["ok"] and len(cell["llamacpp"]["tokens"]) == 4 and len(cell["llamacpp"]["step_s"]) == 3
-    assert set(cell["engine"]) == {f"{run}, weights {fmt}" for run in ("dense", "sparpr@0.1") for fmt in ("auto", "raw")}
-    # auto packs the prepared Q4_1 projections (and the Q8_0 head) for the int4 kernel where it is faster
-    assert cell["resolved"]["auto"]["weight_format"].startswith("auto: ")
-    assert all(len(row["tokens"]) == 4 and row["decode_tok_s"] > 0 and "first_difference" in row
-               for row in cell["engine"].values())
-    assert all(0 <= t < 49152 for t in cell["llamacpp"]["tokens"])  # SmolLM2's vocabulary
-    # the same weights, the same prompt: dense's first greedy token is llama.cpp's (a fixed prompt)
-    assert cell["engine"]["dense, weights raw"]["first_difference"] != 0
-    assert "llama.cpp (Q4_1)" in (tmp_path / "llamacpp.md").read_text()
+    cells = json.loads((tmp_path / "llamacpp.json").read_text())["cells"]
+    assert [c["batch"] for c in cells] == [1, 2]
+    for cell in cells:
+        b = cell["batch"]
+        assert cell["llamacpp"]["ok"] and len(cell["llamacpp"]["tokens"]) == b and len(cell["llamacpp"]["step_s"]) == 3
+        assert all(len(t) == 4 for t in cell["llamacpp"]["tokens"])
+        assert set(cell["engine"]) == {f"{run}, weights {fmt}" for run in ("dense", "sparpr@0.1") for fmt in ("auto", "raw")}
+        # auto packs the prepared Q4_1 projections (and the Q8_0 head) for the int4 kernel where it is faster
+        assert cell["resolved"]["auto"]["weight_format"].startswith("auto: ")
+        assert all(len(row["tokens"]) == b and all(len(t) == 4 for t in row["tokens"]) and row["decode_tok_s"] > 0
+                   and len(row["first_difference"]) == b for row in cell["engine"].values())
+    assert "| batch |" in (tmp_path / "llamacpp.md").read_text()
+
+
+@pytest.mark.skipif(llamacpp_version() is None, reason="llama-cpp-python is an optional bench extra, not built here")
+@pytest.mark.skipif(gguf_path() is None, reason="needs the prepared SmolLM2 (`flexgen-sparpr prepare`)")
+def test_llamacpp_batch_decodes_each_prompt_as_alone():
+    """The batched runner keeps a KV cache per prompt: each prompt's greedy tokens in a batch are
+    the ones it gets alone (prompts of different lengths, the longest over one prefill chunk)."""
+    prompts = [[1, *range(100, 100 + n)] for n in (40, 530, 7)]
+    both = llamacpp_greedy(gguf_path(), prompts, 5, 2)
+    assert both["ok"] and len(both["step_s"]) == 4
+    assert both["tokens"] == [llamacpp_greedy(gguf_path(), [p], 5, 2)["tokens"][0] for p in prompts]
