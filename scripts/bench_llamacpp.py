@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit()
 
 from flexgen_sparpr.bench.args import OneLineParser, die  # noqa: E402
 from flexgen_sparpr.bench.llamacpp import gguf_path, render, run_context  # noqa: E402
+from flexgen_sparpr.bench.membound import read_bandwidth  # noqa: E402
 from flexgen_sparpr.bench.peers import llamacpp_version  # noqa: E402
 from flexgen_sparpr.bench.results import publish  # noqa: E402
 from flexgen_sparpr.utils.guard import guarded  # noqa: E402
@@ -43,15 +44,18 @@ def main() -> int:
         die("the prepared SmolLM2 GGUF is missing: run `flexgen-sparpr prepare`")
     import torch
     torch.set_num_threads(args.threads)
+    read_Bps = read_bandwidth(args.threads)
     cells = []
     for b, n in ((b, n) for b in args.batches for n in args.lengths):
-        cells.append(run_context(n, args.gen_len, args.threads, args.keep, args.seed, tuple(args.weight_formats), b))
+        cells.append(run_context(n, args.gen_len, args.threads, args.keep, args.seed, tuple(args.weight_formats), b,
+                                 read_Bps))
         c = cells[-1]
         print(f"{n} x{b}: llama.cpp " + (f"{c['llamacpp']['decode_tok_s']:.1f} tok/s" if c["llamacpp"]["ok"] else
                                    c["llamacpp"]["error"]) + ", " + ", ".join(
             f"{k} {v['decode_tok_s']:.1f} tok/s" for k, v in c["engine"].items()), flush=True)
     publish(args.out, "llamacpp", {**vars(args), "model": "smollm2-135m", "gguf": gguf_path().name,
-                                   "llamacpp_version": version, "engine": "defaults, KV resident"},
+                                   "llamacpp_version": version, "engine": "defaults, KV resident",
+                                   "read_GBps": read_Bps / 1e9},
             cells, render)
     return 0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..api.llm import LLM
 from ..weights.resolve import smollm2_dir
+from .membound import sparpr_code_bytes, step_bytes
 from .needle_prompt import NeedlePrompts, random_key
 from .peers import llamacpp_greedy
 from .results import md_table
@@ -36,9 +37,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
-                formats: tuple[str, ...] = ("auto",), batch: int = 1) -> dict:
+                formats: tuple[str, ...] = ("auto",), batch: int = 1, read_Bps: float | None = None) -> dict:
     """One context length and batch: llama.cpp, then this engine's dense and SparPR runs on the
-    same ids, once per weight format (--weight-format; auto: the engine's default)."""
+    same ids, once per weight format (--weight-format; auto: the engine's default). read_Bps: the
+    memory read bandwidth each engine step is set against (bench/membound.py; None: not)."""
     cell = {"tokens": None, "batch": batch, "gen_len": gen_len, "resolved": {}, "engine": {}}
     for fmt in formats:
         with LLM("smollm2-135m", gpu_batch_size=batch, quiet=True, weight_format=fmt) as llm:
@@ -55,12 +57,19 @@ def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
                 "kv_dtype": str(eng.cfg.torch_kv_dtype(eng.dtype)).removeprefix("torch."),
                 "placement": {"weights": list(eng.policy.weight_percents), "kv": list(eng.policy.cache_percents)},
                 "sparpr": runs[label][1].kv_policy_stats.get("config")}
+            for name, (outs, s) in runs.items():
+                steps = s.step_times[0][1:]
+                row = cell["engine"][f"{name}, weights {fmt}"] = {
+                    "prefill_s": s.prefill_s, "prefill_tok_s": sum(map(len, ids)) / s.prefill_s,
+                    "decode_tok_s": batch / statistics.median(steps), "tokens": [o.token_ids for o in outs]}
+                config = (s.kv_policy_stats or {}).get("config")
+                keep_read = s.kv_policy_stats["totals"]["effective_keep"] if name == label else 1.0
+                row["step_bytes"] = step_bytes(llm, len(ids[0]), batch, keep_read,
+                                               sparpr_code_bytes(config, llm.spec.head_dim) if name == label else 0)
+                if read_Bps:
+                    row["floor_s"] = sum(row["step_bytes"].values()) / read_Bps
+                    row["vs_floor"] = statistics.median(steps) / row["floor_s"]
         cell["tokens"] = len(ids[0])
-        for name, (outs, s) in runs.items():
-            steps = s.step_times[0][1:]
-            cell["engine"][f"{name}, weights {fmt}"] = {
-                "prefill_s": s.prefill_s, "prefill_tok_s": sum(map(len, ids)) / s.prefill_s,
-                "decode_tok_s": batch / statistics.median(steps), "tokens": [o.token_ids for o in outs]}
     peer = cell["llamacpp"] = llamacpp_greedy(gguf_path(), ids, gen_len, threads)
     if peer["ok"]:
         peer["decode_tok_s"] = batch / statistics.median(peer["step_s"])
@@ -94,15 +103,15 @@ def render(payload: dict) -> str:
     for c in payload["cells"]:
         p = c["llamacpp"]
         if not p["ok"]:
-            rows.append([c["tokens"], c.get("batch", 1), "llama.cpp", "n/a", "n/a", "", "", p["error"]])
+            rows.append([c["tokens"], c.get("batch", 1), "llama.cpp", "n/a", "n/a", "", "", p["error"], "", ""])
             continue
         b = c.get("batch", 1)
         rows.append([c["tokens"], b, "llama.cpp (Q4_1)", f"{p['prefill_tok_s']:.0f}", f"{p['decode_tok_s']:.1f}", "", "",
-                     ""])
+                     "", "", ""])
         for name, r in c["engine"].items():
             rows.append([c["tokens"], b, f"this engine, {name}",
                          f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}", f"{r['vs_llamacpp_prefill']:.2f}x",
-                         f"{r['vs_llamacpp_decode']:.2f}x", agreement(r["first_difference"])])
+                         f"{r['vs_llamacpp_decode']:.2f}x", agreement(r["first_difference"]), *_floor(r)])
     return (f"# This engine beside llama.cpp (SmolLM2-135M-Instruct, engine {cfg['engine_commit']}, "
             f"llama-cpp-python {cfg['llamacpp_version']})\n\n"
             f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}; {cfg['threads']} threads each, "
@@ -111,4 +120,21 @@ def render(payload: dict) -> str:
             f"weight values at its defaults, KV resident, with each --weight-format named in a row (auto, the "
             f"default: {_formats(payload)}; raw: float32). Produced by `scripts/bench_llamacpp.py`.\n\n"
             + md_table(["tokens", "batch", "run", "prefill tok/s", "decode tok/s", "prefill vs llama.cpp",
-                        "decode vs llama.cpp", "greedy tokens vs llama.cpp"], rows))
+                        "decode vs llama.cpp", "greedy tokens vs llama.cpp", "MB read / step", "step / floor"],
+                       rows) + _floor_note(cfg))
+
+
+def _floor(r: dict) -> list[str]:
+    """A row's bytes a step must read and its step over the memory-bound floor (blank: not recorded)."""
+    if "step_bytes" not in r:
+        return ["", ""]
+    mb = f"{sum(r['step_bytes'].values()) / 1e6:.0f}"
+    return [mb, f"{r['vs_floor']:.1f}x" if "vs_floor" in r else ""]
+
+
+def _floor_note(cfg: dict) -> str:
+    if not cfg.get("read_GBps"):
+        return ""
+    return (f"\nFloor: the bytes a step must read (the weights it multiplies, the KV tokens its attention reads, "
+            f"SparPR's 4-bit key codes; bench/membound.py) over the memory read bandwidth, "
+            f"{cfg['read_GBps']:.1f} GB/s (the best of three float32 sums over 1 GiB on {cfg['threads']} threads).\n")
