@@ -19,6 +19,7 @@ from ..weights.resolve import smollm2_dir
 from .membound import sparpr_code_bytes, step_bytes
 from .needle_prompt import NeedlePrompts, random_key
 from .peers import llamacpp_greedy
+from .resolved import resolved
 from .results import md_table
 from .texts import TEXTS
 
@@ -50,13 +51,7 @@ def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
             label = f"sparpr@{keep:g}"
             runs = llm.compare(ids, {label: {"kv_policy": "sparpr", "keep_ratio": keep}}, max_new_tokens=gen_len,
                                stop=None)
-            eng = llm.engine
-            cell["resolved"][fmt] = {
-                "compute_dtype": str(eng.dtype).removeprefix("torch."), "block_size": eng.cfg.block_size,
-                "weight_format": eng.weight_format.describe(),
-                "kv_dtype": str(eng.cfg.torch_kv_dtype(eng.dtype)).removeprefix("torch."),
-                "placement": {"weights": list(eng.policy.weight_percents), "kv": list(eng.policy.cache_percents)},
-                "sparpr": runs[label][1].kv_policy_stats.get("config")}
+            cell["resolved"][fmt] = {**resolved(llm), "sparpr": runs[label][1].kv_policy_stats.get("config")}
             for name, (outs, s) in runs.items():
                 steps = s.step_times[0][1:]
                 row = cell["engine"][f"{name}, weights {fmt}"] = {

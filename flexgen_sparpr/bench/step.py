@@ -20,6 +20,7 @@ import torch
 from ..api.engines import disk_bandwidth
 from ..api.llm import LLM
 from .needle_prompt import NeedlePrompts, random_key
+from .resolved import resolved
 from .results import md_table
 from .sweep import REFERENCE
 from .texts import TEXTS
@@ -47,11 +48,10 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
         prompts = [book.build(tokens, (i + 1) / (batch + 1), random_key(rng, 5), rng).ids for i in range(batch)]
         runs = llm.compare(prompts, {f"sparpr@{k:g}": {"kv_policy": "sparpr", "keep_ratio": k} for k in keeps},
                            max_new_tokens=steps + 1, stop=None)
-        kv_dtype = str(llm.engine.cfg.torch_kv_dtype(llm.engine.dtype)).removeprefix("torch.")
-        block_size = llm.engine.cfg.block_size
-        weights = llm.engine.weight_format.describe()
-    cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": kv_dtype, "block_size": block_size,
-            "weight_format": weights,
+        config = resolved(llm)
+        config["compared"] = {label: s.kv_policy_stats.get("config") for label, (_, s) in runs.items() if label != REFERENCE}
+    cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": config["kv_dtype"],
+            "block_size": config["block_size"], "weight_format": config["weight_format"], "resolved": config,
             "prefill_s": runs[REFERENCE][1].prefill_s, "policies": {}}
     for label, (_, s) in runs.items():
         decode = s.step_times[0][1:]
