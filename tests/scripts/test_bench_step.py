@@ -1,0 +1,29 @@
+"""scripts/bench_step.py: the decode step benchmark writes each cell's parts, ratios and the
+configuration the engine resolved, and refuses bad flags in one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.scripts.runner import run_script
+
+
+@pytest.mark.parametrize("args", [["--lengths", "10"], ["--steps", "0"], ["--keeps", "2"]])
+def test_bad_flags_one_line(args):
+    r = run_script("bench_step.py", *args)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_tiny_run_records_parts_and_resolved_config(smollm2_dir, tmp_path):
+    r = run_script("bench_step.py", "--lengths", "256", "--batches", "1", "--placements", "resident", "--keeps", "0.25",
+                   "--steps", "2", "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (cell,) = json.loads((tmp_path / "step.json").read_text())["cells"]
+    assert set(cell["policies"]) == {"dense", "sparpr@0.25"}
+    assert all(row["step_s"] > 0 and set(row["parts_s"]) >= {"select", "read", "compute"}
+               for row in cell["policies"].values())
+    conf = cell["resolved"]
+    assert conf["block_size"] == 16 and conf["kv_policy"]["name"] == "dense"
+    assert conf["compared"]["sparpr@0.25"]["keep_ratio"] == 0.25
+    assert "| 256 | 1 | resident | sparpr@0.25 |" in (tmp_path / "step.md").read_text()
