@@ -3,6 +3,9 @@
     python scripts/render_tables.py          # rewrite the regions that differ
     python scripts/render_tables.py --check  # exit 1 on a region that differs or a missing citation
 
+Either way it exits 1 on a cited file that does not exist and on a table of numbers outside a
+region that does not say it has no results file.
+
 See flexgen_sparpr/bench/render.py for the marker syntax.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ def main() -> int:
     problems = render(ROOT, write=not args.check)
     for line in problems:
         print(line)
-    missing = [p for p in problems if "does not exist" in p]
+    missing = [p for p in problems if "does not exist" in p or "outside a rendered region" in p]
     return 1 if missing or (args.check and problems) else 0
 
 

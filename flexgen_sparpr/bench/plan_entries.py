@@ -118,7 +118,7 @@ EXCEPTIONS: dict[str, str] = {
     "results/dkv/README.md": _NOTES, "results/needle/NOTES.md": _NOTES, "results/ppl/NOTES.md": _NOTES,
     "results/sparpr/summaries": "summary-kind explorations (notes, probes, needle runs under summary kinds no "
                                 "flag selects any more)",
-    "results/dkv/pick-explore": _NOTES, "results/dkv/sparpr-miss": _NOTES,
+    "results/dkv/pick-explore": _NOTES, "results/dkv/pick-oos": _NOTES, "results/dkv/sparpr-miss": _NOTES,
     "results/fidelity/explore": _EXPLORE, "results/ppl/explore": _EXPLORE, "results/needle/sparpr": _EXPLORE,
     **{f"results/dkv/{d}": _PAST_CODE for d in (
         "speed-ab-decode-ops", "speed-ab-fused-blocks", "speed-exact2-inplace", "speed-fused", "speed-index-select",

@@ -53,6 +53,11 @@ def _fresh_ppl(folder: str, length: str, policies: str, batch: str, *more: str) 
                 "--policies", policies, "--keep", "0.1", *more)
 
 
+# dense's and DKV's answers on the held-out prompts, then DKV's with its top 2 routed blocks read raw
+_EXACT2 = [f"results/fidelity/{d}/needle.json" for d in (
+    "retrieval-dkv-2k", "late-question", "retrieval-4k", "retrieval-dkv-4k-follow12", "late-question-4k",
+    "retrieval-8k", "passkey-dkv-8k", "late-question-8k", "late-question-8k-others", "dkv-exact2-2048",
+    "dkv-exact2-2048-late", "dkv-exact2-4096", "dkv-exact2-4096-late", "dkv-exact2-7936-late")]
 _DEFAULTS = [f"results/fidelity/defaults/{n}/needle.json" for n in (2048, 4096, 8000)]
 _FRONTIER = [f"results/fidelity/{d}/needle.json" for d in (
     "retrieval-dkv-2k", "retrieval-2k-lowrank", "retrieval-2k-lowrank-more", "retrieval-dkv-2k-m32",
@@ -109,6 +114,11 @@ FIDELITY = [
     Entry("fidelity-frontier", "scripts/frontier.py",
           (*_FRONTIER, "--drop", "sparpr@0.02", "--out", "results/fidelity"),
           ("results/fidelity/frontier.json", "results/fidelity/frontier.md")),
+    Entry("fidelity-dkv-exact2-agreement", "scripts/agreement.py",
+          (*_EXACT2, "--target", "dkv-exact2@0.2749", "--watch", "dkv-exact2@0.2749",
+           "--pair", "dkv@0.2749,dkv-exact2@0.2749", "--title", "DKV without -> with --dkv-exact-routed 2",
+           "--out", "results/fidelity/dkv-exact2-agreement"),
+          ("results/fidelity/dkv-exact2-agreement/agreement.json", "results/fidelity/dkv-exact2-agreement/agreement.md")),
     Entry("fidelity-retrieval-2k-lowrank-frontier", "scripts/frontier.py",
           (*_FRONTIER[:5], "--out", "results/fidelity/retrieval-2k-lowrank"),
           ("results/fidelity/retrieval-2k-lowrank/frontier.json", "results/fidelity/retrieval-2k-lowrank/frontier.md")),

@@ -9,8 +9,10 @@ A doc marks a region with
 and `render` rewrites what lies between with the file's first (second, ...) markdown table, as the
 benchmark wrote it: a figure in prose next to such a region can go stale, the table itself cannot.
 `check` (tests/bench/test_render.py, `scripts/render_tables.py --check`) fails on a region whose
-text differs from its file's table, on a cited results file that does not exist, and on a results
-path named anywhere in the docs that does not exist.
+text differs from its file's table, on a cited results file that does not exist, on a results
+path named anywhere in the docs that does not exist, and on a table of measured numbers outside a
+region (`hand_tables`: one with a row of two or more cells that open with a number) unless the
+paragraph just before it says "no results file" and why.
 """
 from __future__ import annotations
 
@@ -35,6 +37,44 @@ def tables(text: str) -> list[str]:
     if cur:
         out.append("".join(cur))
     return out
+
+
+_NUMBER = re.compile(r"[~≈<>+\-−]?\s*\**\d")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+NO_FILE = "no results file"
+
+
+def _numeric(rows: list[str]) -> bool:
+    """Whether some body row of a table holds two or more cells that open with a number."""
+    cells = ([c.strip() for c in row.strip().strip("|").split("|")] for row in rows[2:])
+    return any(sum(bool(_NUMBER.match(c)) for c in r) >= 2 for r in cells)
+
+
+def hand_tables(text: str) -> list[int]:
+    """The 1-based first lines of the tables of numbers in `text` that no region renders and whose
+    paragraph just before does not say "no results file" (code blocks are not tables)."""
+    lines = _REGION.sub(lambda m: "\n" * m.group(0).count("\n"), text).splitlines()  # keeps line numbers
+    found, fenced, i = [], False, 0
+    while i < len(lines):
+        if _FENCE.match(lines[i]):
+            fenced = not fenced
+        if fenced or not lines[i].startswith("|"):
+            i += 1
+            continue
+        end = i
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        above, j = [], i - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        while j >= 0 and lines[j].strip():
+            above.append(lines[j])
+            j -= 1
+        said = NO_FILE in " ".join(" ".join(reversed(above)).lower().split())
+        if _numeric(lines[i:end]) and not said:
+            found.append(i + 1)
+        i = end
+    return found
 
 
 def render_text(text: str, root: Path, where: str = "") -> str:
@@ -76,4 +116,7 @@ def render(root: Path, write: bool) -> list[str]:
                 doc.write_text(new)
         problems += [f"{doc.relative_to(root)}: cites {p}, which does not exist"
                      for p in missing_citations(new, root)]
+        problems += [f"{doc.relative_to(root)}:{n}: a table of numbers outside a rendered region; render it from "
+                     f"the results file that holds it, or say '{NO_FILE}: <why>' in the paragraph before it"
+                     for n in hand_tables(new)]
     return problems

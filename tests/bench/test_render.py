@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_sparpr.bench.render import missing_citations, render, render_text, tables
+from flexgen_sparpr.bench.render import hand_tables, missing_citations, render, render_text, tables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,3 +29,19 @@ def test_a_citation_counts_when_a_results_path_starts_with_it(tmp_path):
     (tmp_path / "results" / "bench.md").write_text("")
     text = "see results/ppl-dkv-, results/bench and results/bench.md, not results/nothing.md."
     assert missing_citations(text, tmp_path) == ["results/nothing.md"]
+
+
+def test_a_table_of_numbers_outside_a_region_fails_unless_the_paragraph_before_says_it_has_no_file(tmp_path):
+    numbers = "| context | dense s | SparPR s |\n|---|---|---|\n| 1024 | 5.6 | 4.7 |\n"
+    words = "| flag | default | meaning |\n|---|---|---|\n| `--block-size` | 16 | tokens per block |\n"
+    region = "<!-- table: results/r.md 1 -->\n" + numbers + "<!-- end table -->\n"
+    fence = "```\n" + numbers + "```\n"
+    doc = ("# t\n\nMeasured:\n\n" + numbers + "\nFlags:\n\n" + words + "\n" + region
+           + "\nA sketch (no\nresults file: worked by hand):\n\n" + numbers + "\n" + fence)
+    assert hand_tables(doc) == [5]
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.md").write_text(numbers)
+    (tmp_path / "README.md").write_text(doc)
+    (tmp_path / "docs").mkdir()
+    problems = render(tmp_path, write=False)
+    assert len(problems) == 1 and problems[0].startswith("README.md:5: a table of numbers outside a rendered region")

@@ -166,3 +166,25 @@ def test_agreement_verdict_and_differing_trials(tmp_path):
     assert "'7 \\| 7'" in (tmp_path / "r" / "agreement.md").read_text()
     r = run_script("agreement.py", str(f), "--target", "quest@0.1", "--out", str(tmp_path / "r2"))
     assert r.returncode == 2 and "--target" in r.stderr
+
+
+def test_agreement_pair_sets_two_configurations_side_by_side(tmp_path):
+    plan = {"split": "fresh", "texts": ["gpl3"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
+            "trials": 4, "batch": 4, "answer_prefix": "x", "lengths": [2048]}
+    recs = []
+    for j in range(4):
+        base = {"trial": f"passkey:2048:0:{j}", "task": "passkey", "length": 2048, "expected": ["1"], "depth": 0.1,
+                "text": "gpl3"}
+        recs.append(base | {"label": "dense", "policy": "dense", "keep": 1.0, "hit": True, "canon": "1"})
+        recs.append(base | {"label": "quest@0.1", "policy": "quest", "keep": 0.1, "hit": j < 2,
+                            "canon": "1" if j < 2 else "7"})
+        recs.append(base | {"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1, "hit": True, "canon": "1"})
+    f = tmp_path / "n.json"
+    f.write_text(json.dumps({"plan": plan, "config": {}, "records": recs}))
+    r = run_script("agreement.py", str(f), "--pair", "quest@0.1,sparpr@0.1", "--title", "Q vs S", "--out",
+                   str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "r" / "agreement.md").read_text()
+    assert md.startswith("# Q vs S (") and "| passkey | 2 -> 4 |" in md and "| all (tasks where both ran) | 2 -> 4 of 4 (100 %) |" in md
+    r = run_script("agreement.py", str(f), "--pair", "quest@0.1,h2o@0.1", "--out", str(tmp_path / "r2"))
+    assert r.returncode == 2 and "--pair" in r.stderr
