@@ -14,10 +14,11 @@ share one, read or drawn once); `policy_args` sets a KV policy's fields that hav
 floor below, takes these calls where the ones here do not suffice (one prefill decoded under
 several KV policies, a teacher-forcing sampler: any callable logits [B, V] -> ids [B]):
 prefill(prompts, max_new, sampler=None, observers=()) -> state; decode(state, stop=None) ->
-result (.tokens, .step_times, .step_parts); generate(prompts, max_new, keep_logits=False);
+result (.tokens, .step_times, .step_parts; .logits of generate(prompts, max_new, keep_logits=True));
 snapshot(state) and restore(snapshot) -> a fresh state on the prefill's cache;
-set_kv_policy(policy, attach=False); and it reads kv_policy, tables, devices (.compute,
-.counters: bytes and requests per link), disk, dtype, weight_format, cfg.
+set_kv_policy(policy, attach=False); it reads kv_policy, tables, devices (.compute, .counters:
+bytes and requests per link), disk, dtype, weight_format, cfg; runtime/trace.py's TraceRecorder
+records its steps.
 """
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ class LLM:
     """A model loaded on its placement, ready to generate. Close it (or use `with`) to free its
     memory and remove its offload files at once; garbage collection and interpreter exit do too."""
 
-    def __init__(self, model: str, *, path=None, percent=None, gpu_batch_size=None, num_gpu_batches=None,
-                 kv_policy=None, offload_dir=None, device=None, dtype=None, config=None, hardware=None,
-                 policy=None, **options):
+    def __init__(self, model: "str | WeightSource", *, path=None, percent=None, gpu_batch_size=None,
+                 num_gpu_batches=None, kv_policy=None, offload_dir=None, device=None, dtype=None, config=None,
+                 hardware=None, policy=None, **options):
         weights = model if isinstance(model, WeightSource) else None
         if weights is None and (isinstance(model, bool) or not isinstance(model, (str, os.PathLike))
                                 or not str(model).strip()):
@@ -66,9 +67,10 @@ class LLM:
                               f"(got {model!r})")
         if weights is not None and (path is not None or options.get("max_seq_len") is not None):
             raise ConfigError("LLM() takes no path or max_seq_len with weights already resolved")
-        given = dict(model=model if weights is None else weights.spec.name, path=path, percent=percent, gpu_batch_size=gpu_batch_size,
-                     num_gpu_batches=num_gpu_batches, kv_policy=kv_policy, offload_dir=offload_dir, device=device,
-                     dtype=dtype, config=config, hardware=hardware, policy=policy, **options)
+        given = dict(model=model if weights is None else weights.spec.name, path=path, percent=percent,
+                     gpu_batch_size=gpu_batch_size, num_gpu_batches=num_gpu_batches, kv_policy=kv_policy,
+                     offload_dir=offload_dir, device=device, dtype=dtype, config=config, hardware=hardware,
+                     policy=policy, **options)
         given = {k: v for k, v in given.items() if v is not None}
         for key in sorted(set(given) & set(_PER_CALL)):
             raise ConfigError(f"LLM() takes no {key!r}: {_PER_CALL[key]}")

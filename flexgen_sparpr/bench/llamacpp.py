@@ -51,7 +51,7 @@ def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
                 "compute_dtype": str(eng.dtype).removeprefix("torch."), "block_size": eng.cfg.block_size,
                 "weight_format": eng.weight_format.describe(),
                 "kv_dtype": str(eng.cfg.torch_kv_dtype(eng.dtype)).removeprefix("torch."),
-                "placement": {"weights": list(eng.policy.weight_percents), "kv": list(eng.policy.cache_percents)},
+                "placement": {"weights": list(llm.policy.weight_percents), "kv": list(llm.policy.cache_percents)},
                 "sparpr": runs[label][1].kv_policy_stats.get("config")}
         cell["tokens"] = len(ids)
         for name, (outs, s) in runs.items():
