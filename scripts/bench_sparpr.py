@@ -86,8 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             die(f"--{flag.replace('_', '-')} must be in (0, 1] (got {getattr(args, flag)})")
     for kind, (g, c) in (("cache", (args.cache_gpu_percent, args.cache_cpu_percent)),
                          ("w", (args.w_gpu_percent, args.w_cpu_percent))):
-        if not (0 <= g <= 100 and 0 <= c <= 100 and g + c <= 100):
-            die(f"--{kind}-gpu-percent and --{kind}-cpu-percent must be in [0, 100] and sum to at most 100")
+        if not (0 <= g <= 100 and 0 <= c <= 100 and g + c <= 100) or not (float(g).is_integer() and float(c).is_integer()):
+            die(f"--{kind}-gpu-percent and --{kind}-cpu-percent must be whole numbers in [0, 100] (as --percent's) "
+                "and sum to at most 100")
     if args.cache_gpu_percent == 100:
         die("--cache-gpu-percent must be below 100 (a resident cache is not an offload benchmark)")
     if args.gpu_mem is not None and args.gpu_mem <= 0:

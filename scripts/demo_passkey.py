@@ -60,7 +60,7 @@ def main() -> int:
         label = f"sparpr@{args.keep:g}"
         runs = llm.compare([n.ids for n in needles], {label: {"kv_policy": "sparpr", "keep_ratio": args.keep}},
                            max_new_tokens=args.steps + 1, stop=None)
-        eos = llm.engine.spec.eos_id
+        eos = llm.spec.eos_id
         tok = llm.tokenizer
     print(f"prefill (one, shared): {runs['dense'][1].prefill_s:.1f} s on {runs['dense'][1].device}\n")
     print(f"{'':11} {'step':>8} {'tok/s':>7} {'disk MiB':>9}   " + " ".join(f"{p:>8}" for p in PARTS)

@@ -2,8 +2,8 @@
 import downward only, no module imports itself back through a circle, no code outside kv/
 branches on a KV policy's name (a policy's facts are methods on it), and scripts/ reach the engine
 only through the API or the bench floor (flexgen_sparpr/bench/), named exceptions aside, and the
-bench floor and every script reach the engine only through the API; no module is longer than
-MAX_LINES and scripts/ stay thin."""
+bench floor and every script reach the engine only through the API, where only LLM (api/llm.py)
+makes an Engine; no module is longer than MAX_LINES and scripts/ stay thin."""
 from __future__ import annotations
 
 import ast
@@ -66,7 +66,7 @@ def test_import_linter_contracts_hold():
     assert r.returncode == 0 and "0 broken" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
 
-# what the bench floor reaches only through the API (api/llm.py, api/engines.py); import-linter's
+# what the bench floor reaches only through the API (LLM, api/llm.py; api/measure.py); import-linter's
 # contract says the same
 BENCH_BEHIND_THE_API = ("engine", "storage")
 
@@ -205,10 +205,31 @@ def test_scripts_reach_the_engine_only_through_the_api_or_the_bench_floor():
     assert not found, "\n".join(found)
 
 
-def test_no_script_imports_the_engine_not_even_an_exception():
+def test_no_script_imports_the_engine_or_storage_not_even_an_exception():
     found = [f"scripts/{p.name} imports {m}" for p in sorted(SCRIPTS.glob("*.py"))
-             for m in reached_behind_the_api(p.read_text()) if m.split(".")[1] == "engine"]
+             for m in reached_behind_the_api(p.read_text()) if m.split(".")[1] in BENCH_BEHIND_THE_API]
     assert not found, "\n".join(found)
+
+
+# the one maker of engines outside engine/: every face, benchmark and script makes its engine as LLM(...)
+ENGINE_MAKER = "flexgen_sparpr.api.llm"
+
+
+def engine_makings(tree: ast.AST) -> list[int]:
+    """Lines that import the Engine class, or call something named Engine."""
+    return [node.lineno for node in ast.walk(tree)
+            if (isinstance(node, ast.ImportFrom) and any(a.name == "Engine" for a in node.names))
+            or (isinstance(node, ast.Call) and "Engine" in (getattr(node.func, "id", None),
+                                                            getattr(node.func, "attr", None)))]
+
+
+def test_only_llm_makes_an_engine():
+    files = [(str(p.relative_to(ROOT.parent)), p) for name, p in sorted(modules().items())
+             if folder(name) != "engine" and name != ENGINE_MAKER] + [(f"scripts/{p.name}", p)
+                                                                      for p in sorted(SCRIPTS.glob("*.py"))]
+    found = [f"{name}:{line}" for name, p in files for line in engine_makings(ast.parse(p.read_text()))]
+    assert not found, "make engines as LLM(...) (api/llm.py): " + ", ".join(found)
+    assert engine_makings(ast.parse((ROOT / "api" / "llm.py").read_text()))  # the maker is still where it says
 
 
 def test_every_script_exception_is_still_needed():
@@ -221,6 +242,8 @@ def test_the_script_check_catches_what_it_looks_for():
     src = ("import flexgen_sparpr.engine.executor\nfrom flexgen_sparpr.bench.results import md_table\n"
            "def f():\n    from flexgen_sparpr.cli.run import run\n    from flexgen_sparpr import LLM\n")
     assert sorted(reached_behind_the_api(src)) == ["flexgen_sparpr.cli.run", "flexgen_sparpr.engine.executor"]
+    made = "from x import Engine as E\nimport x\ne = x.Engine(1)\nf = Engine()\ng = LLM('m')\n"
+    assert engine_makings(ast.parse(made)) == [1, 3, 4]
 
 
 MAX_LINES = 300  # a module fits on a screen or two (../shared/STYLE.md; the structure issue's cap)

@@ -6,6 +6,19 @@ package goes through `LLM._steps`, which drives the engine's one loop. `LLM(...)
 flags' names (`flexgen-sparpr run --help`; a KV policy's knobs too) with the flags' types, ranges
 and one-line ConfigError messages, merged as the CLI merges them: defaults < `config` YAML <
 arguments. A prompt is a text or a list of token ids; outputs come back in input order.
+
+For the benchmarks (flexgen_sparpr/bench/), which make every engine as an LLM too: `model` may be
+weights already resolved (a weights/sources.py WeightSource, e.g. resolve_source's; several LLMs
+share one, read or drawn once); `policy_args` sets a KV policy's fields that have no flag
+(SparPR's probe_dir), as a --config file's policy_args does; and `llm.engine`, the engine one
+floor below, takes these calls where the ones here do not suffice (one prefill decoded under
+several KV policies, a teacher-forcing sampler: any callable logits [B, V] -> ids [B]):
+prefill(prompts, max_new, sampler=None, observers=()) -> state; decode(state, stop=None) ->
+result (.tokens, .step_times, .step_parts; .logits of generate(prompts, max_new, keep_logits=True));
+snapshot(state) and restore(snapshot) -> a fresh state on the prefill's cache;
+set_kv_policy(policy, attach=False); it reads kv_policy, tables, devices (.compute, .counters:
+bytes and requests per link), disk, dtype, weight_format, cfg; runtime/trace.py's TraceRecorder
+records its steps.
 """
 from __future__ import annotations
 
@@ -23,6 +36,7 @@ from ..engine.sampling import STOP_DEFAULT
 from ..errors import ConfigError
 from ..utils.progress import bars_wanted
 from ..weights.resolve import DUMMY, resolve_source
+from ..weights.sources import WeightSource
 from . import loop
 from .loop import Step  # noqa: F401  (the API's Step, re-exported)
 from .outputs import Output, Stats, StreamEvent, TextStream, finish
@@ -43,22 +57,27 @@ class LLM:
     """A model loaded on its placement, ready to generate. Close it (or use `with`) to free its
     memory and remove its offload files at once; garbage collection and interpreter exit do too."""
 
-    def __init__(self, model: str, *, path=None, percent=None, gpu_batch_size=None, num_gpu_batches=None,
-                 kv_policy=None, offload_dir=None, device=None, dtype=None, config=None, hardware=None,
-                 policy=None, **options):
-        if isinstance(model, bool) or not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+    def __init__(self, model: "str | WeightSource", *, path=None, percent=None, gpu_batch_size=None,
+                 num_gpu_batches=None, kv_policy=None, offload_dir=None, device=None, dtype=None, config=None,
+                 hardware=None, policy=None, **options):
+        weights = model if isinstance(model, WeightSource) else None
+        if weights is None and (isinstance(model, bool) or not isinstance(model, (str, os.PathLike))
+                                or not str(model).strip()):
             raise ConfigError(f"LLM() model must be a model name or a path, e.g. LLM(\"smollm2-135m\") "
                               f"(got {model!r})")
-        given = dict(model=model, path=path, percent=percent, gpu_batch_size=gpu_batch_size,
-                     num_gpu_batches=num_gpu_batches, kv_policy=kv_policy, offload_dir=offload_dir, device=device,
-                     dtype=dtype, config=config, hardware=hardware, policy=policy, **options)
+        if weights is not None and (path is not None or options.get("max_seq_len") is not None):
+            raise ConfigError("LLM() takes no path or max_seq_len with weights already resolved")
+        given = dict(model=model if weights is None else weights.spec.name, path=path, percent=percent,
+                     gpu_batch_size=gpu_batch_size, num_gpu_batches=num_gpu_batches, kv_policy=kv_policy,
+                     offload_dir=offload_dir, device=device, dtype=dtype, config=config, hardware=hardware,
+                     policy=policy, **options)
         given = {k: v for k, v in given.items() if v is not None}
         for key in sorted(set(given) & set(_PER_CALL)):
             raise ConfigError(f"LLM() takes no {key!r}: {_PER_CALL[key]}")
         keep = given.pop("prefix_cache_gb", None)
         given = typed_flag_values(given)
         opts, pol, ecfg = resolve(given)
-        src = resolve_source(opts.model, opts.path, opts.max_seq_len, opts.seed)
+        src = weights if weights is not None else resolve_source(opts.model, opts.path, opts.max_seq_len, opts.seed)
         cap = None
         if opts.policy == "auto":  # for the workload prompt_len + gen_len (FlexGen's 512 + 32 by default)
             pol, ecfg, _, _, cap = apply_auto_policy(opts, pol, ecfg, src.spec)

@@ -25,16 +25,15 @@ def needle_trials(tokenizer, n: int, length: int):
 
 def needle_run(src, tokenizer, trials, args, policy: str, pargs: dict) -> list[str]:
     """The answers of every trial, the KV cache all on the (throttled) disk tier."""
-    from ..api.engines import open_engine
+    from ..api.llm import LLM
     answers = []
     for i in range(0, len(trials), args.needle_batch):
         group = trials[i:i + args.needle_batch]
-        cfg = dict(device="cpu", dtype="float32", block_size=args.needle_block_size, direct_io=True,
-                   offload_dir=args.offload_dir, kv_policy=policy, policy_args=pargs)
-        with open_engine(src, {"gpu_batch_size": len(group), "cache_gpu_percent": 0, "cache_cpu_percent": 0},
-                         **cfg) as eng:
-            res = eng.decode(eng.prefill([t.ids for t in group], 8))
-        answers += [tokenizer.decode(toks) for toks in res.tokens]
+        with LLM(src, device="cpu", dtype="float32", block_size=args.needle_block_size, direct_io=True,
+                 offload_dir=args.offload_dir, kv_policy=policy, policy_args=pargs, gpu_batch_size=len(group),
+                 percent=[100, 0, 0, 0, 100, 0], quiet=True) as llm:
+            rows = llm.generate_ids([t.ids for t in group], llm.params(8, stop=None), sort=False)
+        answers += [tokenizer.decode(toks) for toks in rows]
     return answers
 
 

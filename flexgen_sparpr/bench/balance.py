@@ -57,8 +57,8 @@ def kv_bytes_ratio(there_dtype: str = "float16") -> float:
     computing in float32) over `there_dtype`'s."""
     import torch
 
-    from ..api.engines import engine_config
-    here = engine_config(device="cpu", dtype="float32").torch_kv_dtype(torch.float32)
+    from ..config.options import resolve
+    here = resolve({"device": "cpu", "dtype": "float32"})[2].torch_kv_dtype(torch.float32)
     return here.itemsize / getattr(torch, there_dtype).itemsize
 
 

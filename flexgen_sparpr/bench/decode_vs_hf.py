@@ -46,8 +46,8 @@ def make_prompts(tokens: list[int], ctx: int, batch: int) -> list[list[int]]:
     return [long[b * stride: b * stride + ctx] for b in range(batch)]
 
 
-def run_engine(engine, prompts: list[list[int]], gen_len: int) -> dict:
-    r = engine.generate(prompts, gen_len)
+def run_engine(llm, prompts: list[list[int]], gen_len: int) -> dict:
+    r = llm.engine.generate(prompts, gen_len)
     return {"tokens": r.tokens, "prefill_s": r.step_times[0], "step_s": list(r.step_times[1:])}
 
 
@@ -71,11 +71,11 @@ def best_of(runs: list[dict]) -> dict:
     return min(runs, key=lambda r: sum(r["step_s"]))
 
 
-def bench_cell(engine, model, tokens, ctx: int, batch: int, gen_len: int, repeats: int = 1) -> dict:
+def bench_cell(llm, model, tokens, ctx: int, batch: int, gen_len: int, repeats: int = 1) -> dict:
     prompts = make_prompts(tokens, ctx, batch)
     e_runs, h_runs = [], []
     for _ in range(repeats):  # alternate, so background load hits both alike
-        e_runs.append(run_engine(engine, prompts, gen_len))
+        e_runs.append(run_engine(llm, prompts, gen_len))
         gc.collect()
         h_runs.append(hf_generate(model, prompts, gen_len))
         gc.collect()
@@ -94,14 +94,15 @@ def bench_cell(engine, model, tokens, ctx: int, batch: int, gen_len: int, repeat
             "engine": es, "hf": hs, "engine_tokens": e["tokens"], "hf_tokens": h["tokens"]}
 
 
-def make_engine(src, batch: int, device: str = "cpu", dtype: str = "float32"):
-    from ..api.engines import open_engine
-    return open_engine(src, {"gpu_batch_size": batch}, device=device, dtype=dtype)
+def make_llm(src, batch: int, device: str = "cpu", dtype: str = "float32"):
+    """The engine's LLM for batches of `batch`, everything on the compute tier; close it."""
+    from ..api.llm import LLM
+    return LLM(src, gpu_batch_size=batch, device=device, dtype=dtype, quiet=True)
 
 
-def warm_up(engine, model, tokens, batch: int) -> None:
+def warm_up(llm, model, tokens, batch: int) -> None:
     prompts = make_prompts(tokens, WARMUP_LEN, batch)
-    run_engine(engine, prompts, WARMUP_GEN)
+    run_engine(llm, prompts, WARMUP_GEN)
     hf_generate(model, prompts, WARMUP_GEN)
 
 
@@ -135,21 +136,21 @@ def render_md(payload: dict) -> str:
 
 
 def run_grid(args, src, model, tokens) -> list[dict]:
-    """Every (batch, context) cell; one engine per batch size, warmed up once."""
+    """Every (batch, context) cell; one LLM per batch size, warmed up once."""
     cells = []
     for batch in args.batches:
-        engine = make_engine(src, batch, args.device, args.dtype)
+        llm = make_llm(src, batch, args.device, args.dtype)
         try:
-            warm_up(engine, model, tokens, batch)
+            warm_up(llm, model, tokens, batch)
             for ctx in args.lengths:
-                c = bench_cell(engine, model, tokens, ctx, batch, args.gen_len, args.repeats)
+                c = bench_cell(llm, model, tokens, ctx, batch, args.gen_len, args.repeats)
                 cells.append(c)
                 print(f"ctx {ctx:>5} batch {batch}: engine {c['engine_tok_s']:.2f} tok/s, "
                       f"HF {c['hf_tok_s']:.2f} tok/s, ratio {c['ratio']:.2f}, "
                       f"prefill {c['engine_prefill_s']:.1f}s / {c['hf_prefill_s']:.1f}s, "
                       f"tokens_match={c['tokens_match']}", flush=True)
         finally:
-            engine.close()
+            llm.close()
     return cells
 
 

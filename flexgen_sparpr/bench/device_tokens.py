@@ -8,14 +8,21 @@ from __future__ import annotations
 FP16_TIE = 0.05
 
 
+# --percent's six numbers by name, with their defaults (everything on the compute tier)
+PERCENT = {"w_gpu_percent": 100, "w_cpu_percent": 0, "cache_gpu_percent": 100, "cache_cpu_percent": 0,
+           "act_gpu_percent": 100, "act_cpu_percent": 0}
+
+
 def run(src, prompts, n, device, dtype, placement):
-    """Greedy tokens [B][n] and logits [B, n, V] (on the CPU) of `prompts` on a fresh engine."""
+    """Greedy tokens [B][n] and logits [B, n, V] (on the CPU) of `prompts` on a fresh LLM;
+    placement: the percents it changes by name ({"cache_gpu_percent": 0, ...})."""
     import torch
 
-    from ..api.engines import open_engine
-    pol = {"gpu_batch_size": len(prompts), **placement}
-    with open_engine(src, pol, device=device, dtype=dtype, block_size=64, offload_dir="unused") as eng:
-        r = eng.generate(prompts, n, keep_logits=True)
+    from ..api.llm import LLM
+    percent = [placement.get(k, v) for k, v in PERCENT.items()]
+    with LLM(src, gpu_batch_size=len(prompts), percent=percent, device=device, dtype=dtype, block_size=64,
+             offload_dir="unused", quiet=True) as llm:
+        r = llm.engine.generate(prompts, n, keep_logits=True)
     return r.tokens, torch.stack(r.logits, 1)  # logits: [B, n, V] on the CPU
 
 

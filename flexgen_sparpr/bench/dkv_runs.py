@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..api.engines import open_engine
+from ..api.llm import LLM
 from ..kv.dkv.codec import PICKS, DKVCodec  # noqa: F401  (PICKS: the script's --residual-pick choices)
 from ..kv.policies import make_policy
 from ..models.spec import opt_spec
@@ -31,21 +31,18 @@ def compression_rows(block: int, rank: int, residuals: int) -> list[list]:
     return rows
 
 
-def engine_for(src, config: str, args, batch: int, offload: str):
-    """The configuration's engine (api/engines.py) for one batch of `batch` prompts."""
-    dkv = {"rank": args.rank, "residuals": args.residuals, "residual_pick": args.residual_pick}
-    if config == REFERENCE:
-        cfg = dict(device="cpu", block_size=args.block)
-    elif config.startswith("dkv"):
-        cfg = dict(device="cpu", block_size=args.block, kv_policy="dkv",
-                   policy_args=dkv | {"topk": args.topk, "dense_layers": args.dense_layers, "route": args.route,
-                                      "sparse_prefill": config == "dkv-sparse-prefill"}
-                   | ({"pick_follow": args.pick_follow} if args.pick_follow is not None else {}))
-    else:  # sparpr decodes from a dense-policy prefill of a disk cache (raw, or in DKV form)
-        cold = {"cold_codec": "dkv", "codec_args": dkv} if config == "sparpr+dkv" else {}
-        cfg = dict(device="cpu", block_size=args.block, offload_dir=offload, direct_io=True, **cold)
-    pol = {"gpu_batch_size": batch, "cache_gpu_percent": 0 if config.startswith("sparpr") else 100}
-    return open_engine(src, pol, **cfg)
+def llm_for(src, config: str, args, batch: int, offload: str) -> LLM:
+    """The configuration's LLM for one batch of `batch` prompts (its flags as keyword arguments)."""
+    dkv = {"dkv_rank": args.rank, "dkv_residuals": args.residuals, "dkv_residual_pick": args.residual_pick}
+    flags = dict(device="cpu", block_size=args.block, gpu_batch_size=batch, quiet=True)
+    if config.startswith("dkv"):
+        flags |= dict(kv_policy="dkv", **dkv, dkv_topk=args.topk, dkv_dense_layers=args.dense_layers,
+                      dkv_route=args.route, dkv_sparse_prefill=config == "dkv-sparse-prefill",
+                      dkv_pick_follow=args.pick_follow)
+    elif config != REFERENCE:  # sparpr decodes from a dense-policy prefill of a disk cache (raw, or in DKV form)
+        cold = dict(cold_codec="dkv", **dkv) if config == "sparpr+dkv" else {}
+        flags |= dict(offload_dir=offload, direct_io=True, percent=[100, 0, 0, 0, 100, 0], **cold)
+    return LLM(src, **flags)
 
 
 def answers(res, trials, tok, eos) -> list[dict]:
@@ -62,7 +59,8 @@ def run_config(src, config, args, trials, tok, offload) -> list[dict]:
     """One configuration on one batch of passkey trials: a record per keep ratio (one for
     configurations without one), with its timings, disk reads, policy stats and answers."""
     eos, recs = src.spec.eos_id, []
-    with engine_for(src, config, args, len(trials), offload) as eng:
+    with llm_for(src, config, args, len(trials), offload) as llm:
+        eng = llm.engine
         runs = [(config, None)] if not config.startswith("sparpr") else [(f"{config}@{k}", k) for k in args.keep]
         observers = tuple(make_policy("sparpr", keep_ratio=k, probe_dir=offload) for _, k in runs if k)
         with timer() as t_pre:

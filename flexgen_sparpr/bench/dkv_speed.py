@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..api.engines import open_engine
+from ..api.llm import LLM
 from .results import md_table, timer
 from .tasks import canonical
 
@@ -16,9 +16,9 @@ def interleaved(src, tok, trials, args) -> dict:
     """One batch of passkey trials: each engine's decode tok/s per round, their ratios and median,
     and how many answers equal dense's (args: --batch, --gen-len, --rounds, --block, --dkv-exact-routed)."""
     eos = src.spec.eos_id
-    engines = {name: open_engine(src, {"gpu_batch_size": args.batch}, device="cpu", block_size=args.block, **kw)
-               for name, kw in (("dense", {}), ("dkv", {"kv_policy": "dkv", "policy_args": {
-                   "exact_routed": args.dkv_exact_routed}}))}
+    llms = {name: LLM(src, gpu_batch_size=args.batch, device="cpu", block_size=args.block, quiet=True, **kw)
+            for name, kw in (("dense", {}), ("dkv", {"kv_policy": "dkv", "dkv_exact_routed": args.dkv_exact_routed}))}
+    engines = {name: llm.engine for name, llm in llms.items()}
     try:
         snaps, answers = {}, {}
         for name, eng in engines.items():
@@ -33,8 +33,8 @@ def interleaved(src, tok, trials, args) -> dict:
                     eng.decode(eng.restore(snaps[name]))
                 speed[name].append(args.batch * (args.gen_len - 1) / t())
     finally:
-        for eng in engines.values():
-            eng.close()
+        for llm in llms.values():
+            llm.close()
     ratios = [k / d for k, d in zip(speed["dkv"], speed["dense"])]
     equal = sum(canonical("passkey", a) == canonical("passkey", b) for a, b in zip(answers["dkv"], answers["dense"]))
     return {"trials": len(trials), "dense_tok_s": speed["dense"], "dkv_tok_s": speed["dkv"], "ratios": ratios,

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 
-def greedy():
-    """The engine's greedy sampler: what a sweep's rows without forced tokens decode with."""
-    from ..api.engines import greedy as engine_greedy
-    return engine_greedy()
+def greedy() -> "ForcedTokens":
+    """A sampler that forces nothing: greedy from its first call (logits.argmax(-1), the engine's
+    own greedy choice), what a sweep's rows without forced tokens decode with."""
+    return ForcedTokens(torch.zeros(1, 0, dtype=torch.long))
 
 
 class ForcedTokens:

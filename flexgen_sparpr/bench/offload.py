@@ -1,8 +1,8 @@
-"""One offloaded generation on a fresh engine, measured: what the OPT offload benchmarks
+"""One offloaded generation on a fresh LLM, measured: what the OPT offload benchmarks
 (bench_sparpr.py, reproduce_latency.py, bench_throttled.py, bench_ablations.py) time for this
 engine (run_offload, its policy's knobs from their flags: policy_knobs); the device and dtype
 the engine picks for their flags (resolve_device); and OPT dummy weights drawn once for all the
-engines of a run (OnceSource, opt_source)."""
+LLMs of a run (opt_source: a weights/sources.py OnceSource)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -11,8 +11,8 @@ from contextlib import nullcontext
 def resolve_device(device: str = "auto", dtype: str = "auto"):
     """(torch device, torch dtype) the engine runs these flags on ("auto": CUDA in float16 when
     there is one, else the CPU in float32); ConfigError (a ValueError) on a bad pair."""
-    from ..api.engines import engine_config
-    cfg = engine_config(device=device, dtype=dtype)
+    from ..config.options import resolve
+    cfg = resolve({"device": device, "dtype": dtype})[2]
     return cfg.torch_device(), cfg.torch_dtype(cfg.torch_device())
 
 
@@ -20,6 +20,7 @@ def opt_source(model: str, max_seq_len: int, seed: int, device: str = "cpu", dty
     """OPT `model` with seeded dummy weights for max_seq_len positions, each tensor drawn once in
     the dtype the engine runs on `device` (an OnceSource); ModelNotFound or ValueError on bad input."""
     from ..weights.resolve import resolve_source
+    from ..weights.sources import OnceSource
     return OnceSource(resolve_source(model, "_DUMMY_", max_seq_len=max_seq_len, seed=seed),
                       resolve_device(device, dtype)[1])
 
@@ -46,7 +47,7 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
                 trace: bool = False, memory: bool = False, gpu_batches: int = 1, device: str = "cpu",
                 dtype: str = "float32", speculate: bool = False, cache_cpu_percent: float = 0,
                 weight_percents: tuple[float, float] = (100, 0), gpu_mem: float | None = None) -> dict:
-    """One fresh engine (on the CPU in float32 unless told; "auto": CUDA in float16 when there is
+    """One fresh LLM (on the CPU in float32 unless told; "auto": CUDA in float16 when there is
     one; `gpu_mem` caps a CUDA device), the weights split (compute %, CPU %) with the rest on disk,
     the KV cache's compute and CPU shares as given and the rest on the disk tier with
     O_DIRECT, one greedy generation of random prompts: prefill, then gen_len - 1 decode steps.
@@ -54,18 +55,19 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     Returns prefill/decode seconds, per-step seconds, the bytes moved per link during decode,
     the engine's measured disk read bandwidth, the disk modes, tokens, the policy's stats, and
     with `trace` the per-step trace (runtime/timemodel.py), with `memory` peak memory."""
-    from ..api.engines import PeakMemory, engine_config, open_engine
+    from ..api.llm import LLM
+    from ..api.measure import PeakMemory
     from ..runtime.trace import TraceRecorder
 
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
-    settings = dict(device=device, dtype=dtype, block_size=block_size, direct_io=True,
-                    offload_dir=offload_dir, kv_policy=policy, policy_args=policy_args or {},
-                    speculative_prefetch=speculate, gpu_mem=gpu_mem)
-    pol = dict(gpu_batch_size=batch // gpu_batches, num_gpu_batches=gpu_batches,
-               w_gpu_percent=weight_percents[0], w_cpu_percent=weight_percents[1],
-               cache_gpu_percent=cache_gpu_percent, cache_cpu_percent=cache_cpu_percent)
-    peak = PeakMemory(engine_config(**settings).torch_device())
-    with peak if memory else nullcontext(), open_engine(src, pol, **settings) as eng:
+    percent = [*weight_percents, cache_gpu_percent, cache_cpu_percent, 100, 0]
+    flags = dict(device=device, dtype=dtype, block_size=block_size, direct_io=True, offload_dir=offload_dir,
+                 kv_policy=policy, policy_args=policy_args or {}, speculative_prefetch=speculate, gpu_mem=gpu_mem,
+                 gpu_batch_size=batch // gpu_batches, num_gpu_batches=gpu_batches, quiet=True,
+                 percent=[int(p) if float(p).is_integer() else p for p in percent])  # --percent: integers
+    peak = PeakMemory(resolve_device(device, dtype)[0])
+    with peak if memory else nullcontext(), LLM(src, **flags) as llm:
+        eng = llm.engine
         rec = TraceRecorder(eng) if trace else None
         st = eng.prefill(prompts, gen_len)
         before, before_req = eng.devices.counters.snapshot(), eng.devices.counters.requests()
@@ -84,20 +86,3 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     if memory:
         out["memory"] = peak.report()
     return out
-
-
-class OnceSource:
-    """A weight source that makes each tensor once, in the engines' dtype (dummy OPT-6.7B takes
-    tens of seconds to draw), and hands the same values to every engine of the run."""
-
-    def __init__(self, src, dtype):
-        self.src, self.spec, self.dtype, self._made = src, src.spec, dtype, {}
-        self.tokenizer_dir = getattr(src, "tokenizer_dir", None)
-
-    def get(self, name: str):
-        if name not in self._made:
-            self._made[name] = self.src.get(name).to(self.dtype)
-        return self._made[name]
-
-    def describe(self) -> str:
-        return self.src.describe()

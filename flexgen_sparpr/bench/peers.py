@@ -88,7 +88,7 @@ def hf_offload_opt(spec, prompts: list[list[int]], gen_len: int, cap: float, see
     from accelerate import dispatch_model, infer_auto_device_map
     from transformers import OPTConfig, OPTForCausalLM
 
-    from ..api.engines import PeakMemory
+    from ..api.measure import PeakMemory
 
     batch, ctx = len(prompts), len(prompts[0])
     need = hf_need(spec, batch, ctx, gen_len)

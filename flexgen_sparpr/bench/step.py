@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..api.engines import disk_bandwidth
+from ..api.measure import disk_bandwidth
 from ..api.llm import LLM
 from .needle_prompt import NeedlePrompts, random_key
 from .resolved import resolved

@@ -1,8 +1,8 @@
 """Every KV policy from one prefill per batch: the fidelity scripts' shared runner.
 
-Two families of configurations store the cache differently, so each has its own engine and one
-prefill per batch, and every configuration of the family decodes from a snapshot of it
-(Engine.snapshot / restore):
+Two families of configurations store the cache differently, so each has its own LLM and one
+prefill per batch, and every configuration of the family decodes from a snapshot of it (the
+calls of `llm.engine` that api/llm.py lists: prefill with observers, snapshot / restore):
 
 - raw (KV block `block_size`, 16 by default: Quest's page): dense and every budgeted policy
   (sparpr, quest, h2o, streaming-llm, flexgen-topk) at each keep ratio, all observers of one
@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..api.engines import engine_config, open_engine, placement
+from ..api.llm import LLM
+from ..config.options import resolve
 from ..kv import policies
 from ..kv.knobs import knobs
 from ..kv.policies import POLICIES, make_policy
@@ -106,31 +107,31 @@ def new_policy(cfg: Config, codec_args: dict | None = None) -> KVPolicy:
 
 
 class PolicySweep:
-    """Engines kept across batches (one per family and batch size); `run` prefills a batch once
-    per family and decodes it under every configuration."""
+    """LLMs kept across batches (one per family and batch size); `run` prefills a batch once per
+    family and decodes it under every configuration."""
 
     def __init__(self, source, *, device: str = "cpu", block_size: int = 16, dkv_block: int = 256,
                  dkv_args: dict | None = None, weight_format: str = "auto"):
         self.src, self.device, self.block_size, self.dkv_block = source, device, block_size, dkv_block
         self.weight_format = weight_format
         self.dkv_args = dict(dkv_args or {})
-        self._engines: dict[tuple[str, int], object] = {}
+        self._llms: dict[tuple[str, int], LLM] = {}
 
-    def engine(self, family: str, batch: int):
-        """The family's engine for batches of `batch` (api/engines.py), made on first use."""
+    def llm(self, family: str, batch: int) -> LLM:
+        """The family's LLM for batches of `batch`, made on first use."""
         key = (family, batch)
-        if key not in self._engines:
+        if key not in self._llms:
+            flags = dict(device=self.device, gpu_batch_size=batch, weight_format=self.weight_format, quiet=True)
             if family == RAW:
-                cfg = dict(device=self.device, block_size=self.block_size, weight_format=self.weight_format)
+                flags["block_size"] = self.block_size
             else:  # the codec's own policy prefills the cache in its form
-                cfg = dict(device=self.device, block_size=self.dkv_block, kv_policy=family,
-                           policy_args=self.dkv_args, weight_format=self.weight_format)
-            self._engines[key] = open_engine(self.src, {"gpu_batch_size": batch}, **cfg)
-        return self._engines[key]
+                flags.update(block_size=self.dkv_block, kv_policy=family, policy_args=self.dkv_args)
+            self._llms[key] = LLM(self.src, **flags)
+        return self._llms[key]
 
     def weight_formats(self) -> dict[str, str]:
-        """What --weight-format resolved to in each engine made so far: {family: describe()}."""
-        return {family: eng.weight_format.describe() for (family, _), eng in self._engines.items()}
+        """What --weight-format resolved to in each LLM made so far: {family: describe()}."""
+        return {family: llm.engine.weight_format.describe() for (family, _), llm in self._llms.items()}
 
     def run(self, prompts: list[list[int]], max_new: int, cfgs: list[Config],
             sampler_for: Callable[[Config | None], object], stop: int | None = None,
@@ -143,7 +144,7 @@ class PolicySweep:
             fam = [c for c in cfgs if c.family == family]
             if not fam:
                 continue
-            eng = self.engine(family, len(prompts))
+            eng = self.llm(family, len(prompts)).engine
             pols = {c: new_policy(c, self.dkv_args) for c in fam}
             if family == RAW:
                 own = pols.get(Config(REFERENCE)) or make_policy(REFERENCE)
@@ -171,24 +172,23 @@ class PolicySweep:
         return times
 
     def close(self) -> None:
-        for eng in self._engines.values():
-            eng.close()
-        self._engines.clear()
+        for llm in self._llms.values():
+            llm.close()
+        self._llms.clear()
 
 
 def resolved_config(cfgs, device: str, block_size: int, dkv_block: int, dkv_args: dict | None = None) -> dict:
     """What a run's configurations resolve to, for its config: the compute and KV dtypes the
-    engine picks on `device` (EngineConfig's "auto"), the placement (every block on the compute
-    tier: Policy's default percents), and each configuration's KV block and every knob of its
+    engine picks on `device` (--dtype and --kv-dtype auto), the placement (every block on the
+    compute tier: --percent's default), and each configuration's KV block and every knob of its
     policy after the policy resolved them (SparPR's summary "auto" -> lowrank, the floor it runs
     with, ...); a composition "A+C" also lists the knobs of the codec policy C storing its blocks."""
     import torch
 
     def knob_values(p) -> dict:
         return {k.name: getattr(p, k.name) for k in knobs(type(p))}
-    ec = engine_config(device=device, block_size=block_size)
+    _, pl, ec = resolve({"device": device, "block_size": block_size})  # as LLM(...) resolves these flags
     compute = ec.torch_dtype(torch.device(device))
-    pl = placement()
     out = {"compute_dtype": str(compute).removeprefix("torch."),
            "kv_dtype": str(ec.torch_kv_dtype(compute)).removeprefix("torch.") + " (raw blocks on the CPU/disk tiers; "
            "none here: every block is on the compute tier, in the compute dtype)",

@@ -190,6 +190,24 @@ class DummySource(WeightSource):
         return f"dummy(seed={self.seed})"
 
 
+class OnceSource(WeightSource):
+    """A source whose tensors are made once, in `dtype`, and handed as the same values to every
+    engine that reads it (a benchmark's several LLMs on one model: dummy OPT-6.7B takes tens of
+    seconds to draw)."""
+
+    def __init__(self, src: WeightSource, dtype: torch.dtype):
+        self.src, self.spec, self.dtype, self._made = src, src.spec, dtype, {}
+        self.tokenizer_dir = src.tokenizer_dir
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._made:
+            self._made[name] = self.src.get(name).to(self.dtype)
+        return self._made[name]
+
+    def describe(self) -> str:
+        return self.src.describe()
+
+
 def dummy_shapes(spec: ModelSpec, arch) -> dict[str, tuple[int, ...]]:
     """Every tensor name the engine reads, with its shape (HF layout: [out, in])."""
     h, f, kv, e = spec.hidden, spec.ffn, spec.kv_dim, spec.embed_dim

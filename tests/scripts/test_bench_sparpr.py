@@ -38,6 +38,7 @@ def test_tiny_run_writes_both_policies_and_the_bound(tmp_path):
     (["--model", "llama-7b"], "--model"),
     (["--batch", "four"], "--batch"),  # argparse's own check: one line too, not the usage
     (["--device", "tpu"], "--device"),
+    (["--cache-cpu-percent", "12.5"], "whole numbers"),  # the LLM's --percent takes integers
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, msg):
     r = run(*args, "--out", str(tmp_path / "res"))

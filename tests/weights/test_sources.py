@@ -13,7 +13,8 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.models import build_arch
 from flexgen_sparpr.models.spec import opt_spec
 from flexgen_sparpr.weights.resolve import SMOLLM2_SPEC, ModelNotFound, resolve_source
-from flexgen_sparpr.weights.sources import DummySource, HFDirSource, NumpyDirSource, WeightsError, dummy_shapes
+from flexgen_sparpr.weights.sources import (DummySource, HFDirSource, NumpyDirSource, OnceSource, WeightsError,
+                                           dummy_shapes)
 from tests.hf_reference import hf_generate
 
 PROMPTS = [[17, 201, 33], [5, 6, 7, 8, 9, 10, 11]]
@@ -129,6 +130,15 @@ def test_dummy_weights_deterministic_and_seeded():
     assert not torch.equal(q0, q1)  # seeded per tensor name
     assert torch.equal(a.get("model.decoder.layers.0.self_attn_layer_norm.weight"), torch.ones(768))
 
+
+
+def test_once_source_makes_each_tensor_once_in_its_dtype():
+    src = resolve_source("opt-125m", "_DUMMY_")
+    once = OnceSource(src, torch.float16)
+    name = "model.decoder.layers.0.fc1.bias"
+    t = once.get(name)
+    assert t.dtype == torch.float16 and once.get(name) is t and torch.equal(t, src.get(name).half())
+    assert once.spec is src.spec and once.describe() == src.describe() and once.tokenizer_dir is None
 
 def test_dummy_shapes_cover_every_tensor_the_engine_reads(tiny_model_dir):
     spec = HFDirSource(tiny_model_dir).spec
