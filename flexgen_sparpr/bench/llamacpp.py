@@ -111,7 +111,8 @@ def render(payload: dict) -> str:
             f"llama-cpp-python {cfg['llamacpp_version']})\n\n"
             f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']}; {cfg['threads']} threads each, "
             f"greedy, {cfg['gen_len']} new tokens per prompt (decode tok/s: batch / the median decode step), "
-            f"one after the other on the same prompt ids; llama.cpp keeps a KV cache per prompt. llama.cpp reads the Q4_1 GGUF; this engine the same "
+            f"one after the other on the same prompt ids; llama.cpp keeps a KV cache per prompt, flash attention "
+            f"off (llama-cpp-python's default; faster here). llama.cpp reads the Q4_1 GGUF; this engine the same "
             f"weight values at its defaults, KV resident, with each --weight-format named in a row (auto, the "
             f"default: {_formats(payload)}; raw: float32). Produced by `scripts/bench_llamacpp.py`.\n\n"
             + md_table(["tokens", "batch", "run", "prefill tok/s", "decode tok/s", "prefill vs llama.cpp",
