@@ -83,7 +83,7 @@ def agreement(diffs) -> str:
         return "equal"
     if len(diffs) == 1:
         return f"from token {diffs[0]}"
-    return ", ".join(f"#{i}: " + ("equal" if d is None else f"from {d}") for i, d in enumerate(diffs))
+    return ", ".join(f"p{i} " + ("equal" if d is None else f"from {d}") for i, d in enumerate(diffs))  # p0: the first prompt
 
 
 def _formats(payload: dict) -> str:
