@@ -48,9 +48,9 @@ def _held_ppl(folder: str, lengths: str, policies: str, keep: str = "0.5,0.25,0.
                 "--policies", policies, "--keep", keep, *more, quick=quick, partial=partial)
 
 
-def _fresh_ppl(folder: str, length: str, policies: str, batch: str, *more: str) -> Entry:
+def _fresh_ppl(folder: str, length: str, policies: str, batch: str, *more: str, partial: str = "") -> Entry:
     return _ppl(folder, "--split", "fresh", "--stream", "--lengths", length, "--windows", "12", "--batch", batch,
-                "--policies", policies, "--keep", "0.1", *more)
+                "--policies", policies, "--keep", "0.1", *more, partial=partial)
 
 
 # dense's and DKV's answers on the held-out prompts, then DKV's with its top 2 routed blocks read raw
@@ -129,6 +129,8 @@ FIDELITY = [
     # perplexity
     _fresh_ppl("ppl-defaults/2048", "2048", "sparpr,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv", "6"),
     _fresh_ppl("ppl-defaults/4096", "4096", "sparpr,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv", "6"),
+    _fresh_ppl("ppl-defaults/8000", "8000", "sparpr,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv", "4",
+               partial="the published file holds 1 of its 3 batches (4 of 12 windows): rerunning resumes"),
     *[_fresh_ppl(f"ppl-weights/{w}", "2048", "sparpr", "4", "--weight-format", w) for w in ("auto", "raw")],
     _held_ppl("ppl", "2048", ALL7, quick=True, partial=_CUT.format("4096 and 8192 (ppl-4k8k/ holds them)")),
     _held_ppl("ppl-4k8k", "4096,7936", FIVE),
