@@ -50,8 +50,7 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
                            max_new_tokens=steps + 1, stop=None)
         config = resolved(llm)
         config["compared"] = {label: s.kv_policy_stats.get("config") for label, (_, s) in runs.items() if label != REFERENCE}
-    cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": config["kv_dtype"],
-            "block_size": config["block_size"], "weight_format": config["weight_format"], "resolved": config,
+    cell = {"tokens": tokens, "batch": batch, "placement": placement, "resolved": config,
             "prefill_s": runs[REFERENCE][1].prefill_s, "policies": {}}
     for label, (_, s) in runs.items():
         decode = s.step_times[0][1:]
@@ -66,9 +65,10 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
 
 def defaults_said(cells: list[dict]) -> str:
     """The configuration the cells ran at, as the engine resolved it."""
-    blocks = sorted({c["block_size"] for c in cells})
-    kv = sorted({c["kv_dtype"] for c in cells})
-    weights = sorted({c.get("weight_format", "raw (before --weight-format)") for c in cells})
+    said = [c.get("resolved", c) for c in cells]  # files written before `resolved` kept these three at the top
+    blocks = sorted({c["block_size"] for c in said})
+    kv = sorted({c["kv_dtype"] for c in said})
+    weights = sorted({c.get("weight_format", "raw (before --weight-format)") for c in said})
     return (f"engine defaults (block {', '.join(map(str, blocks))}, KV stored {', '.join(kv)}, weights "
             f"{'; '.join(weights)}) but the placement; "
             "disk: O_DIRECT")

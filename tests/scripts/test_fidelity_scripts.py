@@ -143,48 +143,48 @@ def test_frontier_joins_files_of_other_lengths_with_other_trial_counts(tmp_path)
     assert r.returncode == 2 and "trials" in r.stderr
 
 
-def test_agreement_verdict_and_differing_trials(tmp_path):
+def _passkey_file(tmp_path, n: int, rows) -> str:
+    """A needle.json of n passkey trials at 2048 tokens on the fresh split: dense hits every one;
+    rows(j) gives trial j's other records (label, policy, keep, hit, canon, answer?)."""
     plan = {"split": "fresh", "texts": ["gpl3"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
-            "trials": 20, "batch": 20, "answer_prefix": "x", "lengths": [2048]}
+            "trials": n, "batch": n, "answer_prefix": "x", "lengths": [2048]}
     recs = []
-    for j in range(20):
+    for j in range(n):
         base = {"trial": f"passkey:2048:0:{j}", "task": "passkey", "length": 2048, "expected": ["1"], "depth": 0.1,
                 "text": "gpl3"}
         recs.append(base | {"label": "dense", "policy": "dense", "keep": 1.0, "hit": True, "canon": "1",
                             "answer": "1."})
-        miss = j == 3  # one trial of 20 differs: 19/20 = 95 % meets the bar
-        recs.append(base | {"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1, "hit": not miss,
-                            "canon": "7" if miss else "1", "answer": "7 | 7" if miss else "1."})
+        recs += [base | r for r in rows(j)]
     f = tmp_path / "n.json"
     f.write_text(json.dumps({"plan": plan, "config": {}, "records": recs}))
-    r = run_script("agreement.py", str(f), "--out", str(tmp_path / "r"))
+    return str(f)
+
+
+def test_agreement_verdict_and_differing_trials(tmp_path):
+    def rows(j):
+        miss = j == 3  # one trial of 20 differs: 19/20 = 95 % meets the bar
+        return [{"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1, "hit": not miss,
+                 "canon": "7" if miss else "1", "answer": "7 | 7" if miss else "1."}]
+    f = _passkey_file(tmp_path, 20, rows)
+    r = run_script("agreement.py", f, "--out", str(tmp_path / "r"))
     assert r.returncode == 0, r.stderr
     data = json.loads((tmp_path / "r" / "agreement.json").read_text())
     assert data["verdict"] == [{"task": "passkey", "length": 2048, "agree": 19, "n": 20, "need": 19,
                                 "agree_lo": data["verdict"][0]["agree_lo"], "met": True}]
     assert [d["trial"] for d in data["differing"]["sparpr@0.1"]] == ["passkey:2048:0:3"]
     assert "'7 \\| 7'" in (tmp_path / "r" / "agreement.md").read_text()
-    r = run_script("agreement.py", str(f), "--target", "quest@0.1", "--out", str(tmp_path / "r2"))
+    r = run_script("agreement.py", f, "--target", "quest@0.1", "--out", str(tmp_path / "r2"))
     assert r.returncode == 2 and "--target" in r.stderr
 
 
 def test_agreement_pair_sets_two_configurations_side_by_side(tmp_path):
-    plan = {"split": "fresh", "texts": ["gpl3"], "depths": [0.1], "seed": 1, "tasks": ["passkey"],
-            "trials": 4, "batch": 4, "answer_prefix": "x", "lengths": [2048]}
-    recs = []
-    for j in range(4):
-        base = {"trial": f"passkey:2048:0:{j}", "task": "passkey", "length": 2048, "expected": ["1"], "depth": 0.1,
-                "text": "gpl3"}
-        recs.append(base | {"label": "dense", "policy": "dense", "keep": 1.0, "hit": True, "canon": "1"})
-        recs.append(base | {"label": "quest@0.1", "policy": "quest", "keep": 0.1, "hit": j < 2,
-                            "canon": "1" if j < 2 else "7"})
-        recs.append(base | {"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1, "hit": True, "canon": "1"})
-    f = tmp_path / "n.json"
-    f.write_text(json.dumps({"plan": plan, "config": {}, "records": recs}))
-    r = run_script("agreement.py", str(f), "--pair", "quest@0.1,sparpr@0.1", "--title", "Q vs S", "--out",
+    f = _passkey_file(tmp_path, 4, lambda j: [
+        {"label": "quest@0.1", "policy": "quest", "keep": 0.1, "hit": j < 2, "canon": "1" if j < 2 else "7"},
+        {"label": "sparpr@0.1", "policy": "sparpr", "keep": 0.1, "hit": True, "canon": "1"}])
+    r = run_script("agreement.py", f, "--pair", "quest@0.1,sparpr@0.1", "--title", "Q vs S", "--out",
                    str(tmp_path / "r"))
     assert r.returncode == 0, r.stderr
     md = (tmp_path / "r" / "agreement.md").read_text()
     assert md.startswith("# Q vs S (") and "| passkey | 2 -> 4 |" in md and "| all (tasks where both ran) | 2 -> 4 of 4 (100 %) |" in md
-    r = run_script("agreement.py", str(f), "--pair", "quest@0.1,h2o@0.1", "--out", str(tmp_path / "r2"))
+    r = run_script("agreement.py", f, "--pair", "quest@0.1,h2o@0.1", "--out", str(tmp_path / "r2"))
     assert r.returncode == 2 and "--pair" in r.stderr
