@@ -65,7 +65,8 @@ class Recall:
         _, b, hkv, bs, d = t.block_shape
         sealed = [x for x in sel.blocks if x < t.sealed]
         open_len = t.length - t.sealed * bs if sel.blocks and sel.blocks[-1] == t.sealed else 0
-        need = sel.seqs[:, :len(sealed)] if sel.seqs is not None else torch.ones(b, len(sealed), dtype=torch.bool)
+        # need: [B, n] on the host, beside the arena's bookkeeping (a policy may leave seqs on the device)
+        need = sel.seqs[:, :len(sealed)].cpu() if sel.seqs is not None else torch.ones(b, len(sealed), dtype=torch.bool)
         with self._lock:
             ar = self._arenas.get(t)
         if ar is None or ar.rewinds != t.rewinds or ar.kv.dtype != dtype or ar.slots < len(sealed):
