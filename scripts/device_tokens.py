@@ -67,8 +67,8 @@ def main(argv=None) -> int:
                     "float16_first_departure": dep,
                     "cpu_margin_at_departure": None if dep is None else float(margin[dep]),
                     "cpu_min_margin": float(margin.min()), "cpu_tokens": cpu, "float32_tokens": f32,
-                    "float16_tokens": f16, "resolved": {"cpu float32": cpu_conf, f"{args.device} float32": f32_conf,
-                                                        f"{args.device} float16": f16_conf}}
+                    "float16_tokens": f16,  # resolved: keyed as the tokens are (each names its device)
+                    "resolved": {"cpu": cpu_conf, "float32": f32_conf, "float16": f16_conf}}
             cell["float16_ok"] = dep is None or cell["cpu_margin_at_departure"] < FP16_TIE
             ok &= cell["float32_equal"]
             cells.append(cell)
