@@ -13,7 +13,8 @@ laptop-balanced cap of bench_throttled.py):
   how many trials the variant answers as dense does.
 
 The paper's numbers beside ours (its Table: full .957, Quest-only .777, ... as quoted in the
-issue). Writes <out>/ablations.json and <out>/ablations.md.
+issue). Writes <out>/ablations.json (each variant with the configuration its speed and needle
+engines resolved, the engine commit) and <out>/ablations.md.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.ablations import VARIANTS, needle_run, needle_trials, render_md  # noqa: E402
 from flexgen_sparpr.bench.args import add_opt_bench_args, die, OneLineParser  # noqa: E402
-from flexgen_sparpr.bench.results import machine_info, timer, write_results  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,17 +85,18 @@ def main(argv=None) -> int:
         with timer() as wall:
             # warm-up: SparPR's first engine probes the disk and the matmuls under the cap (not timed)
             engine_run(opt, args, 4 * args.block_size, 2, "sparpr", 0)
-            dense_answers = needle_run(small, tok, trials, args, "dense", {})
+            dense_answers, dense_resolved = needle_run(small, tok, trials, args, "dense", {})
             dense_hits = [passkey_hit(a, t.key) for a, t in zip(dense_answers, trials)]
             for name, extra in VARIANTS.items():
                 r = engine_run(opt, args, args.context, args.gen_len, "sparpr", 0, extra)
                 c = cell(name, r, None, mbps * 1e6 if th is not None else None)
-                ans = needle_run(small, tok, trials, args, "sparpr",
-                                 dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma,
-                                      probe_dir=args.offload_dir, **extra))
+                ans, needle_resolved = needle_run(small, tok, trials, args, "sparpr",
+                                                  dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep,
+                                                       gamma=args.gamma, probe_dir=args.offload_dir, **extra))
                 hits = [passkey_hit(a, t.key) for a, t in zip(ans, trials)]
                 c.update(needle_hits=sum(hits), needle_trials=len(trials),
-                         same_as_dense=sum(a == b for a, b in zip(hits, dense_hits)), answers=ans)
+                         same_as_dense=sum(a == b for a, b in zip(hits, dense_hits)), answers=ans,
+                         resolved={"speed": c["resolved"], "needle": needle_resolved})  # needle: one per prefill
                 rows[name] = c
                 print(f"{name}: e2e {c['e2e_s']:.1f} s, disk {c['disk_read_bytes'] / 1e6:.0f} MB, "
                       f"needle {sum(hits)}/{len(trials)}", flush=True)
@@ -102,8 +104,9 @@ def main(argv=None) -> int:
         if th is not None:
             th.close()
         shutil.rmtree(offload, ignore_errors=True)
-    payload = {"config": vars(args), "machine": machine_info(), "read_mbps": mbps, "throttled": th is not None,
-               "note": note, "dense_needle_hits": sum(dense_hits), "dense_answers": dense_answers,
+    payload = {"config": {**vars(args), "engine_commit": engine_commit()}, "machine": machine_info(),
+               "read_mbps": mbps, "throttled": th is not None, "note": note, "dense_needle_hits": sum(dense_hits),
+               "dense_answers": dense_answers, "dense_needle_resolved": dense_resolved,
                "variants": rows, "wall_s": wall()}
     for p in write_results(Path(args.out), args.stem, payload, render_md(payload)):
         print(f"wrote {p}")

@@ -65,6 +65,7 @@ def main(argv=None) -> None:
               f"{[round(x['ttft_s'], 2) for x in t[1:]]}", flush=True)
     a, b = runs["reuse"]["turns"], runs["no reuse"]["turns"]
     same = [x["answer"] == y["answer"] for x, y in zip(a, b)]
+    # the LLM is in each server's process, not this one: no "resolved" read here; their flags are in the runs
     payload = {"config": {"model": args.model, "document": f"{DOC}, first {args.doc_tokens} tokens",
                           "turns": args.turns, "max_tokens": args.max_tokens, "temperature": 0,
                           "server_flags_common": base, "engine_commit": commit,

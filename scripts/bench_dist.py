@@ -11,8 +11,9 @@ prediction of every run: the model (runtime/timemodel.py; runtime/stage_time.py 
 is calibrated per configuration on separate one-process runs at other prompt lengths
 (--calib-prompt-lens), then predicts the measured runs from their analytic traces.
 
-Writes <out>/bench.{json,md} with the config, the engine commit and the load average around
-every run (the numbers are only as quiet as the machine was).
+Writes <out>/bench.{json,md} with the config, the engine commit, the configuration each kind of
+run reported (its --output-json: the LLM is in the child) and the load average around every run
+(the numbers are only as quiet as the machine was).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
-from flexgen_sparpr.bench.pipeline import (brief, calibrate_split, markdown, median_run, model,  # noqa: E402
-                                           one_process, summarize, two_processes)
+from flexgen_sparpr.bench.pipeline import (as_run, brief, calibrate_split, markdown, median_run,  # noqa: E402
+                                           model, one_process, summarize, two_processes)
 from flexgen_sparpr.bench.results import engine_commit, machine_info, write_results  # noqa: E402
 
 
@@ -83,15 +84,17 @@ def main(argv=None) -> int:
             cal = calibrate_split(args, hw, calib)
             runs = {"one": [], "two": []}
             for _ in range(args.reps):
-                runs["one"].append(summarize(one_process(args, args.prompt_len, args.gen_len, gbs, ngb, offload, work),
-                                             args.batch, args.gen_len))
-                runs["two"].append(summarize(two_processes(args, gbs, ngb, offload, work), args.batch, args.gen_len))
+                raw = {"one": one_process(args, args.prompt_len, args.gen_len, gbs, ngb, offload, work),
+                       "two": two_processes(args, gbs, ngb, offload, work)}
+                for k, res in raw.items():
+                    runs[k].append(summarize(res, args.batch, args.gen_len))
             measured = {k: median_run(v) for k, v in runs.items()}
             predicted = {"one": brief(model(args, hw, cal, gbs, ngb, 1)), "two": brief(model(args, hw, cal, gbs, ngb, 2))}
             configs.append({"gpu_batch_size": gbs, "num_gpu_batches": ngb, "micro_batches": ngb,
                             "calibration": cal.to_dict(), "calibration_runs": [
                                 {"prompt_len": r["prompt_len"], "per_token_s": r["timings"]["per_token_s"]} for r in calib],
-                            "runs": runs, "measured": measured, "predicted": predicted,
+                            "runs": runs, "resolved": {k: as_run(res) for k, res in raw.items()},  # the last rep's
+                            "measured": measured, "predicted": predicted,
                             "speedup": measured["one"]["total_s"] / measured["two"]["total_s"]})
     if own_offload:
         import shutil

@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit()
 from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.dkv_runs import CONFIGS, PICKS, compression_rows, render, run_config  # noqa: E402
 from flexgen_sparpr.bench.needle_prompt import NeedlePrompts, random_key  # noqa: E402
-from flexgen_sparpr.bench.results import machine_info, timer, write_results  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     depths = args.depths
     plans = {n: [builder.build(n, depths[i % len(depths)], random_key(rng, 5), rng) for i in range(args.trials)]
              for n in args.lengths}
-    payload = {"config": {k: v for k, v in vars(args).items()}, "command": " ".join(["scripts/bench_dkv.py", *(argv or
+    payload = {"config": {**vars(args), "engine_commit": engine_commit()}, "command": " ".join(["scripts/bench_dkv.py", *(argv or
                sys.argv[1:])]), "machine": machine_info(), "compression": compression_rows(args.block, args.rank,
                args.residuals), "runs": []}
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as offload, timer() as wall:

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
             die(f"{args.model} was not refused as expected (exit {r.returncode}): {line[-300:]}")
         refuse_s.append(dt)
         bare_s.append(timed(bare, env)[0])
+    # refused before any weight loads: no LLM exists, so no "resolved"; the placement is the command's flags
     config = {"model": args.model, "runs": args.runs, "command": " ".join(cmd[1:]), "engine_commit": engine_commit()}
     stats = {k: {"median_s": statistics.median(v), "max_s": max(v), "all_s": v}
              for k, v in (("refusal", refuse_s), ("python_import_torch", bare_s))}

@@ -57,6 +57,7 @@ def main(argv=None) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(600)
+    # the LLM is in the server's process, not this one: no "resolved" read here; its flags are the config
     payload = {"config": {"server_flags": flags, "clients": args.clients, "seconds_per_level": args.seconds,
                           "max_tokens": args.max_tokens, "prompt_lengths_chars": args.lengths,
                           "prompts": "slices of tests/data/alice29.txt, seed 0", "temperature": 0,

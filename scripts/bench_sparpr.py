@@ -16,8 +16,8 @@ The disk bandwidth is the engine's own: its timed O_DIRECT block reads in that r
 
 OPT's real position table stops at 2048 tokens; the dummy model's is sized to the longest
 context + gen_len here, so the 4k and 8k rows time an OPT-shaped model beyond its trained range
-(the timing, not the text, is what they measure). Writes <out>/bench.json (cells + config +
-machine) and <out>/bench.md.
+(the timing, not the text, is what they measure). Writes <out>/bench.json (cells, each with the
+configuration its engine resolved, + config with the engine commit + machine) and <out>/bench.md.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLineParser  # noqa: E402
-from flexgen_sparpr.bench.results import machine_info, timer, write_results  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 from flexgen_sparpr.bench.offload import opt_source  # noqa: E402
 from flexgen_sparpr.bench.sparpr_offload import compare, render_md, run_cell, run_upstream_cell  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         src = opt_source(args.model, max_seq, args.seed, args.device, args.dtype)
     except (ModelNotFound, ValueError) as exc:  # ConfigError is a ValueError
         die(str(exc))
-    payload = {"config": {k: v for k, v in vars(args).items()}, "machine": machine_info(),
+    payload = {"config": {**vars(args), "engine_commit": engine_commit()}, "machine": machine_info(),
                "max_seq_len": max_seq, "cells": [], "summary": [], "upstream": []}
     cells = len(args.contexts) * (2 + bool(args.upstream))
     with timer() as total, progress(total=cells, desc="cells", unit="cell", enabled=bars_wanted(args.quiet)) as bar:

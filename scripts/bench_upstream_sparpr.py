@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.upstream_sparpr import one, render_md  # noqa: E402
-from flexgen_sparpr.bench.results import machine_info, timer, write_results  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, machine_info, timer, write_results  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,7 +90,10 @@ def main(argv=None) -> int:
             th.close()
         shutil.rmtree(offload, ignore_errors=True)
     dev = torch.cuda.get_device_name(0) if device == "cuda" else machine_info()["cpu_model"]
-    payload = {"config": vars(args), "machine": machine_info(), "device": device, "device_name": dev,
+    # upstream's executor builds no LLM, so no "resolved": its placement and the hook's knobs are the
+    # flags in the config; the commit names this checkout's hook (upstream/sparpr_hook.py)
+    payload = {"config": {**vars(args), "engine_commit": engine_commit()}, "machine": machine_info(),
+               "device": device, "device_name": dev,
                "throttle": th.describe() if th else None, "throttle_note": note, "rows": rows, "wall_s": wall()}
     for p in write_results(Path(args.out), args.stem, payload, render_md(payload)):
         print(f"wrote {p}")

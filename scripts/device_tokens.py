@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit() names
 from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.device_tokens import FP16_TIE, first_departure, run  # noqa: E402
-from flexgen_sparpr.bench.results import machine_info, write_results  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, machine_info, write_results  # noqa: E402
 
 TEXT = REPO / "tests" / "data" / "alice29.txt"
 
@@ -56,9 +56,9 @@ def main(argv=None) -> int:
         # rows start at different places of the text; the last row is shorter (left padding)
         prompts = [ids[b * 997: b * 997 + n - (7 if b == args.batch - 1 and b else 0)] for b in range(args.batch)]
         for placement in ({}, {"cache_gpu_percent": 0, "cache_cpu_percent": 100}):
-            cpu, cpu_logits = run(src, prompts, args.gen_len, "cpu", "float32", placement)
-            f32, f32_logits = run(src, prompts, args.gen_len, args.device, "float32", placement)
-            f16, _ = run(src, prompts, args.gen_len, args.device, "float16", placement)
+            cpu, cpu_logits, cpu_conf = run(src, prompts, args.gen_len, "cpu", "float32", placement)
+            f32, f32_logits, f32_conf = run(src, prompts, args.gen_len, args.device, "float32", placement)
+            f16, _, f16_conf = run(src, prompts, args.gen_len, args.device, "float16", placement)
             top2 = cpu_logits.topk(2, dim=-1).values  # top2: [B, n, 2]
             margin = (top2[..., 0] - top2[..., 1])  # margin: [B, n] the CPU's top-1 lead
             dep = first_departure(cpu, f16)
@@ -67,14 +67,16 @@ def main(argv=None) -> int:
                     "float16_first_departure": dep,
                     "cpu_margin_at_departure": None if dep is None else float(margin[dep]),
                     "cpu_min_margin": float(margin.min()), "cpu_tokens": cpu, "float32_tokens": f32,
-                    "float16_tokens": f16}
+                    "float16_tokens": f16,  # resolved: keyed as the tokens are (each names its device)
+                    "resolved": {"cpu": cpu_conf, "float32": f32_conf, "float16": f16_conf}}
             cell["float16_ok"] = dep is None or cell["cpu_margin_at_departure"] < FP16_TIE
             ok &= cell["float32_equal"]
             cells.append(cell)
             print(f"{n:>5} tokens, {cell['placement']}: float32 equal {cell['float32_equal']} (max logit diff "
                   f"{cell['float32_max_logit_diff']:.2e}); float16 departs at {dep} "
                   f"(CPU margin there {cell['cpu_margin_at_departure']})", flush=True)
-    payload = {"config": {"command": " ".join(["python"] + sys.argv), "model": str(src.path), "device": args.device,
+    payload = {"config": {"command": " ".join(["python"] + sys.argv), "engine_commit": engine_commit(),
+                          "model": str(src.path), "device": args.device,
                           "lengths": lengths, "batch": args.batch, "gen_len": args.gen_len, "fp16_tie": FP16_TIE,
                           "tf32": False},
                "machine": machine_info(), "cells": cells, "float32_all_equal": ok}

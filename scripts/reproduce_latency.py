@@ -37,7 +37,7 @@ from flexgen_sparpr.bench.args import add_opt_bench_args, die, int_list, OneLine
 from flexgen_sparpr.bench.latency_runs import (calibration_runs, report, rerun_model, run_engine,  # noqa: E402
                                                run_hf, run_upstream_cell, this_machine)
 from flexgen_sparpr.bench.peers import GiB  # noqa: E402
-from flexgen_sparpr.bench.results import load_average, machine_info, timer  # noqa: E402
+from flexgen_sparpr.bench.results import engine_commit, load_average, machine_info, timer  # noqa: E402
 from flexgen_sparpr.utils.progress import bars_wanted, progress  # noqa: E402
 
 SYSTEMS = ("upstream", "dense", "sparpr", "hf")
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     except (ModelNotFound, ValueError) as exc:
         die(str(exc))
     cap = args.cap_gib * GiB
-    payload = {"config": {k: v for k, v in vars(args).items()}, "machine": machine_info(), "cells": []}
+    payload = {"config": {**vars(args), "engine_commit": engine_commit()}, "machine": machine_info(), "cells": []}
     with timer() as total:
         hw = this_machine(args)
         print(f"this machine: disk read {hw.disk_read_bw / 1e9:.2f} GB/s, float32 "

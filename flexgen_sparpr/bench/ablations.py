@@ -23,18 +23,21 @@ def needle_trials(tokenizer, n: int, length: int):
             for i in range(n)]
 
 
-def needle_run(src, tokenizer, trials, args, policy: str, pargs: dict) -> list[str]:
-    """The answers of every trial, the KV cache all on the (throttled) disk tier."""
+def needle_run(src, tokenizer, trials, args, policy: str, pargs: dict) -> tuple[list[str], list[dict]]:
+    """The answers of every trial, the KV cache all on the (throttled) disk tier, and the
+    configuration each prefill's engine resolved (one per --needle-batch group)."""
     from ..api.llm import LLM
-    answers = []
+    from .resolved import resolved
+    answers, configs = [], []
     for i in range(0, len(trials), args.needle_batch):
         group = trials[i:i + args.needle_batch]
         with LLM(src, device="cpu", dtype="float32", block_size=args.needle_block_size, direct_io=True,
                  offload_dir=args.offload_dir, kv_policy=policy, policy_args=pargs, gpu_batch_size=len(group),
                  percent=[100, 0, 0, 0, 100, 0], quiet=True) as llm:
             rows = llm.generate_ids([t.ids for t in group], llm.params(8, stop=None), sort=False)
+            configs.append(resolved(llm))
         answers += [tokenizer.decode(toks) for toks in rows]
-    return answers
+    return answers, configs
 
 
 def render_md(p: dict) -> str:

@@ -40,8 +40,10 @@ def cli(args, sub: list[str], env: dict) -> float:
 
 def overhead(args, prompts: list[list[int]], tmp: Path, env: dict) -> dict:
     """The batch through the CLI and through LLM.generate, interleaved --repeats times: each run's
-    seconds, their medians, and whether the two made the same tokens."""
+    seconds, their medians, whether the two made the same tokens, and the configuration the LLM
+    resolved (the CLI's children resolve the same flags in their own process: not read back)."""
     from .. import LLM
+    from .resolved import resolved
     ids, out = tmp / "one_batch.json", tmp / "run.json"
     ids.write_text(json.dumps(prompts))
     sub = ["run", "--prompt-ids-file", str(ids), "--gpu-batch-size", str(len(prompts)), "--warmup", "false",
@@ -57,12 +59,14 @@ def overhead(args, prompts: list[list[int]], tmp: Path, env: dict) -> dict:
             rows.append({"cli_process_s": wall, "cli_engine_s": t["prefill_s"] + t["decode_s"],
                          "api_engine_s": s.prefill_s + s.decode_s, "api_call_s": s.wall_s,
                          "same_tokens": [o.token_ids for o in outs] == cli_ids})
+        config = resolved(llm)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "same_tokens"}
-    return {"runs": rows, "median": med, "same_tokens": all(r["same_tokens"] for r in rows)}
+    return {"runs": rows, "median": med, "same_tokens": all(r["same_tokens"] for r in rows), "resolved": config}
 
 
 def throughput(args, prompts: list[list[int]], tmp: Path, env: dict) -> dict:
     """One batch job against --serial of its prompts run alone (extrapolated to all of them)."""
+    # every engine here is a CLI child process: no LLM in this one, so no "resolved" (the flags are in the config)
     inp, outp = tmp / "prompts.jsonl", tmp / "out.jsonl"
     inp.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
     batch_s = cli(args, ["batch", "--input", str(inp), "--output", str(outp), "--gpu-batch-size", str(args.batch),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .args import die
 from .peers import hf_generate, load_hf
-from .results import machine_info, md_table
+from .results import engine_commit, machine_info, md_table
 
 
 TARGET = 1.2  # the project's goal: engine decode tok/s >= 1.2x HF's at every context on CPU
@@ -136,14 +136,16 @@ def render_md(payload: dict) -> str:
 
 
 def run_grid(args, src, model, tokens) -> list[dict]:
-    """Every (batch, context) cell; one LLM per batch size, warmed up once."""
+    """Every (batch, context) cell, each with the configuration its LLM resolved; one LLM per batch
+    size, warmed up once."""
+    from .resolved import resolved
     cells = []
     for batch in args.batches:
         llm = make_llm(src, batch, args.device, args.dtype)
         try:
             warm_up(llm, model, tokens, batch)
             for ctx in args.lengths:
-                c = bench_cell(llm, model, tokens, ctx, batch, args.gen_len, args.repeats)
+                c = {**bench_cell(llm, model, tokens, ctx, batch, args.gen_len, args.repeats), "resolved": resolved(llm)}
                 cells.append(c)
                 print(f"ctx {ctx:>5} batch {batch}: engine {c['engine_tok_s']:.2f} tok/s, "
                       f"HF {c['hf_tok_s']:.2f} tok/s, ratio {c['ratio']:.2f}, "
@@ -158,7 +160,8 @@ def build_payload(args, src, model, text_desc: str, threads: int, load_before, c
     machine = machine_info()
     machine["torch_threads"] = threads
     noisy = max(load_before[0], machine["load_average"][0]) > threads + 0.5
-    config = {"command": " ".join(["python"] + sys.argv), "model": args.model, "model_dir": str(src.path),
+    config = {"command": " ".join(["python"] + sys.argv), "engine_commit": engine_commit(), "model": args.model,
+              "model_dir": str(src.path),
               "text": text_desc, "lengths": args.lengths, "batches": args.batches,
               "gen_len": args.gen_len, "repeats": args.repeats, "threads": threads,
               "dtype": args.dtype, "device": args.device, "greedy": True,

@@ -14,16 +14,18 @@ PERCENT = {"w_gpu_percent": 100, "w_cpu_percent": 0, "cache_gpu_percent": 100, "
 
 
 def run(src, prompts, n, device, dtype, placement):
-    """Greedy tokens [B][n] and logits [B, n, V] (on the CPU) of `prompts` on a fresh LLM;
-    placement: the percents it changes by name ({"cache_gpu_percent": 0, ...})."""
+    """Greedy tokens [B][n], logits [B, n, V] (on the CPU) of `prompts` on a fresh LLM, and the
+    configuration it resolved; placement: the percents it changes by name ({"cache_gpu_percent": 0, ...})."""
     import torch
 
     from ..api.llm import LLM
+    from .resolved import resolved
     percent = [placement.get(k, v) for k, v in PERCENT.items()]
     with LLM(src, gpu_batch_size=len(prompts), percent=percent, device=device, dtype=dtype, block_size=64,
              offload_dir="unused", quiet=True) as llm:
         r = llm.engine.generate(prompts, n, keep_logits=True)
-    return r.tokens, torch.stack(r.logits, 1)  # logits: [B, n, V] on the CPU
+        config = resolved(llm)
+    return r.tokens, torch.stack(r.logits, 1), config  # logits: [B, n, V] on the CPU
 
 
 def first_departure(a, b):

@@ -10,6 +10,7 @@ from ..kv.dkv.codec import PICKS, DKVCodec  # noqa: F401  (PICKS: the script's -
 from ..kv.policies import make_policy
 from ..models.spec import opt_spec
 from .needle_prompt import passkey_hit
+from .resolved import resolved
 from .results import md_table, timer
 from .sweep import REFERENCE
 
@@ -57,7 +58,8 @@ def answers(res, trials, tok, eos) -> list[dict]:
 
 def run_config(src, config, args, trials, tok, offload) -> list[dict]:
     """One configuration on one batch of passkey trials: a record per keep ratio (one for
-    configurations without one), with its timings, disk reads, policy stats and answers."""
+    configurations without one), with its timings, disk reads, policy stats, answers and the
+    configuration as the engine resolved it (the KV policy the record decoded with)."""
     eos, recs = src.spec.eos_id, []
     with llm_for(src, config, args, len(trials), offload) as llm:
         eng = llm.engine
@@ -80,6 +82,7 @@ def run_config(src, config, args, trials, tok, offload) -> list[dict]:
                          "decode_steps": steps,
                          "disk_read_bytes": eng.devices.counters.snapshot().get("disk->cpu", 0) - before,
                          "stats": eng.kv_policy.stats() if hasattr(eng.kv_policy, "stats") else None,
+                         "resolved": resolved(llm),
                          "trials": answers(res, trials, tok, eos)})
             print(f"{name} @ {recs[-1]['length']}: {sum(t['hit'] for t in recs[-1]['trials'])}/{len(trials)} "
                   f"prefill {prefill_s:.1f}s decode {recs[-1]['decode_tok_s']} tok/s", flush=True)

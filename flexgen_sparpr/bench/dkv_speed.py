@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from ..api.llm import LLM
+from .resolved import resolved
 from .results import md_table, timer
 from .tasks import canonical
 
@@ -14,11 +15,13 @@ TARGET = 0.8  # dkv decode tok/s >= 0.8 x dense at 4k and 8k
 
 def interleaved(src, tok, trials, args) -> dict:
     """One batch of passkey trials: each engine's decode tok/s per round, their ratios and median,
-    and how many answers equal dense's (args: --batch, --gen-len, --rounds, --block, --dkv-exact-routed)."""
+    how many answers equal dense's, and each engine's configuration as it resolved it (args:
+    --batch, --gen-len, --rounds, --block, --dkv-exact-routed)."""
     eos = src.spec.eos_id
     llms = {name: LLM(src, gpu_batch_size=args.batch, device="cpu", block_size=args.block, quiet=True, **kw)
             for name, kw in (("dense", {}), ("dkv", {"kv_policy": "dkv", "dkv_exact_routed": args.dkv_exact_routed}))}
     engines = {name: llm.engine for name, llm in llms.items()}
+    configs = {name: resolved(llm) for name, llm in llms.items()}
     try:
         snaps, answers = {}, {}
         for name, eng in engines.items():
@@ -38,7 +41,7 @@ def interleaved(src, tok, trials, args) -> dict:
     ratios = [k / d for k, d in zip(speed["dkv"], speed["dense"])]
     equal = sum(canonical("passkey", a) == canonical("passkey", b) for a, b in zip(answers["dkv"], answers["dense"]))
     return {"trials": len(trials), "dense_tok_s": speed["dense"], "dkv_tok_s": speed["dkv"], "ratios": ratios,
-            "ratio_median": statistics.median(ratios), "answers_equal": equal, "answers": answers}
+            "ratio_median": statistics.median(ratios), "answers_equal": equal, "answers": answers, "resolved": configs}
 
 
 def render(payload) -> str:

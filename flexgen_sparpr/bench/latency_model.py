@@ -55,6 +55,7 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
     derated = Calibration(io_eff=min(1.0, cal_cpu.io_eff),
                           source=f"as given, links at this machine's fitted io_eff {cal_cpu.io_eff:.2f}")
     from ..kv.policies import make_policy
+    from .resolved import policy_knobs
     # SparPR as the laptop's policy file runs it: its key summaries in host memory (none on the
     # device), scored there each step at this machine's measured one-thread rate (a bound for a laptop's 8 cores)
     sparpr = make_policy("sparpr", summaries_on="cpu")
@@ -98,6 +99,8 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
                          "io_s": p["io_s"], "compute_s": p["compute_s"], "derated_total_s": d["total_s"] + extra,
                          "bytes_per_step": sum(tr[-1].bytes.values()), "host_scoring_s_per_step": scan}
         rows.append(row)
+    # a modeled table builds no LLM, so no "resolved": what it models is recorded instead (block,
+    # dtype, the SparPR knobs it prices; each row's placement)
     return {"hardware": hw.to_yaml_dict(), "path": path, "host_scan_GBps": scan_Bps / 1e9, "calibration": assumed.to_dict(),
             "derated_calibration": derated.to_dict(), "gen_len": args.predict_gen_len, "batch": args.batch,
-            "dtype": dtype, "rows": rows}
+            "dtype": dtype, "block_size": args.block_size, "kv_policy": policy_knobs(sparpr), "rows": rows}

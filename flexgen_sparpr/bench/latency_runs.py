@@ -12,12 +12,12 @@ from .latency_model import hw_path, model_hardware
 from .latency_report import measured_markdown, modeled_markdown, plot
 from .offload import policy_knobs, random_prompts, run_offload
 from .peers import hf_need, hf_offload_opt, upstream
-from .results import load_average, machine_info, write_results
+from .results import engine_commit, load_average, machine_info, write_results
 
 
 def run_engine(src, args, ctx: int, policy: str) -> dict:
     """This engine (dense, or SparPR at the flags' knobs) on one context, traced, with what its
-    compute tier must hold beside the cache on disk."""
+    compute tier must hold beside the cache on disk and its configuration as it resolved it."""
     r = run_offload(src, batch=args.batch, ctx=ctx, gen_len=args.gen_len, policy=policy,
                     policy_args=policy_knobs(args, policy),
                     block_size=args.block_size, offload_dir=args.offload_dir, seed=args.seed,
@@ -34,12 +34,13 @@ def run_engine(src, args, ctx: int, policy: str) -> dict:
             "peak_rss_bytes": r["memory"]["host_rss_peak_bytes"], "effective_keep": tot.get("effective_keep"),
             "blocks_recomputed": tot.get("blocks_recomputed"), "fallbacks": tot.get("fallbacks"),
             "checkpoints": bool(((r["kv_policy_stats"] or {}).get("checkpoint_tables") or {}).get("kept")),
-            "trace": r["trace"]}
+            "trace": r["trace"], "resolved": r["resolved"]}
 
 
 def run_upstream_cell(args, ctx: int) -> dict:
     """Upstream FlexGen in a child process, killed after --upstream-timeout seconds (reported as
     a timeout, as the paper reports FlexGen's 8k run)."""
+    # no LLM, so no "resolved": upstream runs at the flags passed below
     import tempfile
 
     import torch
@@ -55,6 +56,7 @@ def run_upstream_cell(args, ctx: int) -> dict:
 
 def run_hf(src, args, ctx: int, cap: float) -> dict:
     """HF OPT with random weights and accelerate's offload under the cap (see the docstring)."""
+    # no LLM, so no "resolved": HF's placement is accelerate's under the cap
     prompts = random_prompts(src.spec.vocab, args.batch, ctx, args.seed)
     return hf_offload_opt(src.spec, prompts, args.gen_len, cap, args.seed, args.offload_dir)
 
@@ -120,7 +122,8 @@ def report(payload: dict, args, spec, hw, cal, out: Path) -> list[Path]:
             if first is not None:
                 cell["model_first_calibration"] = validate({**cell, "trace": tr}, spec, args, hw, first)
             cell["trace"] = [s.to_dict() for s in tr]
-    payload["modeled"] = [model_hardware(p, args, cal) for p in args.predict_hardware]
+    payload["modeled"] = [{**model_hardware(p, args, cal), "engine_commit": engine_commit()}  # the commit modeling it
+                          for p in args.predict_hardware]
     save_hardware(hw, out / "latency_hardware_this_machine.yaml")
     written = write_results(out, "latency_measured", payload, measured_markdown(payload))
     written.append(plot(payload, out / "latency_measured.png"))

@@ -53,11 +53,13 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
     O_DIRECT, one greedy generation of random prompts: prefill, then gen_len - 1 decode steps.
 
     Returns prefill/decode seconds, per-step seconds, the bytes moved per link during decode,
-    the engine's measured disk read bandwidth, the disk modes, tokens, the policy's stats, and
-    with `trace` the per-step trace (runtime/timemodel.py), with `memory` peak memory."""
+    the engine's measured disk read bandwidth, the disk modes, tokens, the policy's stats, the
+    configuration as the engine resolved it (bench/resolved.py), and with `trace` the per-step
+    trace (runtime/timemodel.py), with `memory` peak memory."""
     from ..api.llm import LLM
     from ..api.measure import PeakMemory
     from ..runtime.trace import TraceRecorder
+    from .resolved import resolved
 
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
     percent = [*weight_percents, cache_gpu_percent, cache_cpu_percent, 100, 0]
@@ -80,7 +82,8 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
                "bytes_moved": moved, "requests": requests, "disk_read_Bps": eng.devices.counters.bandwidth("disk", "cpu"),
                "disk_mode": sorted({f.direct_mode for f in eng.disk.files.values()}) if eng.disk else [],
                "tokens": res.tokens, "device": str(eng.devices.compute), "dtype": str(eng.dtype).removeprefix("torch."),
-               "kv_policy_stats": eng.kv_policy.stats() if hasattr(eng.kv_policy, "stats") else None}
+               "kv_policy_stats": eng.kv_policy.stats() if hasattr(eng.kv_policy, "stats") else None,
+               "resolved": resolved(llm)}
         if rec is not None:
             out["trace"] = rec.trace()
     if memory:

@@ -49,6 +49,13 @@ def two_processes(args, gbs, ngb, offload, work: Path) -> dict:
                 *flags(args, args.prompt_len, args.gen_len, gbs, ngb, offload, out)], out)
 
 
+def as_run(res: dict) -> dict:
+    """The configuration a child run reports in its --output-json (device, dtype, weight format, its
+    Policy: placement and schedule, its EngineConfig: block, KV dtype, KV policy and knobs). The LLM is
+    in the child, so this is the CLI's report, not bench/resolved.py's reading of an open LLM."""
+    return {k: res.get(k) for k in ("device", "dtype", "weight_format", "policy", "engine")}
+
+
 def summarize(res: dict, batch: int, gen_len: int) -> dict:
     t = res["timings"]
     row = {"total_s": t["total_s"], "prefill_s": t["prefill_s"], "decode_s": t["decode_s"],

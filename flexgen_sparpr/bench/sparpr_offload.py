@@ -34,12 +34,13 @@ def run_cell(src, args, ctx: int, policy: str) -> dict:
             "bytes_moved": moved, "disk_read_Bps": bw, "disk_mode": modes,
             "io_bound_ratio": statistics.median(steps) / (per_step / bw) if bw and per_step else None,
             "tokens": r["tokens"], "kv_policy_stats": stats, "device": r["device"], "dtype": r["dtype"],
-            "speculative_bytes": r["speculative_bytes"]}
+            "speculative_bytes": r["speculative_bytes"], "resolved": r["resolved"]}
 
 
 def run_upstream_cell(args, ctx: int) -> dict:
     """Upstream FlexGen in a child process at the same placement (activations on the compute
     tier): one cell, or {"ok": False, "error": one line} (e.g. out of memory under the cap)."""
+    # no LLM here, so no "resolved": upstream's placement and dtype are the flags passed below
     import torch
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     pct = (args.w_gpu_percent, args.w_cpu_percent, args.cache_gpu_percent, args.cache_cpu_percent, 100, 0)

@@ -45,14 +45,15 @@ def upstream_run(args, ctx: int, gen: int, sparpr: bool) -> dict:
 
 
 def cell(kind: str, r: dict, kernel_read: int | None, cap_Bps: float | None, model=None) -> dict:
-    """One run's row: timings, counts, bytes, I/O-boundness and the model's error."""
+    """One run's row: timings, counts, bytes, I/O-boundness, the model's error, and this engine's
+    configuration as it resolved it."""
     out = {"kind": kind, "ok": r.get("ok", True), "error": r.get("error"), "kernel_disk_read_bytes": kernel_read}
     if not out["ok"]:
         return out
     steps = r["step_s"]
     out.update(prefill_s=r["prefill_s"], decode_s=r["decode_s"], e2e_s=r["e2e_s"],
                step_s_median=statistics.median(steps) if steps else None)
-    if kind.startswith("upstream"):
+    if kind.startswith("upstream"):  # no LLM, so no "resolved": upstream runs at the flags upstream_run passes
         st = r.get("sparpr_stats") or {}
         out.update(disk_read_bytes=r["kv_read_bytes"], requests={"disk->cpu": (st.get("requests") or {}).get("disk")},
                    blocks_total=st.get("blocks_total"), blocks_selected=st.get("blocks_selected"),
@@ -61,7 +62,7 @@ def cell(kind: str, r: dict, kernel_read: int | None, cap_Bps: float | None, mod
     else:
         tot = (r["kv_policy_stats"] or {}).get("totals", {})
         out.update(disk_read_bytes=r["bytes_moved"].get("disk->cpu", 0), bytes_moved=r["bytes_moved"],
-                   requests=r["requests"], disk_read_Bps_engine=r["disk_read_Bps"],
+                   requests=r["requests"], disk_read_Bps_engine=r["disk_read_Bps"], resolved=r["resolved"],
                    **{k: tot.get(k) for k in ("blocks_total", "blocks_selected", "blocks_copied", "blocks_recomputed",
                                               "fallbacks", "spans", "effective_keep")})
         rhos = [s["rho"] for s in (r["kv_policy_stats"] or {}).get("steps", []) if s.get("rho") is not None]

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from tests.scripts.resolved_check import check_resolved
 from tests.scripts.runner import run_script
 
 
@@ -28,6 +29,9 @@ def test_tiny_throttled_run_counts_every_byte(tmp_path):
     assert 0 < s["disk_read_bytes"] < d["disk_read_bytes"]
     assert s["blocks_selected"] <= s["blocks_total"] and s["requests"]["disk->cpu"] > 0
     assert all(abs(c["model_error"]) < 10 for c in (d, s))  # a number, whatever its size on a busy machine
+    check_resolved(d["resolved"], policy="dense", block_size=64)  # each engine run's own configuration
+    check_resolved(s["resolved"], policy="sparpr", block_size=64)
+    assert data["config"]["engine_commit"] and data["command"].startswith("python scripts/bench_throttled.py")
     if row["throttled"]:  # root with cgroup v1 blkio: the kernel saw exactly the engine's O_DIRECT reads
         assert d["kernel_disk_read_bytes"] == d["disk_read_bytes"]
         assert s["kernel_disk_read_bytes"] == s["disk_read_bytes"]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.scripts.resolved_check import check_resolved
 from tests.scripts.runner import run_script
 
 
@@ -39,6 +40,10 @@ def test_quick_run_writes_measured_and_modeled_results(tmp_path):
         assert [s["kind"] for s in c["trace"]] == ["prefill", "decode"]
         assert c["trace"][1]["bytes"]["disk->cpu"] > 0  # the KV cache lives on disk
         assert c["model"]["model_trace_s"] > 0 and c["model"]["analytic_over_trace_bytes"]["cpu->disk"] == 1.0
+        check_resolved(c["resolved"], policy=name, block_size=data["config"]["block_size"])
+    assert "resolved" not in cells["hf"] and "resolved" not in up  # no LLM of this engine there
+    assert all(check_resolved(c["resolved"], policy=c["system"]) for c in data["calibration_runs"])
+    assert data["config"]["engine_commit"] and data["command"].startswith("python scripts/reproduce_latency.py")
     cal = data["calibration"]
     assert cal["prefill_eff"] > 0 and cal["decode_eff"] > 0 and cal["io_eff"] > 0
     md = (out / "latency_measured.md").read_text()
@@ -58,6 +63,7 @@ def test_quick_run_writes_measured_and_modeled_results(tmp_path):
                 # the host's scoring of the summaries is in SparPR's time, dense has none
                 assert row["sparpr_keep0.1"]["host_scoring_s_per_step"] > 0 == row["dense"]["host_scoring_s_per_step"]
         assert m["host_scan_GBps"] > 0
+        assert m["kv_policy"]["name"] == "sparpr" and m["block_size"] and m["engine_commit"]  # what it models
         last = m["rows"][-1]  # at 8k the KV cache dominates a step: reading a tenth of it must pay
         assert last["sparpr_keep0.1"]["total_s"] < last["dense"]["total_s"]
         assert "*modeled*" in (out / f"{stem}.md").read_text()
