@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit()
 from flexgen_sparpr.bench.args import OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.results import publish  # noqa: E402
 from flexgen_sparpr.bench.step import PLACEMENTS, add_ratios, defaults_said, disk_read_Bps, render, run_cell  # noqa: E402
+from flexgen_sparpr.engine.config import KV_DTYPES  # noqa: E402
 from flexgen_sparpr.utils.guard import guarded  # noqa: E402
 
 
@@ -28,6 +29,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(PLACEMENTS))
     ap.add_argument("--keeps", type=float, nargs="+", default=[0.25, 0.1], help="SparPR keep ratios")
+    ap.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES, default=["auto"],
+                    help="--kv-dtype of the disk cells, each its own cell (q8 / q4: quantized blocks; the resident "
+                         "cells keep the compute dtype and run once)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps each policy runs (median taken)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offload-dir", default=str(Path(tempfile.gettempdir()) / "flexgen-sparpr-bench-step"))
@@ -39,10 +43,11 @@ def main() -> int:
     for tokens in args.lengths:
         for batch in args.batches:
             for placement in args.placements:
-                cell = run_cell(tokens, batch, placement, args.keeps, args.steps, args.offload_dir, args.seed)
-                cells.append(cell)
-                print(f"{tokens} x{batch} {placement}: " + ", ".join(
-                    f"{k} {v['step_s']:.3f}s" for k, v in cell["policies"].items()), flush=True)
+                for kv in (args.kv_dtypes if placement == "disk" else ["auto"]):
+                    cell = run_cell(tokens, batch, placement, args.keeps, args.steps, args.offload_dir, args.seed, kv)
+                    cells.append(cell)
+                    print(f"{tokens} x{batch} {placement} {kv}: " + ", ".join(
+                        f"{k} {v['step_s']:.3f}s" for k, v in cell["policies"].items()), flush=True)
     add_ratios(cells, read_Bps)
     publish(args.out, "step", {**vars(args), "model": "smollm2-135m", "defaults": defaults_said(cells),
                                "disk_read_Bps": read_Bps}, cells, render)

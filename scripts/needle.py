@@ -45,7 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--keep", type=float_list, default=[0.5, 0.1, 0.05], help="keep ratios (every policy)")
     ap.add_argument("--frontier-keep", type=float_list, default=[],
                     help=f"further keep ratios for {', '.join(FRONTIER_POLICIES)} only (the frontier's sweep)")
-    ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
+    ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv); "
+                    "A+q8, A+q4, A+float16: policy A over KV blocks stored so on the disk tier (--kv-dtype)")
     ap.add_argument("--no-dense", action="store_true",
                     help="leave dense out (its answers come from another run of the same plan; frontier.py joins them)")
     ap.add_argument("--trials", type=int, default=10, help="trials per task and length")

@@ -43,7 +43,8 @@ def parse_args(argv=None):
                     help="cut the windows from the split's texts joined into one stream (blank line between "
                          "them), evenly spaced: prompts overlap, scored spans do not (texts shorter than a window)")
     ap.add_argument("--keep", type=float_list, default=[0.5, 0.25, 0.1, 0.05], help="keep ratios")
-    ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv)")
+    ap.add_argument("--policies", default="", help="comma list (default: every registered policy and sparpr+dkv); "
+                    "A+q8, A+q4, A+float16: policy A over KV blocks stored so on the disk tier (--kv-dtype)")
     ap.add_argument("--batch", type=int, default=4, help="windows per prefill")
     ap.add_argument("--block-size", type=int, default=16, help="KV block of the raw family")
     ap.add_argument("--weight-format", default="auto", choices=["auto", "raw", "bfloat16", "int8", "int4"],

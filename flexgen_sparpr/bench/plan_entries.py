@@ -39,6 +39,12 @@ ENGINE = [
     Entry("step", "scripts/bench_step.py", ("--out", "results/step"), _pair("results/step", "step"),
           ("--lengths", "256", "--batches", "1", "--placements", "resident", "--keeps", "0.25", "--steps", "2",
            "--offload-dir", "{out}/offload", "--out", "{out}")),
+    # the KV's storage dtype on the disk tier (--kv-dtype q8 / q4 against float16): bytes and step
+    Entry("step-kv-dtype", "scripts/bench_step.py",
+          ("--lengths", "4096", "8000", "--placements", "resident", "disk", "--kv-dtypes", "auto", "q8", "q4",
+           "--keeps", "0.1", "--out", "results/step-kv-dtype"), _pair("results/step-kv-dtype", "step"),
+          ("--lengths", "256", "--batches", "1", "--placements", "disk", "--kv-dtypes", "q8", "--keeps", "0.25",
+           "--steps", "2", "--offload-dir", "{out}/offload", "--out", "{out}")),
     Entry("llamacpp", "scripts/bench_llamacpp.py", ("--out", "results/llamacpp"), _pair("results/llamacpp", "llamacpp"),
           ("--lengths", "128", "--gen-len", "4", "--threads", "1", "--weight-formats", "auto", "--out", "{out}")),
     Entry("api", "scripts/bench_api.py", ("--out", "results/api"), _pair("results/api", "api_overhead"),

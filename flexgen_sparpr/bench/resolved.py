@@ -20,7 +20,8 @@ def resolved(llm, policies: dict | None = None) -> dict:
     eng = llm.engine
     cfg, pol = eng.cfg, eng.policy
     out = {"device": str(eng.devices.compute), "compute_dtype": str(eng.dtype).removeprefix("torch."),
-           "kv_dtype": str(cfg.torch_kv_dtype(eng.dtype)).removeprefix("torch."), "block_size": cfg.block_size,
+           "kv_dtype": cfg.kv_dtype if cfg.kv_bits else str(cfg.torch_kv_dtype(eng.dtype)).removeprefix("torch."),
+           "block_size": cfg.block_size,
            "weight_format": eng.weight_format.describe(),
            "placement": {"gpu_batch_size": pol.gpu_batch_size, "num_gpu_batches": pol.num_gpu_batches,
                          "weights": list(pol.weight_percents), "kv": list(pol.cache_percents),

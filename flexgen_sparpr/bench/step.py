@@ -39,10 +39,12 @@ def disk_read_Bps(folder: Path) -> tuple[float, str]:
 
 
 def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps: int, offload: str,
-             seed: int) -> dict:
-    """One (tokens, batch, placement) cell: dense and SparPR at each keep from one prefill."""
+             seed: int, kv_dtype: str = "auto") -> dict:
+    """One (tokens, batch, placement, --kv-dtype) cell: dense and SparPR at each keep from one
+    prefill. kv_dtype: how the disk tier's blocks are stored (q8 / q4: quantized; "auto": the
+    engine's default; the compute tier's stay in the compute dtype)."""
     with LLM("smollm2-135m", gpu_batch_size=batch, percent=PLACEMENTS[placement], direct_io=True,
-             offload_dir=offload, quiet=True) as llm:
+             offload_dir=offload, quiet=True, kv_dtype=kv_dtype) as llm:
         rng = random.Random(seed)
         book = NeedlePrompts(llm.tokenizer, TEXT)
         prompts = [book.build(tokens, (i + 1) / (batch + 1), random_key(rng, 5), rng).ids for i in range(batch)]
@@ -50,7 +52,7 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
                            max_new_tokens=steps + 1, stop=None)
         config = resolved(llm)
         config["compared"] = {label: s.kv_policy_stats.get("config") for label, (_, s) in runs.items() if label != REFERENCE}
-    cell = {"tokens": tokens, "batch": batch, "placement": placement, "resolved": config,
+    cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": kv_dtype, "resolved": config,
             "prefill_s": runs[REFERENCE][1].prefill_s, "policies": {}}
     for label, (_, s) in runs.items():
         decode = s.step_times[0][1:]
@@ -78,7 +80,7 @@ def add_ratios(cells: list[dict], read_Bps: float) -> None:
     """Each policy's step over dense's, and each disk cell's dense step over its floor."""
     for c in cells:
         res = next((r for r in cells if r["placement"] == "resident" and r["tokens"] == c["tokens"]
-                    and r["batch"] == c["batch"]), None)
+                    and r["batch"] == c["batch"] and r.get("kv_dtype", "auto") == "auto"), None)
         dense = c["policies"][REFERENCE]
         for p in c["policies"].values():
             p["vs_dense"] = p["step_s"] / dense["step_s"]
@@ -93,7 +95,8 @@ def render(payload: dict) -> str:
     for c in payload["cells"]:
         for label, p in c["policies"].items():
             parts = " / ".join(f"{p['parts_s'].get(k, 0) * 1e3:.0f}" for k in PARTS)
-            rows.append([c["tokens"], c["batch"], c["placement"], label, f"{p['step_s']:.3f}", f"{p['vs_dense']:.2f}x",
+            kv = c.get("kv_dtype", "auto")
+            rows.append([c["tokens"], c["batch"], c["placement"] + ("" if kv == "auto" else f", {kv}"), label, f"{p['step_s']:.3f}", f"{p['vs_dense']:.2f}x",
                          f"{p['disk_bytes_per_step'] / 2 ** 20:.1f}", f"{p.get('effective_keep', 1):.2f}", parts,
                          f"{c['dense_vs_floor']:.2f}x" if label == REFERENCE and "dense_vs_floor" in c else ""])
     return (f"# Decode step, dense vs SparPR (SmolLM2-135M, engine {cfg['engine_commit']})\n\n"

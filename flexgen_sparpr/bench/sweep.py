@@ -10,7 +10,12 @@ calls of `llm.engine` that api/llm.py lists: prefill with observers, snapshot / 
 - dkv (KV block `dkv_block`, 256 by default: a rank-32 basis of a 16-token block would be
   lossless): the dkv policy, whose engine prefills the cache in DKV form, and "sparpr+dkv",
   SparPR at each keep ratio reading those same DKV blocks (what `--cold-codec dkv` stores, with
-  the same query-aware exact rows, attended as there; here on the compute tier: fidelity only).
+  the same query-aware exact rows, attended as there; here on the compute tier: fidelity only);
+- kv-q8, kv-q4, kv-float16 (KV block `block_size`): the sealed blocks on the disk tier, stored as
+  `--kv-dtype` gives it (q8 / q4: 8- / 4-bit codes with a scale and minimum per group, llama.cpp's
+  `-ctk` idea; the disk tier because on a CPU-only machine the CPU tier is the compute tier, whose
+  blocks stay in the compute dtype), the weights on compute: "dense+q8" is dense attention over those blocks, "sparpr+q8" SparPR's
+  selection over them, all observers of one dense prefill, as in the raw family.
 """
 from __future__ import annotations
 
@@ -34,12 +39,16 @@ DKV_RANK, DKV_RESIDUALS, DKV_BLOCK = DKV().rank, DKV().residuals, DKV().block  #
 # policy compositions the fidelity scripts sweep by default: SparPR reading DKV-coded blocks
 # (what `--kv-policy sparpr --cold-codec dkv` stores)
 COMPOSED = ("sparpr+dkv",)
+# KV storage dtypes a configuration "A+<dtype>" reads its blocks in (--kv-dtype, the offloaded tiers)
+KV_STORES = ("q8", "q4", "float16")
+KV_PERCENT = (100, 0, 0, 0, 100, 0)  # weights and activations on compute, the KV cache on the disk tier
 
 
 @dataclass(frozen=True)
 class Config:
     """One decode configuration: a policy name, or "A+C" (policy A reading the blocks policy C's
-    codec stores, as `--cold-codec C` does), and its keep ratio (1 for policies without one)."""
+    codec stores, as `--cold-codec C` does; or C a KV_STORES dtype: the blocks stored so on the disk
+    tier, as `--kv-dtype C` does), and its keep ratio (1 for policies without one)."""
 
     policy: str
     keep: float = 1.0
@@ -61,22 +70,28 @@ class Config:
 
     @property
     def family(self) -> str:
-        """How the cache it reads is stored: RAW, or the name of the policy whose codec stores it."""
+        """How the cache it reads is stored: RAW, the name of the policy whose codec stores it, or
+        "kv-<dtype>" (KV_STORES)."""
         name, cold = self.parts
+        if cold in KV_STORES:
+            return f"kv-{cold}"
         return cold or (name if name in policies.codec_names() else RAW)
 
 
 def known_policies(composed: tuple[str, ...] = ()) -> list[str]:
     """Every registered policy, then the compositions given ("A+C": budgeted policy A reading the
-    blocks codec policy C stores)."""
+    blocks codec policy C stores, or any raw policy A reading blocks stored as KV_STORES dtype C)."""
     bad = [c for c in composed if not _composable(c)]
     if bad:
-        raise ValueError(f"not a budgeted policy over a codec policy: {bad} (codecs: {policies.codec_names()})")
+        raise ValueError(f"not a budgeted policy over a codec policy or a raw policy over a KV dtype: {bad} "
+                         f"(codecs: {policies.codec_names()}; KV dtypes: {', '.join(KV_STORES)})")
     return sorted(POLICIES) + list(composed)
 
 
 def _composable(name: str) -> bool:
     a, _, c = name.partition("+")
+    if c in KV_STORES:
+        return a in POLICIES and a not in policies.codec_names()
     return a in POLICIES and c in policies.codec_names() and Config(a).budgeted
 
 
@@ -86,7 +101,8 @@ def configs(names: list[str], keeps: list[float], dense: bool = True) -> list[Co
     bad = [p for p in names if p not in POLICIES and not _composable(p)]
     if bad:
         raise ValueError(f"unknown policies {bad} (known: {', '.join(sorted(POLICIES))}, and A+C compositions "
-                         f"of a budgeted policy over {', '.join(policies.codec_names())})")
+                         f"of a budgeted policy over {', '.join(policies.codec_names())}, or of a raw policy "
+                         f"over a KV dtype: {', '.join(KV_STORES)})")
     out = [Config(REFERENCE)] if dense else []
     for p in names:
         if p != REFERENCE:
@@ -111,8 +127,9 @@ class PolicySweep:
     family and decodes it under every configuration."""
 
     def __init__(self, source, *, device: str = "cpu", block_size: int = 16, dkv_block: int = 256,
-                 dkv_args: dict | None = None, weight_format: str = "auto"):
+                 dkv_args: dict | None = None, weight_format: str = "auto", offload_dir: str | None = None):
         self.src, self.device, self.block_size, self.dkv_block = source, device, block_size, dkv_block
+        self.offload_dir = offload_dir  # the kv-<dtype> families' disk tier (None: the engine's default)
         self.weight_format = weight_format
         self.dkv_args = dict(dkv_args or {})
         self._llms: dict[tuple[str, int], LLM] = {}
@@ -124,6 +141,9 @@ class PolicySweep:
             flags = dict(device=self.device, gpu_batch_size=batch, weight_format=self.weight_format, quiet=True)
             if family == RAW:
                 flags["block_size"] = self.block_size
+            elif family.startswith("kv-"):  # the cache on the disk tier, stored in that dtype
+                flags.update(block_size=self.block_size, kv_dtype=family[3:], percent=list(KV_PERCENT),
+                             offload_dir=self.offload_dir)
             else:  # the codec's own policy prefills the cache in its form
                 flags.update(block_size=self.dkv_block, kv_policy=family, policy_args=self.dkv_args)
             self._llms[key] = LLM(self.src, **flags)
@@ -146,8 +166,9 @@ class PolicySweep:
                 continue
             eng = self.llm(family, len(prompts)).engine
             pols = {c: new_policy(c, self.dkv_args) for c in fam}
-            if family == RAW:
-                own = pols.get(Config(REFERENCE)) or make_policy(REFERENCE)
+            if family == RAW or family.startswith("kv-"):  # a dense prefill, every policy observing it
+                own = next((p for c, p in pols.items() if c.policy.partition("+")[0] == REFERENCE), None) \
+                    or make_policy(REFERENCE)
             else:  # the codec's own policy, fresh (its counters); its configuration decodes with it
                 own = make_policy(family, **self.dkv_args)
                 pols = {c: (own if c.policy == family else p) for c, p in pols.items()}
@@ -196,10 +217,13 @@ def resolved_config(cfgs, device: str, block_size: int, dkv_block: int, dkv_args
            "configs": {}}
     for c in cfgs:
         p = new_policy(c, dkv_args)
-        entry = {"family": c.family, "block_size": block_size if c.family == RAW else dkv_block,
+        kv = c.family.startswith("kv-")
+        entry = {"family": c.family, "block_size": block_size if c.family == RAW or kv else dkv_block,
                  "policy": type(p).name, **knob_values(p)}
         _, codec = c.parts
-        if codec:
+        if kv:
+            entry["kv_store"] = {"kv_dtype": codec, "percent": list(KV_PERCENT)}
+        elif codec:
             entry["codec"] = {"policy": codec, **knob_values(make_policy(codec, **(dkv_args or {})))}
         out["configs"][c.label] = entry
     return out

@@ -86,3 +86,40 @@ def test_every_budgeted_policy_takes_a_keep_below_its_default_floor():
     assert new_policy(Config("sparpr", 0.5)).min_keep == 0.1
     for name in ("quest", "h2o", "streaming-llm", "flexgen-topk"):
         assert new_policy(Config(name, 0.02)).keep_ratio == 0.02
+
+
+def test_sweep_reads_blocks_stored_in_each_kv_dtype(tiny_llama_dir, tmp_path):
+    """"A+q8" / "A+q4" / "A+float16": policy A decoding over blocks stored as --kv-dtype gives them
+    on the disk tier (one dense prefill per dtype, every policy observing it): q8 stays near the
+    float32 NLLs, q4 moves further, and SparPR over q8 blocks reads its keep of them."""
+    src = resolve_source(str(tiny_llama_dir), "")
+    cfgs = configs(["dense+q8", "dense+q4", "dense+float16", "sparpr+q8"], [0.25])
+    assert [c.family for c in cfgs] == ["raw", "kv-q8", "kv-q4", "kv-float16", "kv-q8"]
+    assert [c.label for c in cfgs] == ["dense", "dense+q8", "dense+q4", "dense+float16", "sparpr+q8@0.25"]
+    seen = {}
+
+    def done(cfg, res, sampler, secs):
+        seen[cfg] = sampler.nll.clone()
+    sweep = PolicySweep(src, block_size=8, offload_dir=str(tmp_path))
+    try:
+        times = sweep.run([t[:P] for t in TEXT], 80 - P, cfgs,
+                          lambda c: ForcedTokens([t[P + (c is not None):] for t in TEXT]), on_done=done)
+        assert any(tmp_path.iterdir())  # the disk tier's files, there while the engines are open
+        homes = {fam: {t for tab in llm.engine.tables.values() for t in tab.homes[:-1]}
+                 for (fam, _), llm in sweep._llms.items()}
+    finally:
+        sweep.close()
+    assert not any(tmp_path.iterdir())  # and gone with them
+    assert set(times["prefill_s"]) == {"raw", "kv-q8", "kv-q4", "kv-float16"}
+    assert all(str(h) == "{<Tier.DISK: 'disk'>}" for f, h in homes.items() if f != "raw"), homes
+    dense = seen[Config("dense")]
+    err = {k: float((seen[Config(f"dense+{k}")] - dense).abs().max()) for k in ("float16", "q8", "q4")}
+    assert 0 < err["q8"] < err["q4"] and err["q8"] < 5e-2, err
+    assert not torch.allclose(seen[Config("sparpr+q8", 0.25)], seen[Config("dense+q8")], atol=1e-3)
+
+
+def test_kv_dtype_compositions_are_checked():
+    with pytest.raises(ValueError, match="KV dtype"):
+        configs(["dkv+q8"], [0.5])  # a codec policy stores its own blocks
+    with pytest.raises(ValueError):
+        configs(["dense+q3"], [0.5])

@@ -27,3 +27,20 @@ def test_tiny_run_records_parts_and_resolved_config(smollm2_dir, tmp_path):
     assert conf["block_size"] == 16 and conf["kv_policy"]["name"] == "dense"
     assert conf["compared"]["sparpr@0.25"]["keep_ratio"] == 0.25
     assert "| 256 | 1 | resident | sparpr@0.25 |" in (tmp_path / "step.md").read_text()
+
+
+def test_kv_dtypes_make_a_disk_cell_each(smollm2_dir, tmp_path):
+    """--kv-dtypes: one disk cell per KV storage dtype (q8 reads fewer bytes than the float16
+    default), the resident cell once, each recording the dtype it stored."""
+    r = run_script("bench_step.py", "--lengths", "256", "--batches", "1", "--placements", "resident", "disk",
+                   "--kv-dtypes", "auto", "q8", "--keeps", "0.25", "--steps", "2", "--offload-dir",
+                   str(tmp_path / "off"), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cells = json.loads((tmp_path / "step.json").read_text())["cells"]
+    assert [(c["placement"], c["kv_dtype"]) for c in cells] == [("resident", "auto"), ("disk", "auto"), ("disk", "q8")]
+    assert [c["resolved"]["kv_dtype"] for c in cells] == ["float16", "float16", "q8"]
+    auto, q8 = (c["policies"]["dense"]["disk_bytes_per_step"] for c in cells[1:])
+    assert 0 < q8 < 0.7 * auto
+    assert all("dense_vs_floor" in c for c in cells[1:])
+    assert "| 256 | 1 | disk, q8 | dense |" in (tmp_path / "step.md").read_text()
+    assert not any((tmp_path / "off").glob("*.kv*"))  # no offload files left
