@@ -17,8 +17,7 @@ sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit()
 
 from flexgen_sparpr.bench.args import OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.results import publish  # noqa: E402
-from flexgen_sparpr.bench.step import PLACEMENTS, add_ratios, defaults_said, disk_read_Bps, render, run_cell  # noqa: E402
-from flexgen_sparpr.engine.config import KV_DTYPES  # noqa: E402
+from flexgen_sparpr.bench.step import KV_DTYPES, PLACEMENTS, add_ratios, defaults_said, disk_read_Bps, render, run_cell  # noqa: E402
 from flexgen_sparpr.utils.guard import guarded  # noqa: E402
 
 

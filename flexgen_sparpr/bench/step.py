@@ -25,6 +25,7 @@ from .results import md_table
 from .sweep import REFERENCE
 from .texts import TEXTS
 
+KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "q8", "q4")  # --kv-dtype's values (engine/config.py)
 PLACEMENTS = {"resident": [100, 0, 100, 0, 100, 0], "disk": [100, 0, 0, 0, 100, 0]}
 PARTS = ("select", "read", "rebuild", "io_wait", "compute")
 TEXT = TEXTS["alice29"].path  # the demo's text (tuning split: bench/texts.py)

@@ -44,3 +44,10 @@ def test_kv_dtypes_make_a_disk_cell_each(smollm2_dir, tmp_path):
     assert all("dense_vs_floor" in c for c in cells[1:])
     assert "| 256 | 1 | disk, q8 | dense |" in (tmp_path / "step.md").read_text()
     assert not any((tmp_path / "off").glob("*.kv*"))  # no offload files left
+
+
+
+def test_kv_dtypes_are_the_engines():
+    from flexgen_sparpr.bench.step import KV_DTYPES
+    from flexgen_sparpr.engine.config import KV_DTYPES as ENGINE
+    assert KV_DTYPES == ENGINE
