@@ -95,8 +95,8 @@ class TierReads:
         stored one after the other (a CPU arena always; a disk file when packed) and placed one
         after the other in out, none of them read from an exact copy instead."""
         home, j = self.homes[blocks[i]], i + 1
-        if not self.span_reads or (home == Tier.DISK and not self._disk.is_packed):
-            return j
+        if not self.span_reads or (home == Tier.DISK and not self._disk.is_packed and home not in self.coded):
+            return j  # (encoded blocks: a span reads their page padding too, one request: disk.read_slots)
         while (j < len(blocks) and blocks[j] == blocks[j - 1] + 1 and blocks[j] < sealed and
                starts[j] == starts[j - 1] + self.bs and
                self.homes[blocks[j]] == home and self._exact_copy(blocks[j], sealed) is None and
@@ -111,11 +111,11 @@ class TierReads:
         sequences (CPU and whole-block disk files, when every sequence needs every block); a disk
         request is queued on disk_reads."""
         home, k, bs, b_all = self.homes[span[0]], len(span), self.bs, self.block_shape[1]
-        if home in self.coded:  # encoded disk blocks: one request, decoded block by block
-            nb = self.codec.nbytes
-            disk_reads.append((self.slots[span[0]], k, lambda data: [
-                out[:, :, :, x * bs:(x + 1) * bs].copy_(self.codec.decode(data[x * nb:(x + 1) * nb]))
-                for x in range(k)]))
+        if home in self.coded:  # encoded disk blocks: one request, the span decoded at once
+            def place(data):
+                dec = self.codec.decode_many(data.view(k, self.codec.nbytes))  # dec: [k, planes, B, Hkv, bs, D]
+                out[:, :, :, :k * bs].unflatten(3, (k, bs)).copy_(dec.permute(1, 2, 3, 0, 4, 5))
+            disk_reads.append((self.slots[span[0]], k, place))
             return
         whole = need is None or not self.reads_rows(span[0]) or all(all(x) for x in need)
         if whole and (home == Tier.CPU or not self._seq_disk):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .compress import CompressedTensor, CompressionConfig, compress, compressed_nbytes, decompress
+from .compress import CompressedTensor, CompressionConfig, group_layout, compress, compressed_nbytes, decompress
 
 
 class Codec:
@@ -23,6 +23,11 @@ class Codec:
     def decode(self, row: torch.Tensor) -> torch.Tensor:
         """row: [nbytes] uint8 on the compute device -> block of `shape`."""
         raise NotImplementedError
+
+    def decode_many(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [k, nbytes] uint8, k blocks' rows one after the other -> [k, *shape] (one decode
+        each; a codec that can decode them at once says so)."""
+        return torch.stack([self.decode(r) for r in rows])
 
     def exact_rows(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The token rows the encoded form keeps exact, (idx: [B, m], kv: [planes, B, Hkv, m, D]) on
@@ -73,6 +78,25 @@ class GroupCodec(Codec):
         c = CompressedTensor(data=parts[0], mn=parts[1], scale=parts[2], shape=self.shape,
                              dtype=self.dtype, config=self.cfg)
         return decompress(c, row.device)
+
+    def decode_many(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [k, nbytes] uint8 -> [k, *shape], every block in one pass of tensor ops (a span
+        of blocks read from disk in one request: one decode per block cost ~10 small ops each)."""
+        if self._parts is None:
+            self._set_parts(compress(torch.zeros(self.shape, dtype=self.dtype), self.cfg))
+        k, (parts, off) = rows.shape[0], ([], 0)
+        for dt, shape, n in self._parts:  # data [k, pre, groups, size*bits/8, post]; mn, scale [k, pre, groups, 1, post]
+            parts.append(rows[:, off:off + n].contiguous().view(dt).view(k, *shape))
+            off += n
+        q, mn, scale = parts
+        pre, groups, _, post = self._parts[0][1]
+        if self.cfg.num_bits == 4:
+            q = torch.stack([q & 0x0F, q >> 4], dim=4)  # q: [k, pre, groups, size/2, 2, post]
+        q = q.reshape(k, pre, groups, self.cfg.group_size, post)  # q: [k, pre, groups, size, post]
+        work = torch.promote_types(self.dtype, torch.float32)
+        x = (q.to(work) * scale.to(work) + mn.to(work)).to(self.dtype)  # x: [k, pre, groups, size, post]
+        length = group_layout(self.shape, self.cfg)[1]
+        return x.reshape(k, pre, groups * self.cfg.group_size, post)[:, :, :length].reshape(k, *self.shape)
 
 
 def kv_group_codec(shape: tuple[int, ...], dtype: torch.dtype, bits: int = 4) -> GroupCodec:

@@ -68,7 +68,7 @@ class CompressedTensor:
         return dataclasses.replace(self, data=mv(self.data), mn=mv(self.mn), scale=mv(self.scale))
 
 
-def _layout(shape, cfg: CompressionConfig) -> tuple[int, int, int, int]:
+def group_layout(shape, cfg: CompressionConfig) -> tuple[int, int, int, int]:
     """(pre, L, post, groups) of `shape` around cfg.group_dim."""
     if len(shape) == 0:
         raise ValueError("cannot compress a 0-dim tensor")
@@ -81,7 +81,7 @@ def _layout(shape, cfg: CompressionConfig) -> tuple[int, int, int, int]:
 
 def compressed_nbytes(shape, dtype: torch.dtype, cfg: CompressionConfig) -> int:
     """Bytes `compress` would produce for a tensor of `shape`/`dtype` (to size buffers)."""
-    pre, _, post, groups = _layout(tuple(shape), cfg)
+    pre, _, post, groups = group_layout(tuple(shape), cfg)
     cells = pre * groups * post
     item = torch.empty((), dtype=dtype).element_size()
     return cells * cfg.group_size * cfg.num_bits // 8 + 2 * cells * item
@@ -100,7 +100,7 @@ def compress(t: torch.Tensor, cfg: CompressionConfig = CompressionConfig()) -> C
     """Quantize float tensor `t` (any shape, CPU or CUDA) group-wise along cfg.group_dim."""
     if not t.is_floating_point():
         raise TypeError(f"compress needs a floating-point tensor, got {t.dtype}")
-    pre, length, post, groups = _layout(t.shape, cfg)
+    pre, length, post, groups = group_layout(t.shape, cfg)
     size, levels = cfg.group_size, (1 << cfg.num_bits) - 1
     work = torch.promote_types(t.dtype, torch.float32)  # do the arithmetic in >= fp32
 
@@ -125,7 +125,7 @@ def decompress(c: CompressedTensor, device=None) -> torch.Tensor:
     """Rebuild a tensor of c.shape / c.dtype, on `device` (default: c's device)."""
     if device is not None and torch.device(device) != c.device:
         c = c.to(device)
-    pre, length, post, groups = _layout(c.shape, c.config)
+    pre, length, post, groups = group_layout(c.shape, c.config)
     q = c.data
     if c.config.num_bits == 4:
         q = torch.stack([q & 0x0F, q >> 4], dim=3)  # [pre, groups, size/2, 2, post]

@@ -190,12 +190,12 @@ class DiskFile:
 
     def read_slots(self, first: int, count: int, out: torch.Tensor) -> torch.Tensor:
         """Fill contiguous `out` with slots [first, first + count), each written whole, in one
-        request (a span): they must be packed (`is_packed`) unless count is 1."""
+        request (a span). Slots padded to whole pages (O_DIRECT, `is_packed` False) are read with
+        their padding into this thread's staging buffer, then each slot's bytes copied out."""
         if not out.is_contiguous():
             raise ValueError("DiskFile.read_slots needs a contiguous output tensor")
-        if count < 1 or (count > 1 and not self.is_packed):
-            raise ValueError(f"cannot read {count} slots as one range (slot {self.slot_bytes} B, stride "
-                             f"{self.slot_stride} B)")
+        if count < 1:
+            raise ValueError(f"cannot read {count} slots")
         off = self._check(first, 0)
         self._check(first + count - 1, 0)
         if out.nbytes != count * self.slot_bytes:
@@ -203,6 +203,12 @@ class DiskFile:
         short = [s for s in range(first, first + count) if self._lens[s] != self.slot_bytes]
         if short:
             raise ValueError(f"slot {short[0]} holds {self._lens[short[0]]} bytes, not a whole {self.slot_bytes}")
+        if count > 1 and not self.is_packed:  # one request over the padded slots
+            stride = self.slot_stride
+            buf = _staging.get(count * stride)
+            self._read_into(off, buf)
+            _byte_view(out).view(count, self.slot_bytes).copy_(buf.view(count, stride)[:, :self.slot_bytes])
+            return out
         return self._read_into(off, out)
 
     def read_ranges(self, ranges: list[tuple[int, int]], out: torch.Tensor, at: list[int]) -> int:

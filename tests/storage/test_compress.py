@@ -164,3 +164,20 @@ def test_property_random_shapes(shape, data, dtype, num_bits, group_size, seed):
     groups = math.ceil(shape[group_dim] / group_size)
     assert c.mn.numel() == groups * math.prod(shape) // shape[group_dim]
     _check_error_bound(t, c, out)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape, dtype", [((2, 3, 2, 16, 64), torch.float16), ((2, 1, 3, 4, 48), torch.float32),
+                                          ((2, 2, 1, 8, 128), torch.bfloat16)])
+def test_a_span_decodes_at_once_as_block_by_block(bits, shape, dtype):
+    """GroupCodec.decode_many (a span read in one request): every block exactly as decode gives it."""
+    from flexgen_sparpr.storage.codec import kv_group_codec
+    codec = kv_group_codec(shape, dtype, bits)
+    blocks = [torch.randn(shape).to(dtype) for _ in range(5)]
+    rows = torch.stack([codec.encode(b) for b in blocks])  # rows: [5, nbytes]
+    many = codec.decode_many(rows)
+    assert many.shape == (5, *shape) and many.dtype == dtype
+    for i, b in enumerate(blocks):
+        one = codec.decode(rows[i])
+        assert torch.equal(many[i], one)
+        assert float((one.float() - b.float()).abs().max()) < (0.3 if bits == 4 else 0.03) * float(b.float().abs().max())

@@ -122,6 +122,24 @@ def test_o_direct_on_real_filesystem(real_dir):
         assert f.bytes_written == t.nbytes + a.nbytes
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_span_of_page_padded_slots_reads_in_one_request(real_dir, direct):
+    """Slots padded to whole pages (O_DIRECT and a size that is not one: an encoded KV block) read
+    as one span: the padding comes along and each slot's bytes land one after the other."""
+    if direct and not _o_direct_works(real_dir):
+        pytest.skip(f"{real_dir} refuses O_DIRECT")
+    parts = [_rand((3, 1152), torch.float16) for _ in range(4)]  # 6912 bytes a slot, as a q8 KV block
+    with DiskFile(real_dir / "f.bin", 5, parts[0].nbytes, direct=direct) as f:
+        for i, t in enumerate(parts):
+            f.write(i + 1, t)
+        assert not f.is_packed  # each slot starts on a page
+        out = torch.empty(4, 3, 1152, dtype=torch.float16)
+        f.read_slots(1, 4, out)
+        assert all(torch.equal(out[i], parts[i]) for i in range(4))
+        with pytest.raises(ValueError, match="holds"):
+            f.read_slots(0, 2, out[:2])  # slot 0 was never written
+
+
 def test_fadvise_fallback_when_o_direct_refused(tmp_path, no_o_direct):
     t = _rand((7, 9), torch.bfloat16)
     with DiskFile(tmp_path / "f.bin", 2, t.nbytes, direct=True) as f:
