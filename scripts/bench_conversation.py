@@ -20,7 +20,7 @@ from flexgen_sparpr.bench.args import die, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.results import engine_commit, load_average, machine_info, md_table, write_results  # noqa: E402
 
 from flexgen_sparpr.bench.conversation import as_rows, converse  # noqa: E402
-from flexgen_sparpr.bench.serve_load import start_server  # noqa: E402
+from flexgen_sparpr.bench.serve_load import server_config, start_server  # noqa: E402
 
 DOC = Path("/usr/share/common-licenses/GPL-3")
 
@@ -56,7 +56,8 @@ def main(argv=None) -> None:
         except RuntimeError as e:
             die(str(e))
         try:
-            runs[label] = {"server_flags": flags, "turns": as_rows(converse(port, doc, args.turns, args.max_tokens))}
+            runs[label] = {"server_flags": flags, "resolved": server_config(port),
+                           "turns": as_rows(converse(port, doc, args.turns, args.max_tokens))}
         finally:
             proc.send_signal(signal.SIGTERM)
             runs[label]["server_exit_code"] = proc.wait(600)
@@ -65,7 +66,6 @@ def main(argv=None) -> None:
               f"{[round(x['ttft_s'], 2) for x in t[1:]]}", flush=True)
     a, b = runs["reuse"]["turns"], runs["no reuse"]["turns"]
     same = [x["answer"] == y["answer"] for x, y in zip(a, b)]
-    # the LLM is in each server's process, not this one: no "resolved" read here; their flags are in the runs
     payload = {"config": {"model": args.model, "document": f"{DOC}, first {args.doc_tokens} tokens",
                           "turns": args.turns, "max_tokens": args.max_tokens, "temperature": 0,
                           "server_flags_common": base, "engine_commit": commit,

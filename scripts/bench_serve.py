@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))  # this checkout's engine, the one engine_commit()
 from flexgen_sparpr.bench.args import die, int_list, OneLineParser  # noqa: E402
 from flexgen_sparpr.bench.results import engine_commit, load_average, machine_info, md_table, write_results  # noqa: E402
 
-from flexgen_sparpr.bench.serve_load import mixed_prompts, run_level, start_server  # noqa: E402
+from flexgen_sparpr.bench.serve_load import mixed_prompts, run_level, server_config, start_server  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -46,6 +46,7 @@ def main(argv=None) -> None:
         proc, port = start_server(flags, REPO, timeout=300)
     except RuntimeError as e:
         die(str(e))
+    config = server_config(port)  # the server's engine, as it resolved the flags (its /health)
     levels = []
     try:
         for n in args.clients:
@@ -57,8 +58,7 @@ def main(argv=None) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(600)
-    # the LLM is in the server's process, not this one: no "resolved" read here; its flags are the config
-    payload = {"config": {"server_flags": flags, "clients": args.clients, "seconds_per_level": args.seconds,
+    payload = {"config": {"server_flags": flags, "resolved": config, "clients": args.clients, "seconds_per_level": args.seconds,
                           "max_tokens": args.max_tokens, "prompt_lengths_chars": args.lengths,
                           "prompts": "slices of tests/data/alice29.txt, seed 0", "temperature": 0,
                           "engine_commit": commit},

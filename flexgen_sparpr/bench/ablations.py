@@ -27,7 +27,7 @@ def needle_run(src, tokenizer, trials, args, policy: str, pargs: dict) -> tuple[
     """The answers of every trial, the KV cache all on the (throttled) disk tier, and the
     configuration each prefill's engine resolved (one per --needle-batch group)."""
     from ..api.llm import LLM
-    from .resolved import resolved
+    from ..api.resolved import resolved
     answers, configs = [], []
     for i in range(0, len(trials), args.needle_batch):
         group = trials[i:i + args.needle_batch]

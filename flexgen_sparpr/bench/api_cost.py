@@ -43,7 +43,7 @@ def overhead(args, prompts: list[list[int]], tmp: Path, env: dict) -> dict:
     seconds, their medians, whether the two made the same tokens, and the configuration the LLM
     resolved (the CLI's children resolve the same flags in their own process: not read back)."""
     from .. import LLM
-    from .resolved import resolved
+    from ..api.resolved import resolved
     ids, out = tmp / "one_batch.json", tmp / "run.json"
     ids.write_text(json.dumps(prompts))
     sub = ["run", "--prompt-ids-file", str(ids), "--gpu-batch-size", str(len(prompts)), "--warmup", "false",

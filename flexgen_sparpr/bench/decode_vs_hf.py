@@ -138,7 +138,7 @@ def render_md(payload: dict) -> str:
 def run_grid(args, src, model, tokens) -> list[dict]:
     """Every (batch, context) cell, each with the configuration its LLM resolved; one LLM per batch
     size, warmed up once."""
-    from .resolved import resolved
+    from ..api.resolved import resolved
     cells = []
     for batch in args.batches:
         llm = make_llm(src, batch, args.device, args.dtype)

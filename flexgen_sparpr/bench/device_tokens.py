@@ -19,7 +19,7 @@ def run(src, prompts, n, device, dtype, placement):
     import torch
 
     from ..api.llm import LLM
-    from .resolved import resolved
+    from ..api.resolved import resolved
     percent = [placement.get(k, v) for k, v in PERCENT.items()]
     with LLM(src, gpu_batch_size=len(prompts), percent=percent, device=device, dtype=dtype, block_size=64,
              offload_dir="unused", quiet=True) as llm:

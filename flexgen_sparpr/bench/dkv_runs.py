@@ -10,7 +10,7 @@ from ..kv.dkv.codec import PICKS, DKVCodec  # noqa: F401  (PICKS: the script's -
 from ..kv.policies import make_policy
 from ..models.spec import opt_spec
 from .needle_prompt import passkey_hit
-from .resolved import resolved
+from ..api.resolved import resolved
 from .results import md_table, timer
 from .sweep import REFERENCE
 

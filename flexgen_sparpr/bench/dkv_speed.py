@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from ..api.llm import LLM
-from .resolved import resolved
+from ..api.resolved import resolved
 from .results import md_table, timer
 from .tasks import canonical
 

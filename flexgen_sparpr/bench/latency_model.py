@@ -55,7 +55,7 @@ def model_hardware(path: str, args, cal_cpu) -> dict:
     derated = Calibration(io_eff=min(1.0, cal_cpu.io_eff),
                           source=f"as given, links at this machine's fitted io_eff {cal_cpu.io_eff:.2f}")
     from ..kv.policies import make_policy
-    from .resolved import policy_knobs
+    from ..api.resolved import policy_knobs
     # SparPR as the laptop's policy file runs it: its key summaries in host memory (none on the
     # device), scored there each step at this machine's measured one-thread rate (a bound for a laptop's 8 cores)
     sparpr = make_policy("sparpr", summaries_on="cpu")

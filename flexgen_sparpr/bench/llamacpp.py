@@ -19,7 +19,7 @@ from ..weights.resolve import smollm2_dir
 from .membound import sparpr_code_bytes, step_bytes
 from .needle_prompt import NeedlePrompts, random_key
 from .peers import llamacpp_greedy
-from .resolved import resolved
+from ..api.resolved import resolved
 from .results import md_table
 from .texts import TEXTS
 

@@ -54,12 +54,12 @@ def run_offload(src, *, batch: int, ctx: int, gen_len: int, policy: str = "dense
 
     Returns prefill/decode seconds, per-step seconds, the bytes moved per link during decode,
     the engine's measured disk read bandwidth, the disk modes, tokens, the policy's stats, the
-    configuration as the engine resolved it (bench/resolved.py), and with `trace` the per-step
+    configuration as the engine resolved it (api/resolved.py), and with `trace` the per-step
     trace (runtime/timemodel.py), with `memory` peak memory."""
     from ..api.llm import LLM
     from ..api.measure import PeakMemory
     from ..runtime.trace import TraceRecorder
-    from .resolved import resolved
+    from ..api.resolved import resolved
 
     prompts = random_prompts(src.spec.vocab, batch, ctx, seed)
     percent = [*weight_percents, cache_gpu_percent, cache_cpu_percent, 100, 0]

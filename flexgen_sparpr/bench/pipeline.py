@@ -52,7 +52,7 @@ def two_processes(args, gbs, ngb, offload, work: Path) -> dict:
 def as_run(res: dict) -> dict:
     """The configuration a child run reports in its --output-json (device, dtype, weight format, its
     Policy: placement and schedule, its EngineConfig: block, KV dtype, KV policy and knobs). The LLM is
-    in the child, so this is the CLI's report, not bench/resolved.py's reading of an open LLM."""
+    in the child, so this is the CLI's report, not api/resolved.py's reading of an open LLM."""
     return {k: res.get(k) for k in ("device", "dtype", "weight_format", "policy", "engine")}
 
 

@@ -154,6 +154,12 @@ def run_level(port: int, clients: int, seconds: float, prompts: list[str], max_t
     return level
 
 
+def server_config(port: int) -> dict | None:
+    """The configuration the server's engine resolved (its /health "resolved"; api/resolved.py)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+        return json.loads(r.read()).get("resolved")
+
+
 def start_server(flags: list[str], cwd: Path, timeout: float) -> tuple[subprocess.Popen, int]:
     """A `flexgen-sparpr serve` child on a free port, once /health says the model is loaded;
     RuntimeError (one line) when it does not start or load."""

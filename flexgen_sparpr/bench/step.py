@@ -20,7 +20,7 @@ import torch
 from ..api.measure import disk_bandwidth
 from ..api.llm import LLM
 from .needle_prompt import NeedlePrompts, random_key
-from .resolved import resolved
+from ..api.resolved import resolved
 from .results import md_table
 from .sweep import REFERENCE
 from .texts import TEXTS

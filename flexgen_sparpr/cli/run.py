@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api.llm import LLM, Params
+from ..api.resolved import resolved
 from ..engine.config import EngineConfig, Policy
 from ..engine.state import GenerationResult
 from ..engine.step_clock import median_parts
@@ -74,6 +75,7 @@ class Generated:
     dtype: str
     kv_stats: dict | None = None  # the KV policy's per-step statistics, if it keeps them
     weight_format: str = ""  # what --weight-format resolved to (engine/weight_format.py describe)
+    resolved: dict | None = None  # the engine's settings as resolved (api/resolved.py)
 
 
 def set_up(opts: RunOptions, policy: Policy, ecfg: EngineConfig, pipeline=None) -> Setup:
@@ -133,9 +135,10 @@ def generate(s: Setup, link=None) -> Generated:
         if printer is not None:
             printer.close()
         st = llm.last_stats
-        formats = llm.engine.weight_format.describe()
+        formats, config = llm.engine.weight_format.describe(), resolved(llm)
     res = GenerationResult(tokens=rows, step_times=st.step_times[0], step_parts=st.step_parts[0])
-    return Generated(res, st.bytes_moved, st.peak_memory, st.disk_io_mode, st.device, st.dtype, st.kv_policy_stats, formats)
+    return Generated(res, st.bytes_moved, st.peak_memory, st.disk_io_mode, st.device, st.dtype, st.kv_policy_stats, formats,
+                     config)
 
 
 def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
@@ -179,7 +182,7 @@ def report(s: Setup, g: Generated, extra: dict | None = None) -> dict:
                     "decode_tokens_per_s": n * (steps_done - 1) / max(decode_lat, 1e-10)},
         "peak_memory": g.memory, "bytes_moved": g.bytes_moved, "disk_io_mode": g.disk_modes,
         "policy": dataclasses.asdict(s.policy), "engine": engine_report(s.engine), "torch": torch.__version__,
-        "weight_format": g.weight_format,
+        "weight_format": g.weight_format, "resolved": g.resolved,
     }
     if s.plan is not None:
         out["auto_policy"] = {"hardware": s.hardware.name, "hardware_source": s.hardware.source,

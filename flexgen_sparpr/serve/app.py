@@ -20,6 +20,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from ..api.resolved import resolved
 from .batcher import Batcher, Ticket
 from .errors import ApiError, bad
 from .metrics import Metrics
@@ -39,6 +40,7 @@ class ServerState:
         self.make_llm, self.model_name, self.api_key = make_llm, model_name, api_key
         self.max_queue, self.batch_window_s = max_queue, batch_window_s
         self.llm = self.batcher = None
+        self.config: dict | None = None  # the engine's settings as resolved (api/resolved.py), once loaded
         self.load_error: str | None = None
         self.metrics = Metrics()
         self.on_load_error = None  # called with the error line (the command stops the server)
@@ -52,6 +54,7 @@ class ServerState:
                 self.on_load_error(e)
             return
         self.batcher = Batcher(llm, self.max_queue, self.batch_window_s, self.metrics.on_batch)
+        self.config = resolved(llm)
         self.llm = llm
         self.metrics.loaded.set(1)
 
@@ -86,7 +89,7 @@ def build_app(state: ServerState) -> Starlette:
     async def health(request):
         if state.llm is None:
             return JSONResponse({"status": "loading" if state.load_error is None else "failed"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": state.model_name})
+        return JSONResponse({"status": "ok", "model": state.model_name, "resolved": state.config})
 
     async def models(request):
         try:

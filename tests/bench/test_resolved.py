@@ -1,8 +1,8 @@
-"""bench/resolved.py: the configuration every results file records, as the engine resolved it."""
+"""api/resolved.py: the configuration every results file records, as the engine resolved it."""
 from __future__ import annotations
 
 from flexgen_sparpr.api.llm import LLM
-from flexgen_sparpr.bench.resolved import resolved
+from flexgen_sparpr.api.resolved import resolved
 
 
 def test_resolved_names_the_defaults_and_the_policy_knobs(smollm2_dir):

@@ -1,5 +1,5 @@
 """The writers with no quick script run of their own record what their engines resolved
-(bench/resolved.py), one per configuration: device_tokens.run, decode_vs_hf.run_grid,
+(api/resolved.py), one per configuration: device_tokens.run, decode_vs_hf.run_grid,
 dkv_runs.run_config, dkv_speed.interleaved and ablations.needle_run, each on the tiny Llama."""
 from __future__ import annotations
 

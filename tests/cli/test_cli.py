@@ -91,6 +91,8 @@ def test_run_writes_flexgen_log_and_json(tmp_path, monkeypatch, capsys):
     assert len(data["output_ids"]) == 2 and all(len(t) == 4 for t in data["output_ids"])
     assert data["bytes_moved"]["disk->cpu"] > 0 and data["peak_memory"]["host_rss_peak_bytes"] > 0
     assert set(data["timings"]) >= {"prefill_s", "decode_s", "total_s", "per_token_s"}
+    conf = data["resolved"]  # the engine's settings as resolved (api/resolved.py), as every results file records
+    assert conf["block_size"] == 4 and conf["placement"]["kv"] == [0.0, 0.0, 100.0] and conf["kv_policy"]["name"]
     assert not (tmp_path / "off").exists()  # the disk tier leaves nothing behind
 
 

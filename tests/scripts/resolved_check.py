@@ -1,4 +1,4 @@
-"""What every results file's "resolved" entry must name (bench/resolved.py, issue 34's list)."""
+"""What every results file's "resolved" entry must name (api/resolved.py, issue 34's list)."""
 from __future__ import annotations
 
 KEYS = {"device", "compute_dtype", "kv_dtype", "block_size", "weight_format", "placement", "schedule", "kv_policy"}

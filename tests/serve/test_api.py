@@ -61,7 +61,10 @@ def sse(server, path: str, body: dict, key: str = API_KEY) -> list[str]:
 
 def test_models_and_health(server, client, tiny_chat_dir):
     status, body = server.get("/health")
-    assert status == 200 and json.loads(body)["status"] == "ok"
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "ok"
+    # the engine's settings as it resolved the server's flags (api/resolved.py): what bench_serve records
+    assert {"device", "compute_dtype", "kv_dtype", "block_size", "weight_format", "kv_policy"} <= set(health["resolved"])
     assert [m.id for m in client.models.list().data] == [str(tiny_chat_dir)]
 
 
