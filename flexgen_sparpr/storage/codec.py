@@ -89,11 +89,20 @@ class GroupCodec(Codec):
             parts.append(rows[:, off:off + n].contiguous().view(dt).view(k, *shape))
             off += n
         q, mn, scale = parts
-        pre, groups, _, post = self._parts[0][1]
+        pre, groups, nq, post = self._parts[0][1]
+        work = torch.promote_types(self.dtype, torch.float32)
+        if post == 1 and groups * self.cfg.group_size == group_layout(self.shape, self.cfg)[1]:
+            # groups along the last dim, no padding (a KV block's head_dim): rows of one group each, the
+            # scale and min broadcast along the row (vectorizes; a trailing size-1 dim does not)
+            r = k * pre * groups
+            q = q.view(r, nq)
+            if self.cfg.num_bits == 4:
+                q = torch.stack([q & 0x0F, q >> 4], dim=2).view(r, 2 * nq)  # q: [r, size]
+            x = (q.to(work) * scale.view(r, 1).to(work)).add_(mn.view(r, 1).to(work))  # x: [r, size]
+            return x.to(self.dtype).view(k, *self.shape)
         if self.cfg.num_bits == 4:
             q = torch.stack([q & 0x0F, q >> 4], dim=4)  # q: [k, pre, groups, size/2, 2, post]
         q = q.reshape(k, pre, groups, self.cfg.group_size, post)  # q: [k, pre, groups, size, post]
-        work = torch.promote_types(self.dtype, torch.float32)
         x = (q.to(work) * scale.to(work) + mn.to(work)).to(self.dtype)  # x: [k, pre, groups, size, post]
         length = group_layout(self.shape, self.cfg)[1]
         return x.reshape(k, pre, groups * self.cfg.group_size, post)[:, :, :length].reshape(k, *self.shape)
