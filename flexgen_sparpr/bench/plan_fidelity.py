@@ -79,9 +79,6 @@ FIDELITY = [
     Entry("fidelity-defaults-agreement", "scripts/agreement.py",
           (*_DEFAULTS, "--target", "sparpr@0.1", "--out", "results/fidelity/defaults"),
           ("results/fidelity/defaults/agreement.json", "results/fidelity/defaults/agreement.md")),
-    # quantized KV (--kv-dtype q8 / q4 on the disk tier) alone and under SparPR, beside DKV, same prompts
-    _needle("fidelity/kv-dtype/2048", *FRESH, "--lengths", "2048", "--trials", "24", "--batch", "6",
-            "--policies", "dense+q8,dense+q4,sparpr,sparpr+q8,sparpr+q4,dkv", "--keep", "0.1"),
     *[_needle(f"fidelity/defaults-block/b{b}", *FRESH, "--lengths", "2048", "--trials", "12", "--batch", "6",
               "--policies", "sparpr", "--keep", "0.1", "--block-size", str(b)) for b in (16, 64)],
     # the held-out split: six retrieval tasks and the late question
