@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .compress import CompressedTensor, CompressionConfig, group_layout, compress, compressed_nbytes, decompress
+from .compress import CompressedTensor, CompressionConfig, compress, compressed_nbytes, decompress
 
 
 class Codec:
@@ -69,43 +69,25 @@ class GroupCodec(Codec):
 
     def decode(self, row: torch.Tensor) -> torch.Tensor:
         """row: [nbytes] uint8 on the compute device -> tensor of `shape`."""
-        if self._parts is None:
-            self._set_parts(compress(torch.zeros(self.shape, dtype=self.dtype), self.cfg))
-        parts, off = [], 0
-        for dt, shape, n in self._parts:
-            parts.append(row[off:off + n].view(dt).view(shape))
-            off += n
-        c = CompressedTensor(data=parts[0], mn=parts[1], scale=parts[2], shape=self.shape,
-                             dtype=self.dtype, config=self.cfg)
-        return decompress(c, row.device)
+        return self.decode_many(row[None])[0]
 
     def decode_many(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [k, nbytes] uint8 -> [k, *shape], every block in one pass of tensor ops (a span
-        of blocks read from disk in one request: one decode per block cost ~10 small ops each)."""
+        of blocks read from disk in one request: one decode per block cost ~10 small ops each).
+        With the groups along a dim counted from the end, k rows are one compressed [k, *shape]."""
+        k = rows.shape[0]
+        if self.cfg.group_dim >= 0 and k > 1:  # a leading k would move the group dim: one at a time
+            return super().decode_many(rows)
         if self._parts is None:
             self._set_parts(compress(torch.zeros(self.shape, dtype=self.dtype), self.cfg))
-        k, (parts, off) = rows.shape[0], ([], 0)
+        parts, off = [], 0
         for dt, shape, n in self._parts:  # data [k, pre, groups, size*bits/8, post]; mn, scale [k, pre, groups, 1, post]
-            parts.append(rows[:, off:off + n].contiguous().view(dt).view(k, *shape))
+            parts.append(rows[:, off:off + n].contiguous().view(dt).view(k * shape[0], *shape[1:]))
             off += n
-        q, mn, scale = parts
-        pre, groups, nq, post = self._parts[0][1]
-        work = torch.promote_types(self.dtype, torch.float32)
-        if post == 1 and groups * self.cfg.group_size == group_layout(self.shape, self.cfg)[1]:
-            # groups along the last dim, no padding (a KV block's head_dim): rows of one group each, the
-            # scale and min broadcast along the row (vectorizes; a trailing size-1 dim does not)
-            r = k * pre * groups
-            q = q.view(r, nq)
-            if self.cfg.num_bits == 4:
-                q = torch.stack([q & 0x0F, q >> 4], dim=2).view(r, 2 * nq)  # q: [r, size]
-            x = (q.to(work) * scale.view(r, 1).to(work)).add_(mn.view(r, 1).to(work))  # x: [r, size]
-            return x.to(self.dtype).view(k, *self.shape)
-        if self.cfg.num_bits == 4:
-            q = torch.stack([q & 0x0F, q >> 4], dim=4)  # q: [k, pre, groups, size/2, 2, post]
-        q = q.reshape(k, pre, groups, self.cfg.group_size, post)  # q: [k, pre, groups, size, post]
-        x = (q.to(work) * scale.to(work) + mn.to(work)).to(self.dtype)  # x: [k, pre, groups, size, post]
-        length = group_layout(self.shape, self.cfg)[1]
-        return x.reshape(k, pre, groups * self.cfg.group_size, post)[:, :, :length].reshape(k, *self.shape)
+        shape = (k, *self.shape) if self.cfg.group_dim < 0 else self.shape  # (k is 1 in the second case)
+        c = CompressedTensor(data=parts[0], mn=parts[1], scale=parts[2], shape=torch.Size(shape),
+                             dtype=self.dtype, config=self.cfg)
+        return decompress(c, rows.device).view(k, *self.shape)
 
 
 def kv_group_codec(shape: tuple[int, ...], dtype: torch.dtype, bits: int = 4) -> GroupCodec:

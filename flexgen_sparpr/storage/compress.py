@@ -127,10 +127,19 @@ def decompress(c: CompressedTensor, device=None) -> torch.Tensor:
         c = c.to(device)
     pre, length, post, groups = group_layout(c.shape, c.config)
     q = c.data
+    work = torch.promote_types(c.dtype, torch.float32)
+    if post == 1 and groups * c.config.group_size == length:
+        # groups along the last dim, no padding (a KV block's head_dim): rows of one group each, the
+        # scale and min broadcast along the row (vectorizes; a trailing size-1 dim does not)
+        r = pre * groups
+        q = q.reshape(r, -1)
+        if c.config.num_bits == 4:
+            q = torch.stack([q & 0x0F, q >> 4], dim=2).view(r, -1)  # q: [r, size]
+        x = (q.to(work) * c.scale.reshape(r, 1).to(work)).add_(c.mn.reshape(r, 1).to(work))  # x: [r, size]
+        return x.to(c.dtype).reshape(c.shape)
     if c.config.num_bits == 4:
         q = torch.stack([q & 0x0F, q >> 4], dim=3)  # [pre, groups, size/2, 2, post]
     q = q.reshape(pre, groups, c.config.group_size, post)
-    work = torch.promote_types(c.dtype, torch.float32)
     x = (q.to(work) * c.scale.to(work) + c.mn.to(work)).to(c.dtype)
     x = x.reshape(pre, groups * c.config.group_size, post)[:, :length]
     return x.reshape(c.shape).contiguous()
