@@ -37,6 +37,21 @@ def budgeted_pick(score: torch.Tensor, counts: torch.Tensor, room: torch.Tensor,
     return pick if own is None else own | pick
 
 
+def top_pick(score: torch.Tensor, k: int, own: torch.Tensor | None = None) -> torch.Tensor:
+    """budgeted_pick where every block the ranking can take holds the same number c of valid tokens
+    (no left padding): the k = room // c best blocks outside `own` with a finite score, and `own`.
+    One top-k instead of a full sort and a running sum. score: [..., nb]; own: [..., nb] bool or
+    None. Returns pick: [..., nb] bool."""
+    if own is not None:
+        score = score.masked_fill(own, -math.inf)
+    k = min(k, score.shape[-1])
+    pick = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    if k > 0:
+        top, idx = score.topk(k, dim=-1, sorted=False)  # top, idx: [..., k]
+        pick.scatter_(-1, idx, top > -math.inf)
+    return pick if own is None else own | pick
+
+
 def picked_tokens(pick: torch.Tensor, table: BlockTable) -> torch.Tensor:
     """pick: [..., nb] over the sealed blocks -> keep: [..., L] over the cached positions, the
     open (partial) block always kept."""

@@ -8,8 +8,9 @@ block count, with no Python loop over blocks or sequences:
   tokens, the blocks every step reads, the tokens they take, the budgets) is the same for every
   layer's table of a GPU batch: it is computed once per step (`StepView`) and shared.
 - A policy supplies its block scores (`block_scores`: a fused op over its summaries).
-- `budgeted_pick` ranks and takes blocks with tensor ops; `selection_from_pick` turns the pick
-  into the blocks to move, their readers and the token mask with one host sync.
+- `budgeted_pick` ranks and takes blocks with tensor ops (`top_pick`, one top-k, where no left
+  padding makes every block hold bs tokens); `selection_from_pick` turns the pick into the blocks
+  to move, their readers and the token mask with one host sync.
 - `finish` is the policy's plan (SparPR: copy or rebuild each span, dense fallback).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from ..block_table import BlockTable
 from ..policy import Selection
 from .base import token_budget
-from .scoring import BlockScoringPolicy, budgeted_pick
+from .scoring import BlockScoringPolicy, budgeted_pick, top_pick
 
 _VIEWS = 16  # step views kept per policy (a few GPU batches' worth of the current step)
 
@@ -42,7 +43,16 @@ class StepView:
     n_valid: list[int]  # [B] valid cached tokens, on the host
     pad_bias: torch.Tensor | None  # [B, sealed * bs] 0 or -inf (None: no left padding)
     live: torch.Tensor | None  # [B, nb] blocks holding a valid token (None: all of them)
-    rooms: dict = field(default_factory=dict)  # keep target -> room [B]: tokens the pick may add
+    used_host: int | None  # no left padding: `used` of every sequence (all alike), on the host; else None
+    rooms: dict = field(default_factory=dict)  # keep target -> its Room
+
+
+@dataclass(eq=False)
+class Room:
+    """What the budgeted pick may add at one keep target."""
+
+    tokens: torch.Tensor  # [B] tokens the picked blocks may add
+    blocks: int | None  # with no left padding, the same for every sequence: tokens // bs blocks; else None
 
 
 def selection_from_pick(table: BlockTable, pick: torch.Tensor, view: StepView) -> Selection:
@@ -51,16 +61,18 @@ def selection_from_pick(table: BlockTable, pick: torch.Tensor, view: StepView) -
     sequences that picked it, with a mask keeping each (sequence, head) to its own blocks. One
     sequence reading the same blocks on every head needs no mask."""
     b, hkv, bs = table.block_shape[1], table.block_shape[2], table.bs
+    open_len = view.length - view.sealed * bs
+    if b == 1 and pick.dim() == 2:  # one sequence, every head alike: the blocks alone (one host sync)
+        blocks = pick[0].nonzero().view(-1).tolist()
+        nseq = [1] * len(blocks)
+        return Selection(blocks + [view.sealed] if open_len else blocks, nseq=nseq)
     per_seq = pick if pick.dim() == 2 else pick.any(dim=1)  # per_seq: [B, nb]
     readers = per_seq.sum(dim=0)  # readers: [nb] sequences that picked each block
     most, *host = torch.cat([per_seq.sum(dim=1).amax()[None], readers]).tolist()  # the one host sync
     blocks = list(compress(range(len(host)), host))  # the picked blocks, ascending (no Python loop per block)
     nseq = list(filter(None, host))
-    open_len = view.length - view.sealed * bs
     if open_len:
         blocks.append(view.sealed)
-    if b == 1 and pick.dim() == 2:
-        return Selection(blocks, nseq=nseq)
     # chosen: [n] the picked block ids, ascending, sorted out on the device (no second sync)
     chosen = torch.argsort((readers == 0).to(torch.uint8), stable=True)[:len(nseq)]
     if b > 1 and table.store.resident:
@@ -100,12 +112,12 @@ def _rows_selection(table: BlockTable, pick: torch.Tensor, per_seq: torch.Tensor
                      nseq=nseq)
 
 
-def shared_pick(score: torch.Tensor, view: StepView, room: torch.Tensor) -> torch.Tensor:
+def shared_pick(score: torch.Tensor, view: StepView, room: Room) -> torch.Tensor:
     """One set of blocks for the whole batch: the sequences take turns by rank (rank 0 of every
     sequence, then rank 1, ...) while every one's budget holds. score: [B, nb]; room: [B] tokens
     each may add. Returns pick: [B, nb] (SparPR's --no-per-sequence ablation: a host loop)."""
     counts, own = view.counts, view.own
-    budgets = (room + view.used).tolist()
+    budgets = (room.tokens + view.used).tolist()
     cand = ~own.all(dim=0) & (counts > 0).any(dim=0)  # cand: [nb] (another's sink may be one)
     ranked = score.masked_fill(~cand[None, :], -math.inf).argsort(dim=-1, descending=True)
     ranked = ranked[:, :int(cand.sum())].T.tolist()  # [rank][sequence] -> block id
@@ -142,12 +154,14 @@ class BlockSelectionPolicy(BlockScoringPolicy):
         """(the keep ratio this step's budget uses, rho: the cost ratio that set it, or nan)."""
         return self.keep_ratio, math.nan
 
-    def pick(self, table: BlockTable, score: torch.Tensor, view: StepView, room: torch.Tensor) -> torch.Tensor:
+    def pick(self, table: BlockTable, score: torch.Tensor, view: StepView, room: Room) -> torch.Tensor:
         """The budgeted top-k: [B, nb] or [B, Hkv, nb] bool, like score."""
+        own = view.own if view.own is None or score.dim() == 2 else view.own[:, None]
+        if room.blocks is not None:  # every block holds bs tokens: the room's best blocks, one top-k
+            return top_pick(score, room.blocks, own)
         if score.dim() == 3:
-            own = None if view.own is None else view.own[:, None]
-            return budgeted_pick(score, view.counts[:, None], room[:, None], own)
-        return budgeted_pick(score, view.counts, room, view.own)
+            return budgeted_pick(score, view.counts[:, None], room.tokens[:, None], own)
+        return budgeted_pick(score, view.counts, room.tokens, own)
 
     def finish(self, table: BlockTable, layer: int, sel: Selection, pick: torch.Tensor, view: StepView,
                target: float, rho: float, q: torch.Tensor) -> Selection:
@@ -164,16 +178,18 @@ class BlockSelectionPolicy(BlockScoringPolicy):
         pick = self.pick(table, score, view, self.room(table, view, target))
         return self.finish(table, layer, selection_from_pick(table, pick, view), pick, view, target, rho, q)
 
-    def room(self, table: BlockTable, view: StepView, target: float) -> torch.Tensor:
-        """[B]: tokens the picked blocks may add at keep `target` (the budget less what the own
-        blocks and the open block take); once per step and target."""
+    def room(self, table: BlockTable, view: StepView, target: float) -> Room:
+        """What the picked blocks may add at keep `target` (the budget less what the own blocks and
+        the open block take); once per step and target."""
         room = view.rooms.get(target)
         if room is None:
             floor = self.floor(table)
-            budgets = torch.tensor([token_budget(target, n, floor) for n in view.n_valid])
+            budgets = [token_budget(target, n, floor) for n in view.n_valid]
+            blocks = None if view.used_host is None else max(0, budgets[0] - view.used_host) // table.bs
             if len(view.rooms) >= _VIEWS:  # a live cost model moves the target a little every step
                 view.rooms.clear()
-            room = view.rooms[target] = budgets.to(view.used.device) - view.used
+            tokens = torch.tensor(budgets).to(view.used.device) - view.used  # tokens: [B]
+            room = view.rooms[target] = Room(tokens, blocks)
         return room
 
     def step_view(self, table: BlockTable) -> StepView:
@@ -198,5 +214,6 @@ class BlockSelectionPolicy(BlockScoringPolicy):
         if padded:
             bias = torch.zeros(valid.shape[0], sealed * bs, device=valid.device)  # bias: [B, sealed * bs]
             bias.masked_fill_(~valid[:, :sealed * bs], -math.inf)
+        used_host = None if padded else used[0].item()  # once per step: every sequence alike
         return StepView(length, sealed, valid, counts, own, used, open_tokens.sum(), [length - p for p in pads], bias,
-                        counts > 0 if padded else None)
+                        counts > 0 if padded else None, used_host)

@@ -17,7 +17,7 @@ from ..block_table import BlockTable
 from ..knobs import KnobError, at_least, in_unit, knob, knobs, one_of
 from ..policy import Selection
 from .base import masked_mean_keys
-from .selection import BlockSelectionPolicy, StepView, shared_pick
+from .selection import BlockSelectionPolicy, Room, StepView, shared_pick
 from . import sparpr_int4
 from .sparpr_int4 import PackedCodes, packed_nbytes
 from .sparpr_lowrank import KeyBasis, encode, fit_basis, lowrank_block_scores, rank_for, summary_share
@@ -235,7 +235,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         sink = ids[None, :] == (self.pads(table) // table.bs)[:, None]  # sink: [B, nb]
         return sink | (ids >= sealed - self.recent_blocks)[None, :]
 
-    def pick(self, table: BlockTable, score: torch.Tensor, view: StepView, room: torch.Tensor) -> torch.Tensor:
+    def pick(self, table: BlockTable, score: torch.Tensor, view: StepView, room: Room) -> torch.Tensor:
         """per_sequence: each sequence its own best blocks while they fit (Quest's rule). Else one
         set for the batch, the sequences taking turns by rank while every one's budget holds (a
         rare ablation: its loop runs on the host)."""

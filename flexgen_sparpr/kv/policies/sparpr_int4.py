@@ -70,13 +70,14 @@ class PackedCodes:
 
     def logits(self, qs: torch.Tensor, tokens: int) -> torch.Tensor:
         """qs: [B, Hkv, G, r] float32 (each query head's r coordinates, scaled by the steps) ->
-        [B, Hkv, G, tokens] float32: q . k~ of every sealed token, per query head."""
+        [B, Hkv, G, tokens] bfloat16 (the kernel's own output, not widened: the caller's reduction
+        widens it as it reads): q . k~ of every sealed token, per query head."""
         b, hkv, g, r = qs.shape
         n = -(-tokens // self.tile) * self.tile
         xb = qs.to(_BF16).view(b * hkv, g, r)  # xb: [B * Hkv, G, r]
         sz, mm = self.scale_zero[:, :n], torch._weight_int4pack_mm_for_cpu
         out = torch.stack([mm(xb[i], self.packed[i, :n], r, sz) for i in range(b * hkv)])  # out: [B * Hkv, G, n]
-        return out.view(b, hkv, g, n)[..., :tokens].float()
+        return out.view(b, hkv, g, n)[..., :tokens]
 
 
 def packed_nbytes(packed: PackedCodes | None) -> int:

@@ -118,7 +118,9 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     half = codes.shape[2]
     qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
     if packed is not None:  # the kernel reads the packed codes as c - 8: no offset to take off
-        logit = packed.logits(torch.matmul(qg, basis.plain_basis()), t)  # logit: [B, Hkv, G, T]
+        logit = packed.logits(torch.matmul(qg, basis.plain_basis()), t)  # logit: [B, Hkv, G, T] bfloat16
+        if pad_bias is not None:
+            logit = logit.float()
     else:
         qs = torch.matmul(qg, basis.query_basis())  # qs: [B, Hkv, G, r] = [qe | qo - 16 qe]
         # q . k~ = sum_j qs_j (c_j - 8), c_j the nibble of direction j (even j low, odd j high). With the
@@ -131,7 +133,8 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     if pad_bias is not None:
         logit += pad_bias[:, None, None]
     if head_score == "softmax":  # each query head's estimated attention mass per block, summed
-        score = logit.softmax(dim=-1).sum(dim=(1, 2)).view(b, t // bs, bs).sum(dim=-1)  # [B, nb]
+        mass = logit.softmax(dim=-1, dtype=torch.float32)  # mass: [B, Hkv, G, T] (float32 whatever logit's dtype)
+        score = mass.view(b, h, t // bs, bs).sum(dim=(1, 3))  # [B, nb]
     else:  # the block's best token, its logits summed over the query heads
-        score = logit.sum(dim=(1, 2)).view(b, t // bs, bs).amax(dim=-1)  # [B, nb]
+        score = logit.sum(dim=(1, 2), dtype=torch.float32).view(b, t // bs, bs).amax(dim=-1)  # [B, nb]
     return score if live is None else score.masked_fill(~live, -math.inf)
