@@ -134,6 +134,9 @@ FIDELITY = [
     *[_fresh_ppl(f"ppl-weights/{w}", "2048", "sparpr", "4", "--weight-format", w) for w in ("auto", "raw")],
     # quantized KV (--kv-dtype q8 / q4 on the disk tier), alone and under SparPR's selection, beside DKV
     _fresh_ppl("ppl-kv-dtype/2048", "2048", "dense+q8,dense+q4,sparpr,sparpr+q8,sparpr+q4,dkv", "6"),
+    # the same on the needle prompts of fidelity/defaults/2048 (DKV's rows are in that file)
+    _needle("fidelity/kv-dtype/2048", *FRESH, "--lengths", "2048", "--trials", "24", "--batch", "6",
+            "--policies", "dense+q8,dense+q4,sparpr,sparpr+q8,sparpr+q4", "--keep", "0.1"),
     _held_ppl("ppl", "2048", ALL7, quick=True, partial=_CUT.format("4096 and 8192 (ppl-4k8k/ holds them)")),
     _held_ppl("ppl-4k8k", "4096,7936", FIVE),
     _held_ppl("ppl-2k-lowrank", "2048", "sparpr"),

@@ -4,6 +4,8 @@ same blocks moved, and through the engine the same generated tokens, for every p
 selects blocks by score (SparPR in each summary and head-score form, its batch-shared pick, Quest)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies.base import selection_from_tokens
 from flexgen_sparpr.kv.policies.quest import Quest
+from flexgen_sparpr.kv.policies.scoring import budgeted_pick, top_pick
 from flexgen_sparpr.kv.policies.sparpr import SparPR
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
@@ -98,12 +101,14 @@ class Reference:
 
 
 @pytest.mark.parametrize("name", ["lowrank-softmax", "mean-softmax", "batch-shared", "quest"])
-def test_fused_selection_generates_the_reference_tokens(name, tiny_llama_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("prompts", [[list(range(3, 43)), list(range(50, 79))],  # the second is left-padded
+                                     [list(range(3, 43))]],  # one sequence, no padding: the top-k pick
+                         ids=["padded-batch", "one-sequence"])
+def test_fused_selection_generates_the_reference_tokens(name, prompts, tiny_llama_dir, tmp_path, monkeypatch):
     """The engine with the fused selection and with the reference one: the same greedy tokens."""
-    prompts = [list(range(3, 43)), list(range(50, 79))]  # the second is left-padded
 
     def tokens(reference: bool) -> list[list[int]]:
-        eng = Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=2),
+        eng = Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=len(prompts)),
                      EngineConfig(device="cpu", block_size=4, offload_dir=str(tmp_path)))
         pol = make(name, 0.3)
         try:
@@ -115,3 +120,21 @@ def test_fused_selection_generates_the_reference_tokens(name, tiny_llama_dir, tm
             eng.close()
 
     assert tokens(False) == tokens(True)
+
+
+@pytest.mark.parametrize("dims", [(3, 40), (2, 3, 40)])
+def test_top_pick_equals_the_budgeted_pick_when_every_block_holds_bs_tokens(dims):
+    """No left padding: the one top-k takes the blocks the sort-and-running-sum pick takes (own
+    blocks kept and left out of the room, -inf never taken, a room of 0 or past every block)."""
+    gen = torch.Generator().manual_seed(3)
+    bs = 16
+    for trial in range(20):
+        score = torch.randn(*dims, generator=gen)
+        score[..., 5] = -math.inf  # a block that may never be picked
+        own = torch.zeros(dims, dtype=torch.bool)
+        own[..., 0] = own[..., -1] = True
+        counts = torch.full(dims, bs)
+        for blocks in (0, 1, 7, 38, 60):
+            room = torch.full(dims[:-1], blocks * bs + trial % bs)  # a partial block's room never fits
+            want = budgeted_pick(score, counts, room, own)
+            assert torch.equal(top_pick(score, blocks, own), want)
