@@ -90,7 +90,9 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_ones_and_exits_0(tiny_c
                 "0", "--block-size", "16"], tmp_path)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Go on", "max_tokens": 60, "stream": True}),
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Go on", "max_tokens": 60, "stream": True,
+                                                            # greedy: a sampled token could be the end token ("stop")
+                                                            "temperature": 0}),
                      {"Content-Type": "application/json"})
         r = conn.getresponse()
         assert r.readline().startswith(b"data: ")
