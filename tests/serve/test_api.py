@@ -206,7 +206,7 @@ def test_bad_chat_requests_and_other_errors(server):
     assert got == 400 and err["error"]["type"] == "invalid_request_error"
     got, err = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 1}, key="wrong")
     assert got == 401 and err["error"]["type"] == "authentication_error"
-    got, ok = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 1, "frobnicate": [1]})
+    got, ok = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 1, "temperature": 0, "frobnicate": [1]})
     assert got == 200 and ok["usage"]["completion_tokens"] == 1  # unknown fields are ignored
     assert server.metric('flexgen_sparpr_requests_total') >= 3
 
@@ -267,7 +267,7 @@ def test_queue_full_is_a_clean_429_and_queued_requests_still_answer(server):
     queued = []
     pool = ThreadPoolExecutor(4)
     for i in range(4):
-        queued.append(pool.submit(server.post, "/v1/completions", {"prompt": f"Short {i}", "max_tokens": 3}))
+        queued.append(pool.submit(server.post, "/v1/completions", {"prompt": f"Short {i}", "max_tokens": 3, "temperature": 0}))
     end = time.monotonic() + 20
     while server.metric("flexgen_sparpr_queue_depth") < 4 and time.monotonic() < end:
         time.sleep(0.05)
