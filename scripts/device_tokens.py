@@ -56,14 +56,20 @@ def main(argv=None) -> int:
         # rows start at different places of the text; the last row is shorter (left padding)
         prompts = [ids[b * 997: b * 997 + n - (7 if b == args.batch - 1 and b else 0)] for b in range(args.batch)]
         for placement in ({}, {"cache_gpu_percent": 0, "cache_cpu_percent": 100}):
-            cpu, cpu_logits, cpu_conf = run(src, prompts, args.gen_len, "cpu", "float32", placement)
-            f32, f32_logits, f32_conf = run(src, prompts, args.gen_len, args.device, "float32", placement)
+            # float32 against float32: blocks on the CPU tier stored exact (--kv-dtype float32), as the
+            # CPU run keeps them (there the CPU tier is the compute tier); the default float16
+            # storage would round them on the GPU run alone
+            cpu, cpu_logits, cpu_conf = run(src, prompts, args.gen_len, "cpu", "float32", placement, "float32")
+            f32, f32_logits, f32_conf = run(src, prompts, args.gen_len, args.device, "float32", placement, "float32")
             f16, _, f16_conf = run(src, prompts, args.gen_len, args.device, "float16", placement)
             top2 = cpu_logits.topk(2, dim=-1).values  # top2: [B, n, 2]
             margin = (top2[..., 0] - top2[..., 1])  # margin: [B, n] the CPU's top-1 lead
             dep = first_departure(cpu, f16)
-            cell = {"prompt_len": n, "placement": placement or "all on compute",
+            dep32 = first_departure(cpu, f32)
+            cell = {"prompt_len": n, "placement": placement or "all on compute", "float32_kv_dtype": "float32",
                     "float32_equal": cpu == f32, "float32_max_logit_diff": float((f32_logits - cpu_logits).abs().max()),
+                    "float32_first_departure": dep32,
+                    "cpu_margin_at_float32_departure": None if dep32 is None else float(margin[dep32]),
                     "float16_first_departure": dep,
                     "cpu_margin_at_departure": None if dep is None else float(margin[dep]),
                     "cpu_min_margin": float(margin.min()), "cpu_tokens": cpu, "float32_tokens": f32,
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
             ok &= cell["float32_equal"]
             cells.append(cell)
             print(f"{n:>5} tokens, {cell['placement']}: float32 equal {cell['float32_equal']} (max logit diff "
-                  f"{cell['float32_max_logit_diff']:.2e}); float16 departs at {dep} "
+                  f"{cell['float32_max_logit_diff']:.2e}, departs at {dep32}); float16 departs at {dep} "
                   f"(CPU margin there {cell['cpu_margin_at_departure']})", flush=True)
     payload = {"config": {"command": " ".join(["python"] + sys.argv), "engine_commit": engine_commit(),
                           "model": str(src.path), "device": args.device,

@@ -13,16 +13,17 @@ PERCENT = {"w_gpu_percent": 100, "w_cpu_percent": 0, "cache_gpu_percent": 100, "
            "act_gpu_percent": 100, "act_cpu_percent": 0}
 
 
-def run(src, prompts, n, device, dtype, placement):
+def run(src, prompts, n, device, dtype, placement, kv_dtype="auto"):
     """Greedy tokens [B][n], logits [B, n, V] (on the CPU) of `prompts` on a fresh LLM, and the
-    configuration it resolved; placement: the percents it changes by name ({"cache_gpu_percent": 0, ...})."""
+    configuration it resolved; placement: the percents it changes by name ({"cache_gpu_percent": 0, ...});
+    kv_dtype: --kv-dtype (how blocks on the CPU and disk tiers are stored; "float32" keeps them exact)."""
     import torch
 
     from ..api.llm import LLM
     from ..api.resolved import resolved
     percent = [placement.get(k, v) for k, v in PERCENT.items()]
     with LLM(src, gpu_batch_size=len(prompts), percent=percent, device=device, dtype=dtype, block_size=64,
-             offload_dir="unused", quiet=True) as llm:
+             offload_dir="unused", quiet=True, kv_dtype=kv_dtype) as llm:
         r = llm.engine.generate(prompts, n, keep_logits=True)
         config = resolved(llm)
     return r.tokens, torch.stack(r.logits, 1), config  # logits: [B, n, V] on the CPU
