@@ -134,15 +134,12 @@ class BlockTable:
         pos = self.positions(blocks, dev)  # pos: [T], the whole blocks' tokens first
         if n:
             ids = pos[:n * bs:bs] // bs  # ids: [n] the whole blocks (each block's first position)
-            dst = kv[:, :, :, :n * bs]  # dst: [planes, B, Hkv, n * bs, D]
+            # every (plane, sequence, head) row as whole blocks of bs * D values: one 3-D indexed copy
+            # (1.2-1.5x the 6-D one's speed on a CPU). The arena holds whole blocks, and kv is a token
+            # slice of a contiguous [planes, B, Hkv, T, D] buffer, so both views exist
             rows = planes * b * hkv
-            flat = _rows_of_blocks(dst, rows, n, bs * d) if arena.shape[3] % bs == 0 else None
-            if flat is not None:  # every (plane, sequence, head) row as whole blocks of bs * D values: a 3-D
-                src = arena.view(rows, -1, bs * d)  # indexed copy (1.2-1.5x the 6-D one's speed on a CPU)
-                torch.index_select(src, 1, ids, out=flat)  # src: [rows, capacity / bs, bs * D]
-            else:
-                src = arena[:, :, :, :sealed * bs].unflatten(3, (sealed, bs))  # src: [planes, B, Hkv, sealed, bs, D]
-                torch.index_select(src, 3, ids, out=dst.unflatten(3, (n, bs)))
+            src = arena.view(rows, -1, bs * d)  # src: [rows, capacity / bs, bs * D]
+            torch.index_select(src, 1, ids, out=kv[:, :, :, :n * bs].view(rows, n, bs * d))  # out: [rows, n, bs * D]
         if open_len:
             kv[:, :, :, n * bs:].copy_(arena[:, :, :, sealed * bs:self.length])
         return kv, pos
@@ -251,12 +248,3 @@ class BlockTable:
             if side is not None:
                 side.close()
         self.store.close()
-
-
-def _rows_of_blocks(x: torch.Tensor, rows: int, n: int, width: int) -> torch.Tensor | None:
-    """x: [planes, B, Hkv, n * bs, D] seen as [rows, n, width = bs * D] without a copy, or None
-    where its strides do not allow it."""
-    try:
-        return x.view(rows, n, width)
-    except RuntimeError:
-        return None

@@ -119,8 +119,6 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
     if packed is not None:  # the kernel reads the packed codes as c - 8: no offset to take off
         logit = packed.logits(torch.matmul(qg, basis.plain_basis()), t)  # logit: [B, Hkv, G, T] bfloat16
-        if pad_bias is not None:
-            logit = logit.float()
     else:
         qs = torch.matmul(qg, basis.query_basis())  # qs: [B, Hkv, G, r] = [qe | qo - 16 qe]
         # q . k~ = sum_j qs_j (c_j - 8), c_j the nibble of direction j (even j low, odd j high). With the
