@@ -13,6 +13,15 @@ def policy_knobs(policy) -> dict:
     return {"name": policy.name, **{k.name: getattr(policy, k.name) for k in knobs(type(policy))}}
 
 
+def decode_attention_kernel(device) -> str:
+    """Which kernel a decode step's attention runs on (models/cpu_kernel.py: the compiled one on a
+    CPU with AVX-512 where it is built; else torch's)."""
+    if device.type != "cpu":
+        return "torch"
+    from ..models import cpu_kernel
+    return "compiled (AVX-512)" if cpu_kernel.kernel() is not None else f"torch ({cpu_kernel.why_not()})"
+
+
 def resolved(llm, policies: dict | None = None) -> dict:
     """The LLM's engine settings as resolved (device, dtypes, block size, weight format, placement,
     cold codec, schedule) and its KV policy's knobs; policies: {label: policy} of the others a
@@ -23,6 +32,7 @@ def resolved(llm, policies: dict | None = None) -> dict:
            "kv_dtype": cfg.kv_dtype if cfg.kv_bits else str(cfg.torch_kv_dtype(eng.dtype)).removeprefix("torch."),
            "block_size": cfg.block_size,
            "weight_format": eng.weight_format.describe(),
+           "decode_attention": decode_attention_kernel(eng.devices.compute),
            "placement": {"gpu_batch_size": pol.gpu_batch_size, "num_gpu_batches": pol.num_gpu_batches,
                          "weights": list(pol.weight_percents), "kv": list(pol.cache_percents),
                          "activations": [pol.act_gpu_percent, pol.act_cpu_percent]},

@@ -51,6 +51,9 @@ def main(argv=None) -> int:
         if rc == 0 and not {"-h", "--help"} & set(rest):  # what --weight-format auto will choose from
             from ..runtime.probe import say_weight_formats
             rc = guarded(lambda: say_weight_formats(print, refresh=False) or 0)
+        if rc == 0 and not {"-h", "--help"} & set(rest):  # built now, not in the first decode step
+            from ..models.cpu_kernel import say_kernel
+            say_kernel(print)
         return rc
     print(f"error: unknown command {cmd!r} (commands: run, chat, batch, serve, models, prepare, profile; see --help)", file=sys.stderr)
     return 2

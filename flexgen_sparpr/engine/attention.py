@@ -18,11 +18,12 @@ def pads_valid(pos, pads) -> torch.Tensor | None:
     return torch.arange(s, device=pos.device)[None, :] >= pads[:, None]
 
 
-def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0) -> torch.Tensor:
+def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0, rows=None) -> torch.Tensor:
     """One new token. q: [B, H, 1, D]; kv: [2, B, Hkv, T+1, D] the tokens read, the new one last;
     pos: [T+1] their cache positions, or [B, T+1] each sequence's own; mask: [B, Hkv, T] the tokens
-    each sequence and KV head attends (None: all); pads: [B] left-pad counts or None. Returns o:
-    [B, H, 1, D]."""
+    each sequence and KV head attends (None: all); pads: [B] left-pad counts or None. rows: [1|B, T+1]
+    or None: kv is a whole resident cache read in place and these are the rows attended (pos).
+    Returns o: [B, H, 1, D]."""
     valid = None if pads is None else (pos if pos.dim() == 2 else pos[None, :]) >= pads[:, None]  # [B, T+1]
     if mask is not None:
         if valid is None:
@@ -31,7 +32,7 @@ def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0) -> t
         valid = valid[:, None, :] & keep  # valid: [B, Hkv, T+1]
     if sparsity < 1:
         return topk_sparse_attention(q, kv[0], kv[1], valid, sparsity)
-    return decode_attention(q, kv[0], kv[1], valid)
+    return decode_attention(q, kv[0], kv[1], valid, rows)
 
 
 def append_attention(table: BlockTable, q, k, v) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy, Selection
+from ..models import cpu_kernel
 from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, split_by_home
 from .io import Done, IOPool
@@ -97,7 +98,8 @@ class KVReader:
             return split_by_home(t, q, k, v, pads), t.append(k, v)
         fetched = self.read(t, layer, q, fetched, w, pads)
         kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
-        o = decode_attention_step(q, kv, pos, mask, pads, sparsity=self.sparsity)
+        rows = None if fetched is None or fetched.rows is None else fetched.rows
+        o = decode_attention_step(q, kv, pos, mask, pads, sparsity=self.sparsity, rows=rows)
         self.policy.observe(t, layer, q, kv, pos, fetched.sel if fetched else Selection.all(t))
         return o, jobs
 
@@ -112,8 +114,12 @@ class KVReader:
             if sel is None:
                 with clock.timed("select"):
                     sel = self.policy.select(t, layer, q)
-            with self.devices.counters.tag("serial"), clock.timed("read"):  # inside the cell: nothing hides it
-                fetched = self._gather(t, sel)
+            if self.reads_rows(t, sel, q):
+                fetched = Fetched(None, None, sel, rows=sel.rows if sel.rows is not None else
+                                  t.positions(sel.blocks)[None])  # rows: [1|B, T]
+            else:
+                with self.devices.counters.tag("serial"), clock.timed("read"):  # inside the cell: nothing hides it
+                    fetched = self._gather(t, sel)
         elif fetched is not None and fetched.sel.guess:  # speculative prefetch: keep what the guess read
             with clock.timed("select"):
                 sel = self.policy.select(t, layer, q)
@@ -126,6 +132,15 @@ class KVReader:
         self.blocks_read[1] += t.num_blocks
         return fetched
 
+    def reads_rows(self, t: BlockTable, sel: Selection, q: torch.Tensor) -> bool:
+        """A selection from a resident cache is attended where it lies, by its rows (no gather): on
+        the compiled CPU kernel, with nothing to rebuild, no policy looking at what was read, and no
+        --attn-sparsity."""
+        if not t.store.resident or sel.recompute or sel.guess or self.policy.observes or self.sparsity < 1:
+            return False
+        arena = t.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
+        return cpu_kernel.usable(q, arena[0], arena[1])
+
     def add_token(self, t: BlockTable, fetched: Fetched | None, k: torch.Tensor, v: torch.Tensor):
         """The step's new token k, v: [B, Hkv, 1, D] joins the table and what attention reads:
         fetched's spare last slot (fetched was gathered before this token), or, read in place, the
@@ -135,6 +150,12 @@ class KVReader:
             jobs = t.append(k, v)
             kv, pos = t.gather()
             return kv, pos, None, jobs
+        if fetched.rows is not None:  # read in place: the arena after the append, the new token's row added
+            jobs = t.append(k, v)
+            new = fetched.rows.new_full((fetched.rows.shape[0], 1), t.length - 1)
+            fetched.rows = torch.cat([fetched.rows, new], dim=1)  # rows: [1|B, T+1]
+            pos = fetched.rows[0] if fetched.rows.shape[0] == 1 else fetched.rows
+            return t.store.resident_view(t.length), pos, fetched.sel.mask, jobs
         kv, pos = fetched.kv, fetched.pos
         kv[0, :, :, -1:].copy_(k)
         kv[1, :, :, -1:].copy_(v)

@@ -16,12 +16,15 @@ from ..kv.policy import Selection
 class Fetched:
     """A decode step's gathered KV with one spare last slot for the step's new token."""
 
-    kv: torch.Tensor  # [2, B, Hkv, T+1, D]
-    pos: torch.Tensor  # [T+1] cache positions, or [B, T+1] per sequence (sel.rows); last: the step's token
+    kv: torch.Tensor | None  # [2, B, Hkv, T+1, D]
+    pos: torch.Tensor | None  # [T+1] cache positions, or [B, T+1] per sequence (sel.rows); last: the step's token
     sel: Selection
     hidden: torch.Tensor | None = None  # [B, Tr, hidden] checkpoints of the blocks to rebuild
     slots: torch.Tensor | None = None  # [Tr] where the rebuilt tokens go in kv
     room: torch.Tensor | None = None  # [2, B, Hkv, T+1+R, D] kv's buffer, R tokens longer (top_up)
+    # read in place (a resident cache on the CPU kernel: no copy): kv and pos are None until the new
+    # token joins; rows: [1|B, T] the cache positions attended (the arena's rows), one row shared or one a sequence
+    rows: torch.Tensor | None = None
 
 
 def _offsets(t: BlockTable, blocks: list[int]) -> dict[int, int]:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernel import kernel as compiled_kernel, usable as kernel_usable
 from .packed import Packed
 
 
@@ -113,13 +114,31 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     valid: torch.Tensor | None) -> torch.Tensor:
+                     valid: torch.Tensor | None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One query position over T keys. q: [B, H, 1, D]; k, v: [B, Hkv, T, D];
-    valid: [B, T] or per KV head [B, Hkv, T] bool."""
+    valid: [B, T] or per KV head [B, Hkv, T] bool. rows: [1|B, T'] int64 or None: attend rows
+    rows[b] of k and v, read in place (the compiled CPU kernel only: `cpu_kernel.usable`), valid's
+    T being T'."""
+    if rows is not None or kernel_usable(q, k, v):
+        return kernel_decode(q, k, v, valid, rows)[0].to(q.dtype)
     b, h, _, d = q.shape
     qg, ok = _grouped_query(q, k.shape[1], valid)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=ok)  # o: [B, Hkv, G, D]
     return o.reshape(b, h, 1, d)
+
+
+def kernel_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+                  rows: torch.Tensor | None = None):
+    """One query per head by the compiled CPU kernel (cpu_kernel.py; `usable` must hold). q: [B, H, 1, D];
+    k, v: [B, Hkv, T, D] (float32, bfloat16 or float16); valid: [B, T'] or [B, Hkv, T'] bool or None;
+    rows: [1|B, T'] int64, the rows of k and v attended (None: all T, T' = T). Returns out: [B, H, 1, D]
+    and lse: [B, H, 1], float32 (a row with no valid key: 0 and -inf)."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, h // hkv, d).float().contiguous()  # qg: [B, Hkv, G, D]
+    mask = None if valid is None else (valid[:, None] if valid.dim() == 2 else valid).contiguous()  # [B, 1|Hkv, T']
+    out, lse = compiled_kernel().decode_attention(qg, k, v, mask, rows)  # out: [B, Hkv, G, D]; lse: [B, Hkv, G]
+    return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
 
 
 def _grouped_query(q: torch.Tensor, hkv: int, valid: torch.Tensor | None):
@@ -192,6 +211,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k.shape[2] == 0:  # nothing to attend
         return (torch.zeros(b, h, sq, d, dtype=torch.float32, device=q.device),
                 torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device))
+    if sq == 1 and kernel_usable(q, k, v):
+        return kernel_decode(q, k, v, valid.valid if isinstance(valid, KeyMask) else valid)
     if sq == 1 and _FLASH_CPU is not None and q.device.type == "cpu" and \
             q.dtype == k.dtype == v.dtype == torch.float32:
         return _decode_attention_cpu(q, k, v, valid)

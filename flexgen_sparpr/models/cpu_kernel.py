@@ -1,0 +1,85 @@
+"""The compiled CPU decode-attention kernel (decode_kernel.cpp), built once per machine.
+
+torch's fused CPU attention reads a one-query decode step's float32 K/V at about 13 GB/s on two
+cores, and runs 4-5x slower still on bfloat16 ones; the kernel reads each key and value row once for
+all the query heads that share it, widening bfloat16 / float16 rows as it goes, and splits the keys
+over the threads: 1.6x faster than torch's kernel on float32 K/V and 2.5x on bfloat16 (SmolLM2's
+heads, 2k-8k keys, 2 cores; docs/weights.md). It is built with the machine's own instruction set
+(`-march=native`) by torch's extension loader (g++ and ninja) the first time a decode step can use
+it, or by `flexgen-sparpr prepare`, and cached under torch's extension folder, keyed by the source
+and this CPU's flags. Where it cannot be built (no compiler, no AVX-512) or
+FLEXGEN_SPARPR_CPU_KERNEL=0 is set, `kernel()` is None and decode attention stays on torch's kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("decode_kernel.cpp")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+_state: dict = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (the kernel's instruction set)."""
+    return " avx512f" in _cpu_flags()
+
+
+def kernel():
+    """The built kernel module, or None where it cannot be (the reason in `why_not()`). Built on the
+    first call (about 30 s on two cores, once per machine); later calls return it at once."""
+    if "module" not in _state:
+        _state["module"], _state["why"] = _build()
+    return _state["module"]
+
+
+def why_not() -> str | None:
+    """Why `kernel()` is None (None: it is built, or not asked for yet)."""
+    return _state.get("why")
+
+
+def _build():
+    if os.environ.get("FLEXGEN_SPARPR_CPU_KERNEL", "1") == "0":
+        return None, "FLEXGEN_SPARPR_CPU_KERNEL=0"
+    if sys.platform != "linux" or not has_avx512():
+        return None, "not a Linux CPU with AVX-512"
+    src = _SRC.read_bytes()
+    key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
+    try:
+        from torch.utils.cpp_extension import load
+        mod = load(name=f"flexgen_sparpr_decode_{key.hexdigest()[:12]}", sources=[str(_SRC)],
+                   extra_cflags=_FLAGS, verbose=False)
+    except Exception as e:  # no compiler or ninja, a failed build: torch's kernel serves
+        return None, f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+    return (mod, None) if mod.simd() else (None, "built without AVX-512")
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a decode step's q: [B, H, 1, D] over k, v: [B, Hkv, T, D] can go to the kernel (CPU; D 64
+    or 128; at most 8 query heads per KV head; K and V of one float dtype, rows contiguous, one row
+    stride)."""
+    return (q.device.type == "cpu" and q.shape[-1] in (64, 128) and q.shape[1] // k.shape[1] <= 8
+            and k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(2) == v.stride(2) and kernel() is not None)
+
+
+def say_kernel(say) -> None:
+    """Build the kernel (if it can be) and say whether decode attention uses it."""
+    if kernel() is not None:
+        say("CPU decode-attention kernel: built (AVX-512); decode attention on the CPU uses it")
+    else:
+        say(f"CPU decode-attention kernel: not used ({why_not()}); decode attention stays on torch's kernel")

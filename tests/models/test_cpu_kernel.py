@@ -1,0 +1,117 @@
+"""The compiled CPU decode kernel (models/cpu_kernel.py) against a float64 reference, and the
+dispatch that sends decode attention to it."""
+import math
+import shutil
+
+import pytest
+import torch
+
+from flexgen_sparpr.models import cpu_kernel, layers
+from flexgen_sparpr.models.layers import attention_with_lse, decode_attention
+
+# a machine that can build it must: a skip here would hide a broken build
+BUILDABLE = cpu_kernel.has_avx512() and shutil.which("g++") is not None and shutil.which("ninja") is not None
+
+
+def reference(q, k, v, valid):
+    """float64 attention of one query per head, with its log-sum-exp (0 and -inf where nothing is valid).
+    q: [B, H, 1, D]; k, v: [B, Hkv, T, D]; valid: [B, T] or [B, Hkv, T] or None."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = q.double() @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])  # s: [B, H, 1, T]
+    if valid is not None:
+        m = valid[:, None, None, :] if valid.dim() == 2 else valid.repeat_interleave(g, 1)[:, :, None, :]
+        s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, -1)  # lse: [B, H, 1]
+    return (torch.softmax(s, -1).nan_to_num(0.0) @ vv), lse
+
+
+def test_kernel_builds_where_it_can():
+    if not BUILDABLE:
+        pytest.skip("no AVX-512 CPU, g++ or ninja here: decode attention stays on torch's kernel")
+    assert cpu_kernel.kernel() is not None, cpu_kernel.why_not()
+
+
+needs_kernel = pytest.mark.skipif(not BUILDABLE, reason="no AVX-512 CPU, g++ or ninja: the kernel is not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h, hkv, d", [(9, 3, 64), (4, 4, 128), (16, 2, 64)])
+@pytest.mark.parametrize("mask_kind", ["none", "per_seq", "per_head"])
+@pytest.mark.parametrize("t", [1, 511, 1300])
+def test_kernel_matches_reference(dtype, h, hkv, d, mask_kind, t):
+    b = 2
+    g = torch.Generator().manual_seed(t + h)
+    q = torch.randn(b, h, 1, d, generator=g)
+    arena = torch.randn(2, b, hkv, t + 37, d, generator=g).to(dtype)  # a narrowed arena, as the cache is read
+    k, v = arena[0, :, :, :t], arena[1, :, :, :t]
+    valid = None
+    if mask_kind != "none":
+        shape = (b, t) if mask_kind == "per_seq" else (b, hkv, t)
+        valid = torch.rand(shape, generator=g) > 0.3
+        valid[..., -1] = True
+    assert cpu_kernel.usable(q, k, v)
+    out, lse = layers.kernel_decode(q, k, v, valid)
+    ref, ref_lse = reference(q, k.float(), v.float(), valid)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_rows_with_no_valid_key_give_zero_and_minus_inf():
+    q, k, v = torch.randn(2, 6, 1, 64), torch.randn(2, 3, 700, 64), torch.randn(2, 3, 700, 64)
+    valid = torch.ones(2, 3, 700, dtype=torch.bool)
+    valid[1, 2] = False  # sequence 1, KV head 2: nothing to attend
+    out, lse = attention_with_lse(q, k, v, valid)
+    ref, ref_lse = reference(q, k, v, valid)
+    assert torch.all(out[1, 4:] == 0) and torch.all(lse[1, 4:] == float("-inf"))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse[0].double(), ref_lse[0], rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_attention_dispatch(monkeypatch):
+    """SmolLM2's heads take the kernel; a head size it was not built for, or the switch off, take torch's."""
+    calls = []
+    real = layers.kernel_decode
+    monkeypatch.setattr(layers, "kernel_decode", lambda *a: calls.append(1) or real(*a))
+    q, k, v = torch.randn(1, 9, 1, 64), torch.randn(1, 3, 300, 64), torch.randn(1, 3, 300, 64)
+    fused = decode_attention(q, k, v, None)
+    assert calls == [1]
+    monkeypatch.setitem(cpu_kernel._state, "module", None)
+    torch.testing.assert_close(decode_attention(q, k, v, None), fused, rtol=1e-5, atol=1e-5)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
+    monkeypatch.undo()
+    monkeypatch.setattr(layers, "kernel_decode", lambda *a: calls.append(2) or real(*a))
+    decode_attention(q, k, v, None)
+    assert calls == [1]
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("FLEXGEN_SPARPR_CPU_KERNEL", "0")
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    assert cpu_kernel.kernel() is None and "FLEXGEN_SPARPR_CPU_KERNEL=0" in cpu_kernel.why_not()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("per_head_mask", [False, True])
+def test_rows_read_in_place_equal_a_gather(shared, per_head_mask):
+    """rows: the keys attended are rows of k and v where they lie; the same as gathering them first."""
+    b, h, hkv, t, d = 3, 9, 3, 900, 64
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(b, h, 1, d, generator=g)
+    arena = torch.randn(2, b, hkv, t + 50, d, generator=g)
+    k, v = arena[0, :, :, :t], arena[1, :, :, :t]
+    n = 300
+    rows = torch.stack([torch.randperm(t, generator=g)[:n].sort().values for _ in range(1 if shared else b)])
+    valid = torch.rand((b, hkv, n) if per_head_mask else (b, n), generator=g) > 0.2
+    idx = rows.expand(b, n)
+    kk = torch.stack([k[i, :, idx[i]] for i in range(b)])  # kk: [B, Hkv, n, D], gathered
+    vv = torch.stack([v[i, :, idx[i]] for i in range(b)])
+    out = decode_attention(q, k, v, valid, rows)
+    ref, _ = reference(q, kk, vv, valid)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="within"):
+        decode_attention(q, k, v, valid, rows.clone().fill_(t))
