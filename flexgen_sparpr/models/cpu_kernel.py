@@ -1,4 +1,5 @@
-"""The compiled CPU decode-attention kernel (decode_kernel.cpp), built once per machine.
+"""The compiled CPU kernels, built once per machine: decode attention (decode_kernel.cpp) and
+SparPR's low-rank block scores (lowrank_kernel.cpp, used by kv/policies/sparpr_lowrank.py).
 
 torch's fused CPU attention reads a one-query decode step's float32 K/V at about 13 GB/s on two
 cores, and runs 4-5x slower still on bfloat16 ones; the kernel reads each key and value row once for
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-_SRC = Path(__file__).with_name("decode_kernel.cpp")
+_SRCS = [Path(__file__).with_name(n) for n in ("decode_kernel.cpp", "lowrank_kernel.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 _state: dict = {}
 
@@ -57,11 +58,11 @@ def _build():
         return None, "FLEXGEN_SPARPR_CPU_KERNEL=0"
     if sys.platform != "linux" or not has_avx512():
         return None, "not a Linux CPU with AVX-512"
-    src = _SRC.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SRCS)
     key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
     try:
         from torch.utils.cpp_extension import load
-        mod = load(name=f"flexgen_sparpr_decode_{key.hexdigest()[:12]}", sources=[str(_SRC)],
+        mod = load(name=f"flexgen_sparpr_decode_{key.hexdigest()[:12]}", sources=[str(p) for p in _SRCS],
                    extra_cflags=_FLAGS, verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: torch's kernel serves
         return None, f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"

@@ -240,7 +240,11 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, to
   return {out, lse};
 }
 
+torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optional<torch::Tensor> bias,
+                             int64_t bs);  // lowrank_kernel.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd", &simd);
   m.def("decode_attention", &decode_attention);
+  m.def("lowrank_scores", &lowrank_scores);
 }

@@ -115,3 +115,29 @@ def test_rows_read_in_place_equal_a_gather(shared, per_head_mask):
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError, match="within"):
         decode_attention(q, k, v, valid, rows.clone().fill_(t))
+
+
+@needs_kernel
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("g, r, bs, nb", [(3, 32, 16, 40), (2, 2, 4, 9), (8, 12, 8, 33)])
+def test_lowrank_scores_match_the_float_path(padded, g, r, bs, nb):
+    """SparPR's block scores by the compiled kernel equal the float torch path's (kv/policies/sparpr_lowrank.py)."""
+    from flexgen_sparpr.kv.policies.sparpr_lowrank import encode, fit_basis, kernel_scores, lowrank_block_scores
+    b, hkv, d = 2, 3, 64
+    gen = torch.Generator().manual_seed(g + r)
+    t = nb * bs
+    keys = torch.randn(b, hkv, t, d, generator=gen)
+    basis = fit_basis(keys, torch.ones(b, t, dtype=torch.bool), r)
+    store = torch.zeros(b, hkv, r // 2, t + 5 * bs, dtype=torch.uint8)  # the summaries' buffer, narrowed as the policy reads it
+    store[..., :t] = encode(keys, basis).mT
+    codes = store[..., :t]
+    q = torch.randn(b, hkv * g, 1, d, generator=gen)
+    bias = None
+    if padded:
+        bias = torch.zeros(b, t)
+        bias[1, :bs + 3] = float("-inf")  # sequence 1: one block and 3 tokens of left padding
+    live = None if bias is None else (bias.view(b, nb, bs) == 0).any(-1)
+    assert kernel_scores(q, codes, "softmax") and not kernel_scores(q, codes, "sum")
+    want = lowrank_block_scores(q, codes, basis, bs, "softmax", bias, live)
+    got = lowrank_block_scores(q, codes, basis, bs, "softmax", bias, live, compiled=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -20,7 +20,7 @@ from .base import masked_mean_keys
 from .selection import BlockSelectionPolicy, Room, StepView, shared_pick
 from . import sparpr_int4
 from .sparpr_int4 import PackedCodes, packed_nbytes
-from .sparpr_lowrank import KeyBasis, encode, fit_basis, lowrank_block_scores, rank_for, summary_share
+from .sparpr_lowrank import KeyBasis, encode, fit_basis, kernel_scores, lowrank_block_scores, rank_for, summary_share
 from .sparpr_mean import block_scores
 from .sparpr_plan import CostPlan
 from .sparpr_stats import StepStats
@@ -254,10 +254,10 @@ class SparPR(CostPlan, BlockSelectionPolicy):
             table.devices.counters.add("compute", "cpu", qh.nbytes)
             table.devices.counters.add("cpu", "compute", score.nbytes)
             return score
-        b, hkv, half, sealed, bs = summ[0].shape
         codes = summ[0].flatten(3)  # codes: [B, Hkv, r / 2, T], a view
-        return lowrank_block_scores(q, codes, self._basis[table], bs, self.head_score, view.pad_bias, view.live,
-                                    self._packed_codes(table, codes))
+        fast = kernel_scores(q, codes, self.head_score)  # the compiled kernel reads the codes as they are
+        return lowrank_block_scores(q, codes, self._basis[table], table.bs, self.head_score, view.pad_bias, view.live,
+                                    None if fast else self._packed_codes(table, codes), fast)
 
     def _packed_codes(self, table: BlockTable, codes: torch.Tensor) -> PackedCodes | None:
         """The table's codes in the CPU int4 kernel's layout, synced with its sealed tokens, where

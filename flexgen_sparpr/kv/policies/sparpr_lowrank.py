@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...models.cpu_kernel import kernel as compiled_kernel
 from ...utils.linalg import eigh
 from .sparpr_int4 import PackedCodes
 
@@ -106,17 +107,29 @@ def decode(codes: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
     return c * basis.step[None, :, None, :]
 
 
+def kernel_scores(q: torch.Tensor, codes: torch.Tensor, head_score: str) -> bool:
+    """Whether the compiled CPU kernel scores the blocks (head_score "softmax", the CPU, at most 8
+    query heads per KV head, codes read in place; models/cpu_kernel.py says where it is built)."""
+    return (head_score == "softmax" and q.device.type == "cpu" and q.shape[1] // codes.shape[1] <= 8
+            and codes.stride(3) == 1 and compiled_kernel() is not None)
+
+
 def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, bs: int, head_score: str,
                          pad_bias: torch.Tensor | None = None, live: torch.Tensor | None = None,
-                         packed: PackedCodes | None = None) -> torch.Tensor:
+                         packed: PackedCodes | None = None, compiled: bool = False) -> torch.Tensor:
     """q: [B, H, 1, D]; codes: [B, Hkv, r / 2, T] (tokens innermost) of T = nb * bs sealed tokens;
     pad_bias: [B, T] 0 or -inf (None: no left padding); live: [B, nb] blocks holding a valid token
     (None: all); packed: the same codes in the CPU int4 kernel's layout, synced (sparpr_int4.py),
-    or None -> [B, nb] (-inf: a block with no valid token)."""
+    or None; compiled: score by the compiled CPU kernel (`kernel_scores` must hold; packed unused)
+    -> [B, nb] (-inf: a block with no valid token)."""
     b, h, _, d = q.shape
     hkv, t = codes.shape[1], codes.shape[3]
     half = codes.shape[2]
     qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+    if compiled:  # one compiled call (models/lowrank_kernel.cpp), float32 throughout
+        qs = torch.matmul(qg, basis.plain_basis()).contiguous()  # qs: [B, Hkv, G, r]
+        score = compiled_kernel().lowrank_scores(qs, codes, pad_bias, bs)  # score: [B, nb]
+        return score if live is None else score.masked_fill(~live, -math.inf)
     if packed is not None:  # the kernel reads the packed codes as c - 8: no offset to take off
         logit = packed.logits(torch.matmul(qg, basis.plain_basis()), t)  # logit: [B, Hkv, G, T] bfloat16
     else:

@@ -1,0 +1,117 @@
+// SparPR's low-rank block scores on a CPU with AVX-512 (kv/policies/sparpr_lowrank.py, head_score
+// "softmax"): per sequence, KV head and query head, q . k~ of every sealed token from its 4-bit codes
+// (two a byte, tokens innermost), the softmax over the tokens, and each block's share of it, summed
+// over the heads: one call a layer where torch takes about fifteen. Float32 throughout (the torch path
+// multiplies in bfloat16).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr float kLow = -1e30f;  // a padded token's logit: finite, as -ffast-math's vector exp needs
+constexpr int kMaxG = 8;
+
+// logits [G, T] of one (sequence, KV head): qs [G, r] (r = 2 half), codes [half, T] with row stride cs
+void logits(const float* qs, int G, int half, const uint8_t* codes, int64_t cs, int64_t T, const float* bias,
+            float* out) {
+  int64_t t0 = 0;
+  const __m512i low4 = _mm512_set1_epi32(15);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (; t0 + 16 <= T; t0 += 16) {
+    __m512 acc[kMaxG];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int i = 0; i < half; ++i) {
+      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + i * cs + t0)));
+      const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, low4)), eight);
+      const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), eight);
+      for (int g = 0; g < G; ++g) {
+        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * 2 * half + 2 * i]), lo, acc[g]);
+        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * 2 * half + 2 * i + 1]), hi, acc[g]);
+      }
+    }
+    if (bias) {
+      const __m512 b = _mm512_max_ps(_mm512_loadu_ps(bias + t0), _mm512_set1_ps(kLow));
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_add_ps(acc[g], b);
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + g * T + t0, acc[g]);
+  }
+  for (int64_t t = t0; t < T; ++t) {  // the tail, a token at a time
+    for (int g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int i = 0; i < half; ++i) {
+        const int c = codes[i * cs + t];
+        s += qs[g * 2 * half + 2 * i] * ((c & 15) - 8) + qs[g * 2 * half + 2 * i + 1] * ((c >> 4) - 8);
+      }
+      out[g * T + t] = bias ? s + std::max(bias[t], kLow) : s;
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+// qs: [B, Hkv, G, r] float32 contiguous (each query head's coordinates, scaled by the steps and 1 / sqrt(D));
+// codes: [B, Hkv, r / 2, T] uint8, tokens contiguous (even direction low nibble, odd high; code - 8 steps);
+// bias: [B, T] float32 contiguous, 0 or -inf (left padding), or None; bs: tokens a block (T = nb bs).
+// Returns [B, nb] float32: each block's share of each query head's softmax over the T tokens, summed over
+// the query heads.
+torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optional<torch::Tensor> bias, int64_t bs) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(qs.scalar_type() == torch::kFloat32 && qs.is_contiguous() && qs.dim() == 4 && qs.size(2) <= kMaxG,
+              "qs: contiguous float32 [B, Hkv, G <= 8, r]");
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.dim() == 4 && codes.stride(3) == 1 &&
+                  codes.size(0) == qs.size(0) && codes.size(1) == qs.size(1) && 2 * codes.size(2) == qs.size(3),
+              "codes: uint8 [B, Hkv, r / 2, T], T contiguous");
+  const int64_t B = qs.size(0), H = qs.size(1), G = qs.size(2), half = codes.size(2), T = codes.size(3);
+  TORCH_CHECK(bs >= 1 && T % bs == 0, "T a whole number of blocks");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->dim() == 2 &&
+                    bias->size(0) == B && bias->size(1) == T,
+                "bias: contiguous float32 [B, T]");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t nb = T / bs;
+  auto partial = torch::zeros({B, H, nb}, qs.options());
+  const float* qp = qs.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* pp = partial.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> lg(G * T);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      logits(qp + bh * G * 2 * half, G, half, cp + b * codes.stride(0) + h * codes.stride(1), codes.stride(2), T,
+             bp ? bp + b * T : nullptr, lg.data());
+      float* out = pp + bh * nb;
+      for (int64_t g = 0; g < G; ++g) {
+        float* x = lg.data() + g * T;
+        float top = kLow;
+        for (int64_t t = 0; t < T; ++t) top = std::max(top, x[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < T; ++t) {
+          const float e = std::exp(x[t] - top);
+          x[t] = e;
+          sum += e;
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t k = 0; k < nb; ++k) {
+          float s = 0.f;
+          for (int64_t t = k * bs; t < (k + 1) * bs; ++t) s += x[t];
+          out[k] += s * inv;
+        }
+      }
+    }
+  });
+  return partial.sum(1);
+#else
+  TORCH_CHECK(false, "built without AVX-512");
+#endif
+}
