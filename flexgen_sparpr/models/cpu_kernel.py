@@ -1,15 +1,15 @@
 """The compiled CPU kernels, built once per machine: decode attention (decode_kernel.cpp) and
 SparPR's low-rank block scores (lowrank_kernel.cpp, used by kv/policies/sparpr_lowrank.py).
 
-torch's fused CPU attention reads a one-query decode step's float32 K/V at about 13 GB/s on two
-cores, and runs 4-5x slower still on bfloat16 ones; the kernel reads each key and value row once for
-all the query heads that share it, widening bfloat16 / float16 rows as it goes, and splits the keys
-over the threads: 1.6x faster than torch's kernel on float32 K/V and 2.5x on bfloat16 (SmolLM2's
-heads, 2k-8k keys, 2 cores; docs/weights.md). It is built with the machine's own instruction set
-(`-march=native`) by torch's extension loader (g++ and ninja) the first time a decode step can use
-it, or by `flexgen-sparpr prepare`, and cached under torch's extension folder, keyed by the source
-and this CPU's flags. Where it cannot be built (no compiler, no AVX-512) or
-FLEXGEN_SPARPR_CPU_KERNEL=0 is set, `kernel()` is None and decode attention stays on torch's kernel.
+torch's fused CPU attention reads a one-query decode step's float32 K/V at about 12 GB/s on two
+cores and splits its work by head (a batch of one has few); the attention kernel reads each key and
+value row once for all the query heads that share it, widening bfloat16 / float16 rows as it goes,
+splits the keys over the threads, and can read given rows of the cache in place (what it gains:
+results/attention, docs/weights.md). The kernels are built with the machine's own instruction set
+(`-march=native`) by torch's extension loader (g++ and ninja) the first time one is asked for, or
+by `flexgen-sparpr prepare`, and cached under torch's extension folder, keyed by the sources, this
+CPU's flags and the torch version. Where they cannot be built (no compiler, no AVX-512) or
+FLEXGEN_SPARPR_CPU_KERNEL=0 is set, `kernel()` is None and the torch paths run.
 """
 from __future__ import annotations
 
