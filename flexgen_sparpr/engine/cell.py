@@ -98,7 +98,7 @@ class KVReader:
             return split_by_home(t, q, k, v, pads), t.append(k, v)
         fetched = self.read(t, layer, q, fetched, w, pads)
         kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
-        rows = None if fetched is None or fetched.rows is None else fetched.rows
+        rows = fetched.rows if fetched is not None else None  # read in place: the rows attended
         o = decode_attention_step(q, kv, pos, mask, pads, sparsity=self.sparsity, rows=rows)
         self.policy.observe(t, layer, q, kv, pos, fetched.sel if fetched else Selection.all(t))
         return o, jobs
