@@ -7,7 +7,8 @@
 #   install  the wheelhouse into a temporary site folder (no registry)
 #   info     torch, CUDA device, NVML, the offload folder's file system
 #   tests    the `cuda`-marked tests (HF equivalence, byte accounting, policy matrix, ...)
-#   model    SmolLM2-135M cut to 8 layers (the wheelhouse's GGUF) prepared as a HF model dir
+#   model    SmolLM2-135M cut to 8 layers (the wheelhouse's GGUF) prepared as a HF model dir;
+#            `prepare` also builds the CPU kernels once per torch install (~1 min on 2 cores)
 #   tokens   that model's greedy tokens on the device vs the CPU's (float32 equal; float16 reported)
 #   decode   scripts/bench_decode.py: this engine's decode vs HF generate, both on the device
 #   sparpr   scripts/bench_sparpr.py: dense vs SparPR vs upstream FlexGen (unpatched on CUDA),
@@ -127,7 +128,7 @@ step info 20 "$PY" -c "$INFO" "$OFFLOAD"
 # the CPU suite hides CUDA from itself; an empty model cache makes the SmolLM2 tests skip
 step tests 110 env FLEXGEN_SPARPR_CACHE="$WORK/test-cache" "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda \
     --junitxml="$WORK/results/cuda-tests.xml" "${CUDA_TESTS[@]}" tests
-step model 30 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" -m flexgen_sparpr prepare --gguf "$CUT_MODEL"
+step model 120 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" -m flexgen_sparpr prepare --gguf "$CUT_MODEL"
 step tokens 60 "$PY" scripts/device_tokens.py --model "$MODEL" --device "$DEVICE" $TOKENS --out "$WORK/results"
 step decode 60 "$PY" scripts/bench_decode.py --model "$MODEL" --device "$DEVICE" $DECODE --out "$WORK/results"
 step sparpr 170 env FLEXGEN_SPARPR_CACHE="$WORK/model-cache" "$PY" scripts/bench_sparpr.py --device "$DEVICE" \

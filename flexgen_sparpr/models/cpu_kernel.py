@@ -13,6 +13,7 @@ FLEXGEN_SPARPR_CPU_KERNEL=0 is set, `kernel()` is None and the torch paths run.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
@@ -53,20 +54,53 @@ def why_not() -> str | None:
     return _state.get("why")
 
 
+def _name() -> str:
+    src = b"".join(p.read_bytes() for p in _SRCS)
+    # the torch install is in the key: another venv's headers make another build (no rebuild thrash)
+    key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode()
+                       + str(Path(torch.__file__).resolve().parent).encode())
+    return f"flexgen_sparpr_decode_{key.hexdigest()[:12]}"
+
+
+def build_folder() -> Path:
+    """Where torch's extension loader builds and caches the kernels on this machine and torch."""
+    from torch.utils.cpp_extension import _get_build_directory
+    return Path(_get_build_directory(_name(), verbose=False))
+
+
 def _build():
     if os.environ.get("FLEXGEN_SPARPR_CPU_KERNEL", "1") == "0":
         return None, "FLEXGEN_SPARPR_CPU_KERNEL=0"
     if sys.platform != "linux" or not has_avx512():
         return None, "not a Linux CPU with AVX-512"
-    src = b"".join(p.read_bytes() for p in _SRCS)
-    key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
     try:
         from torch.utils.cpp_extension import load
-        mod = load(name=f"flexgen_sparpr_decode_{key.hexdigest()[:12]}", sources=[str(p) for p in _SRCS],
-                   extra_cflags=_FLAGS, verbose=False)
+        with _exclusive(build_folder()):
+            mod = load(name=_name(), sources=[str(p) for p in _SRCS], extra_cflags=_FLAGS, verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: torch's kernel serves
         return None, f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     return (mod, None) if mod.simd() else (None, "built without AVX-512")
+
+
+class _exclusive:
+    """One build of `folder` at a time across processes, by an advisory lock the kernel drops when its
+    holder dies. torch's own lock is a file that outlives a build killed midway (a timeout, a signal),
+    and every later load waits on it forever; under this lock no live build holds that file, so one
+    found there is stale and removed."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def __enter__(self):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.folder / "flexgen_sparpr.flock", os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        (self.folder / "lock").unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -2,6 +2,8 @@
 dispatch that sends decode attention to it."""
 import math
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,6 +35,26 @@ def test_kernel_builds_where_it_can():
 
 
 needs_kernel = pytest.mark.skipif(not BUILDABLE, reason="no AVX-512 CPU, g++ or ninja: the kernel is not built")
+
+
+@needs_kernel
+def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next():
+    # torch's loader locks a build by creating a file; a build killed by a timeout or a signal leaves
+    # it behind, and torch's own loader then waits on it forever (what hung a CI dry run)
+    assert cpu_kernel.kernel() is not None, cpu_kernel.why_not()
+    folder = cpu_kernel.build_folder()
+    (folder / "lock").touch()
+    probe = "from flexgen_sparpr.models import cpu_kernel as c; print(c.kernel() is not None, c.why_not())"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.stdout.split()[0] == "True", r.stdout + r.stderr
+    assert not (folder / "lock").exists()
+
+
+def test_each_torch_install_builds_its_own(monkeypatch, tmp_path):
+    # a second venv's torch (other headers) gets its own folder, so two venvs never rebuild in turn
+    here = cpu_kernel._name()
+    monkeypatch.setattr(cpu_kernel.torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    assert cpu_kernel._name() != here
 
 
 @needs_kernel
