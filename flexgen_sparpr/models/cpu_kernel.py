@@ -1,5 +1,7 @@
-"""The compiled CPU kernels, built once per machine: decode attention (decode_kernel.cpp) and
-SparPR's low-rank block scores (lowrank_kernel.cpp, used by kv/policies/sparpr_lowrank.py).
+"""The compiled CPU kernels, built once per machine: decode attention (decode_kernel.cpp),
+SparPR's low-rank block scores (lowrank_kernel.cpp, used by kv/policies/sparpr_lowrank.py) and a
+block selection's top-k pick laid out as the rows attention reads (select_kernel.cpp, used by
+kv/policies/fused_pick.py).
 
 torch's fused CPU attention reads a one-query decode step's float32 K/V at about 12 GB/s on two
 cores and splits its work by head (a batch of one has few); the attention kernel reads each key and
@@ -21,8 +23,10 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).with_name(n) for n in ("decode_kernel.cpp", "lowrank_kernel.cpp")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+_SRCS = [Path(__file__).with_name(n) for n in ("decode_kernel.cpp", "lowrank_kernel.cpp", "select_kernel.cpp")]
+# -fopenmp: at::parallel_for is inline OpenMP in torch's headers; without it the kernels run on one thread
+# (the OpenMP runtime is the one torch has loaded: the same soname, libgomp.so.1)
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _state: dict = {}
 
 
@@ -76,7 +80,8 @@ def _build():
     try:
         from torch.utils.cpp_extension import load
         with _exclusive(build_folder()):
-            mod = load(name=_name(), sources=[str(p) for p in _SRCS], extra_cflags=_FLAGS, verbose=False)
+            mod = load(name=_name(), sources=[str(p) for p in _SRCS], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                       verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: torch's kernel serves
         return None, f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     return (mod, None) if mod.simd() else (None, "built without AVX-512")

@@ -240,11 +240,14 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, to
   return {out, lse};
 }
 
-torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optional<torch::Tensor> bias,
-                             int64_t bs);  // lowrank_kernel.cpp
+torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optional<torch::Tensor> bias, int64_t bs);  // lowrank_kernel.cpp
+
+std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::Tensor> own, int64_t k, int64_t bs,
+                                     int64_t length);  // select_kernel.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd", &simd);
   m.def("decode_attention", &decode_attention);
   m.def("lowrank_scores", &lowrank_scores);
+  m.def("pick_rows", &pick_rows);
 }

@@ -17,15 +17,18 @@ namespace {
 
 constexpr float kLow = -1e30f;  // a padded token's logit: finite, as -ffast-math's vector exp needs
 constexpr int kMaxG = 8;
+constexpr int64_t kChunk = 512;  // tokens a thread's work item scores (a multiple of 16)
 
-// logits [G, T] of one (sequence, KV head): qs [G, r] (r = 2 half), codes [half, T] with row stride cs
-void logits(const float* qs, int G, int half, const uint8_t* codes, int64_t cs, int64_t T, const float* bias,
-            float* out) {
+// logits [G, T] of one (sequence, KV head): qs [G, r] (r = 2 half), codes [half, T] with row stride cs.
+// G is a template argument so that the G sums stay in registers (a runtime G spilled them: 2x slower)
+template <int G>
+void logits_g(const float* qs, int half, const uint8_t* codes, int64_t cs, int64_t T, const float* bias,
+              float* out, int64_t os) {
   int64_t t0 = 0;
   const __m512i low4 = _mm512_set1_epi32(15);
   const __m512 eight = _mm512_set1_ps(8.f);
   for (; t0 + 16 <= T; t0 += 16) {
-    __m512 acc[kMaxG];
+    __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int i = 0; i < half; ++i) {
       const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + i * cs + t0)));
@@ -40,7 +43,7 @@ void logits(const float* qs, int G, int half, const uint8_t* codes, int64_t cs, 
       const __m512 b = _mm512_max_ps(_mm512_loadu_ps(bias + t0), _mm512_set1_ps(kLow));
       for (int g = 0; g < G; ++g) acc[g] = _mm512_add_ps(acc[g], b);
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + g * T + t0, acc[g]);
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + g * os + t0, acc[g]);
   }
   for (int64_t t = t0; t < T; ++t) {  // the tail, a token at a time
     for (int g = 0; g < G; ++g) {
@@ -49,8 +52,23 @@ void logits(const float* qs, int G, int half, const uint8_t* codes, int64_t cs, 
         const int c = codes[i * cs + t];
         s += qs[g * 2 * half + 2 * i] * ((c & 15) - 8) + qs[g * 2 * half + 2 * i + 1] * ((c >> 4) - 8);
       }
-      out[g * T + t] = bias ? s + std::max(bias[t], kLow) : s;
+      out[g * os + t] = bias ? s + std::max(bias[t], kLow) : s;
     }
+  }
+}
+
+// logits [G, T] (row stride os) of one (sequence, KV head)'s T tokens
+void logits(const float* qs, int G, int half, const uint8_t* codes, int64_t cs, int64_t T, const float* bias,
+            float* out, int64_t os) {
+  switch (G) {
+    case 1: return logits_g<1>(qs, half, codes, cs, T, bias, out, os);
+    case 2: return logits_g<2>(qs, half, codes, cs, T, bias, out, os);
+    case 3: return logits_g<3>(qs, half, codes, cs, T, bias, out, os);
+    case 4: return logits_g<4>(qs, half, codes, cs, T, bias, out, os);
+    case 5: return logits_g<5>(qs, half, codes, cs, T, bias, out, os);
+    case 6: return logits_g<6>(qs, half, codes, cs, T, bias, out, os);
+    case 7: return logits_g<7>(qs, half, codes, cs, T, bias, out, os);
+    default: return logits_g<8>(qs, half, codes, cs, T, bias, out, os);
   }
 }
 
@@ -70,6 +88,7 @@ torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optiona
                   codes.size(0) == qs.size(0) && codes.size(1) == qs.size(1) && 2 * codes.size(2) == qs.size(3),
               "codes: uint8 [B, Hkv, r / 2, T], T contiguous");
   const int64_t B = qs.size(0), H = qs.size(1), G = qs.size(2), half = codes.size(2), T = codes.size(3);
+  const int64_t r = 2 * half;
   TORCH_CHECK(bs >= 1 && T % bs == 0, "T a whole number of blocks");
   const float* bp = nullptr;
   if (bias.has_value()) {
@@ -78,38 +97,53 @@ torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optiona
                 "bias: contiguous float32 [B, T]");
     bp = bias->data_ptr<float>();
   }
-  const int64_t nb = T / bs;
-  auto partial = torch::zeros({B, H, nb}, qs.options());
+  const int64_t nb = T / bs, BH = B * H;
   const float* qp = qs.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  float* pp = partial.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> lg(G * T);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      logits(qp + bh * G * 2 * half, G, half, cp + b * codes.stride(0) + h * codes.stride(1), codes.stride(2), T,
-             bp ? bp + b * T : nullptr, lg.data());
-      float* out = pp + bh * nb;
-      for (int64_t g = 0; g < G; ++g) {
-        float* x = lg.data() + g * T;
-        float top = kLow;
-        for (int64_t t = 0; t < T; ++t) top = std::max(top, x[t]);
-        float sum = 0.f;
+  // the logits, in chunks of tokens over the threads (a batch of one has only Hkv sequences x heads)
+  auto lgt = torch::empty({BH, G, T}, qs.options());
+  float* lg = lgt.data_ptr<float>();
+  const int64_t nc = (T + kChunk - 1) / kChunk;
+  at::parallel_for(0, BH * nc, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bh = i / nc, t0 = (i % nc) * kChunk, n = std::min(kChunk, T - t0), b = bh / H, h = bh % H;
+      logits(qp + bh * G * r, G, half, cp + b * codes.stride(0) + h * codes.stride(1) + t0, codes.stride(2), n,
+             bp ? bp + b * T + t0 : nullptr, lg + bh * G * T + t0, T);
+    }
+  });
+  // each (sequence, KV head, query head)'s softmax over the tokens, summed by block
+  auto mass = torch::empty({BH, G, nb}, qs.options());
+  float* mp = mass.data_ptr<float>();
+  at::parallel_for(0, BH * G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* x = lg + row * T;
+      float* out = mp + row * nb;
+      float top = kLow;
+      for (int64_t t = 0; t < T; ++t) top = std::max(top, x[t]);
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < T; ++t) {
-          const float e = std::exp(x[t] - top);
-          x[t] = e;
-          sum += e;
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t k = 0; k < nb; ++k) {
-          float s = 0.f;
-          for (int64_t t = k * bs; t < (k + 1) * bs; ++t) s += x[t];
-          out[k] += s * inv;
-        }
+      for (int64_t t = 0; t < T; ++t) {
+        const float e = std::exp(x[t] - top);
+        x[t] = e;
+        sum += e;
+      }
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      for (int64_t k = 0; k < nb; ++k) {
+        float s = 0.f;
+        for (int64_t t = k * bs; t < (k + 1) * bs; ++t) s += x[t];
+        out[k] = s * inv;
       }
     }
   });
+  // summed over the query heads in their order, then over the KV heads
+  auto partial = torch::empty({B, H, nb}, qs.options());
+  float* pp = partial.data_ptr<float>();
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t k = 0; k < nb; ++k) {
+      float s = mp[bh * G * nb + k];
+      for (int64_t g = 1; g < G; ++g) s += mp[(bh * G + g) * nb + k];
+      pp[bh * nb + k] = s;
+    }
   return partial.sum(1);
 #else
   TORCH_CHECK(false, "built without AVX-512");

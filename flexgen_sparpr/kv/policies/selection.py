@@ -11,6 +11,8 @@ block count, with no Python loop over blocks or sequences:
 - `budgeted_pick` ranks and takes blocks with tensor ops (`top_pick`, one top-k, where no left
   padding makes every block hold bs tokens); `selection_from_pick` turns the pick into the blocks
   to move, their readers and the token mask with one host sync.
+- Where the cache is resident on the CPU, one compiled call takes the last two steps at once
+  (fused_pick.py), to the same pick and Selection.
 - `finish` is the policy's plan (SparPR: copy or rebuild each span, dense fallback).
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from ..block_table import BlockTable
 from ..policy import Selection
 from .base import token_budget
+from .fused_pick import fused_selection
 from .scoring import BlockScoringPolicy, budgeted_pick, top_pick
 
 _VIEWS = 16  # step views kept per policy (a few GPU batches' worth of the current step)
@@ -163,6 +166,11 @@ class BlockSelectionPolicy(BlockScoringPolicy):
             return budgeted_pick(score, view.counts[:, None], room.tokens[:, None], own)
         return budgeted_pick(score, view.counts, room.tokens, own)
 
+    def picks_top(self) -> bool:
+        """Whether `pick` is the base's budgeted top-k (then a compiled call may take it and its
+        Selection at once: fused_pick.py); a policy with its own pick says False."""
+        return type(self).pick is BlockSelectionPolicy.pick
+
     def finish(self, table: BlockTable, layer: int, sel: Selection, pick: torch.Tensor, view: StepView,
                target: float, rho: float, q: torch.Tensor) -> Selection:
         """The policy's plan for the chosen blocks (default: copy them all)."""
@@ -175,8 +183,14 @@ class BlockSelectionPolicy(BlockScoringPolicy):
         view = self.step_view(table)
         target, rho = self.keep_target(table, q)
         score = self.block_scores(table, layer, q, view)  # score: [B, (Hkv,) nb]
-        pick = self.pick(table, score, view, self.room(table, view, target))
-        return self.finish(table, layer, selection_from_pick(table, pick, view), pick, view, target, rho, q)
+        room = self.room(table, view, target)
+        fused = fused_selection(table, score, view, room) if self.picks_top() else None
+        if fused is not None:
+            pick, sel = fused
+        else:
+            pick = self.pick(table, score, view, room)
+            sel = selection_from_pick(table, pick, view)
+        return self.finish(table, layer, sel, pick, view, target, rho, q)
 
     def room(self, table: BlockTable, view: StepView, target: float) -> Room:
         """What the picked blocks may add at keep `target` (the budget less what the own blocks and

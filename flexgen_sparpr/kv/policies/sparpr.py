@@ -236,12 +236,12 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         return sink | (ids >= sealed - self.recent_blocks)[None, :]
 
     def pick(self, table: BlockTable, score: torch.Tensor, view: StepView, room: Room) -> torch.Tensor:
-        """per_sequence: each sequence its own best blocks while they fit (Quest's rule). Else one
-        set for the batch, the sequences taking turns by rank while every one's budget holds (a
-        rare ablation: its loop runs on the host)."""
-        if self.per_sequence:
-            return super().pick(table, score, view, room)
-        return shared_pick(score, view, room)
+        """per_sequence: each its own best blocks while they fit (Quest's rule; picks_top). Else one set for
+        the batch, taking turns by rank while every budget holds (an ablation: a host loop)."""
+        return super().pick(table, score, view, room) if self.per_sequence else shared_pick(score, view, room)
+
+    def picks_top(self) -> bool:
+        return self.per_sequence
 
     def block_scores(self, table: BlockTable, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
         """[B, nb]: each sealed block's score for each sequence."""
