@@ -245,9 +245,20 @@ torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optiona
 std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::Tensor> own, int64_t k, int64_t bs,
                                      int64_t length);  // select_kernel.cpp
 
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);  // weight_kernel.cpp
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d);  // weight_kernel.cpp
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps);  // glue_kernel.cpp
+torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);  // glue_kernel.cpp
+torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd", &simd);
   m.def("decode_attention", &decode_attention);
   m.def("lowrank_scores", &lowrank_scores);
   m.def("pick_rows", &pick_rows);
+  m.def("q4_matmul", &q4_matmul);
+  m.def("q8_matmul", &q8_matmul);
+  m.def("rms_norm_rows", &rms_norm_rows);
+  m.def("rope_rows", &rope_rows);
+  m.def("silu_mul_rows", &silu_mul_rows);
 }

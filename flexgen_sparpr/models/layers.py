@@ -18,8 +18,19 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1
     return F.layer_norm(x, (x.shape[-1],), w, b, eps)
 
 
+def _glue(*ts: torch.Tensor):
+    """The compiled kernel where its one-call float32 CPU ops (glue_kernel.cpp) serve these tensors."""
+    for t in ts:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return None
+    return compiled_kernel()
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # one fused call, the same values as below (HF's order)
+        k = _glue(x, w)
+        if k is not None:
+            return k.rms_norm_rows(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), eps).view(x.shape)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -60,9 +71,21 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, H, S, D]; rotates pairs (i, i + D/2)."""
+    k = _glue(x, cos, sin) if x.shape[2] <= 16 else None  # decode-sized: one call
+    if k is not None:
+        return k.rope_rows(x, cos, sin)
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu: [..., 2F], gate | up (a fused gate|up product) -> silu(gate) * up: [..., F]."""
+    k = _glue(gu)
+    if k is not None:
+        return k.silu_mul_rows(gu.reshape(-1, gu.shape[-1]).contiguous()).view(*gu.shape[:-1], gu.shape[-1] // 2)
+    gate, up = gu.chunk(2, dim=-1)  # [..., F] each
+    return F.silu(gate) * up
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

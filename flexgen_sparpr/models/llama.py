@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers import apply_rope, linear, merge_heads, rms_norm, rope_cos_sin, split_heads
+from .layers import apply_rope, linear, merge_heads, rms_norm, rope_cos_sin, silu_mul, split_heads
 from .spec import ModelSpec
 
 _P = "model."
@@ -105,10 +105,10 @@ class Llama:
     def mlp(self, w, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, w["ln.w"], self.spec.norm_eps)
         if "gate_up.w" in w:  # one packed product (engine/weights.py FUSED)
-            gate, up = linear(h, w["gate_up.w"]).chunk(2, dim=-1)  # [B, S, ffn] each
+            act = silu_mul(linear(h, w["gate_up.w"]))  # act: [B, S, ffn]
         else:
-            gate, up = linear(h, w["gate.w"], w.get("gate.b")), linear(h, w["up.w"], w.get("up.b"))
-        return x + linear(F.silu(gate) * up, w["down.w"], w.get("down.b"))
+            act = F.silu(linear(h, w["gate.w"], w.get("gate.b"))) * linear(h, w["up.w"], w.get("up.b"))
+        return x + linear(act, w["down.w"], w.get("down.b"))
 
     def head(self, w, x: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(x, w["ln.w"], self.spec.norm_eps), w["tok"])

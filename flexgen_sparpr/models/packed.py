@@ -1,20 +1,20 @@
 """Weight formats a projection is stored and multiplied in (--weight-format).
 
 A decode step on the CPU reads every weight once per token, so its time is the weights' bytes over
-how fast the kernel streams them. torch ships packed weight-only kernels that read 1- and 0.5-byte
-weights and take bfloat16 activations (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`);
-runtime/probe.py times them against a float32 product on the machine, and engine/weights.py packs
-each projection once at load. Every format keeps the product's contract: x [..., in] -> [..., out]
-in x's dtype.
+how fast the kernel streams them. runtime/probe.py times each format against a float32 product on
+the machine, and engine/weights.py packs each projection once at load. Every format keeps the
+product's contract: x [..., in] -> [..., out] in x's dtype.
 
 - raw: the compute dtype, as loaded (float32 on the CPU).
 - bfloat16: the weights rounded to bfloat16.
-- int8: 8-bit codes with one scale per output row (symmetric).
+- int8: 8-bit codes with one scale per output row (symmetric; torch's `_weight_int8pack_mm`, whose
+  activations and scales are bfloat16).
 - int4: 4-bit codes with a scale and a minimum per group of 32 inputs (GGUF's Q4_1 layout: a Q4_1
   checkpoint packs without changing a code); the LM head, whose 8-bit groups (Q8_0) a 4-bit code
-  cannot hold, as 8-bit groups of 32 split into two 4-bit halves (still exact for Q8_0).
-The packed kernels' scales and activations are bfloat16: that rounding is the formats' cost beyond
-their codes (docs/weights.md measures it).
+  cannot hold, as 8-bit codes per group of 32. Decode rows (at most MAX_ROWS) go to the compiled
+  product (weight_kernel.cpp), which widens each group in registers and multiplies it into float32
+  activations; its scales are float16 (a Q4_1 / Q8_0 checkpoint's own), its sums float32. Longer
+  inputs (a prefill) widen the weight once and take F.linear.
 """
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernel import kernel as compiled_kernel
+
 FORMATS = ("auto", "raw", "bfloat16", "int8", "int4")
 GROUP = 32  # inputs per int4 / grouped-int8 scale (GGUF's Q4_1 and Q8_0 block)
 _BF16 = torch.bfloat16
+MAX_ROWS = 8  # rows of x the compiled int4 product takes (weight_kernel.cpp): decode batches
 
 
 class Packed:
@@ -81,26 +84,59 @@ class Int8Weight(Packed):
 class Int4Weight(Packed):
     fmt = "int4"
 
-    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, shape: tuple[int, int]):
-        self.packed = packed  # [out, in/2] uint8, the kernel's layout
-        self.scale_zero = scale_zero  # [in/GROUP, out, 2] bfloat16: w = (code - 8) * scale + zero
+    def __init__(self, q: torch.Tensor, dm: torch.Tensor, shape: tuple[int, int]):
+        self.q = q  # [out, in/2] uint8: a group's byte j holds its input j (low nibble) and j + 16 (high)
+        self.dm = dm  # [out, in/GROUP, 2] float16 (scale, low): w = low + code * scale
         self.shape = tuple(shape)
 
     def matmul(self, x2):
-        return self.product(x2.to(_BF16)).to(x2.dtype)
+        k = _kernel(x2)
+        if k is not None:
+            return k.q4_matmul(x2.float().contiguous(), self.q, self.dm).to(x2.dtype)
+        return F.linear(x2, self.dequantized(x2.dtype))
 
-    def product(self, xb: torch.Tensor) -> torch.Tensor:  # xb: [rows, in] bfloat16 -> [rows, out] bfloat16
-        return torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scale_zero)
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # -> [out, in]
+        out, inn = self.shape
+        q = self.q.view(out, inn // GROUP, GROUP // 2)
+        codes = torch.cat([q & 15, q >> 4], dim=-1).to(torch.float32)  # codes: [out, in/G, G]
+        dm = self.dm.to(torch.float32)
+        return (codes * dm[..., :1] + dm[..., 1:]).reshape(out, inn).to(dtype)
 
     def rows(self, start, stop):
-        tile = int4_tile()  # the kernel packs rows a tile at a time: a cut between tiles keeps both sides
-        if tile is None or start % tile or stop % tile and stop != self.shape[0]:
-            return None
-        cuts = self.__dict__.setdefault("_cuts", {})  # made once per span: its scales are a copy
-        if (start, stop) not in cuts:
-            cuts[start, stop] = Int4Weight(self.packed[start:stop], self.scale_zero[:, start:stop].contiguous(),
-                                           (stop - start, self.shape[1]))
-        return cuts[start, stop]
+        return Int4Weight(self.q[start:stop], self.dm[start:stop], (stop - start, self.shape[1]))
+
+
+class Int8gWeight(Packed):
+    """8-bit codes with one scale per group of 32 inputs (GGUF's Q8_0): the LM head under int4."""
+
+    fmt = "int4"
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+        self.q, self.d = q, d  # q: [out, in] int8; d: [out, in/GROUP] float16: w = code * d
+        self.shape = tuple(q.shape)
+
+    def matmul(self, x2):
+        k = _kernel(x2)
+        if k is not None:
+            return k.q8_matmul(x2.float().contiguous(), self.q, self.d).to(x2.dtype)
+        return F.linear(x2, self.dequantized(x2.dtype))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # -> [out, in]
+        out, inn = self.shape
+        w = self.q.view(out, inn // GROUP, GROUP).to(torch.float32) * self.d.to(torch.float32)[..., None]
+        return w.reshape(out, inn).to(dtype)
+
+    def rows(self, start, stop):
+        return Int8gWeight(self.q[start:stop], self.d[start:stop])
+
+
+def _kernel(x2: torch.Tensor):
+    """The compiled group-quantized product (weight_kernel.cpp) where it serves x2: decode rows on the
+    CPU (multiplied in float32); elsewhere (a prefill's thousands of rows, no kernel) the weight is
+    widened to x2's dtype for F.linear."""
+    if x2.device.type == "cpu" and x2.shape[0] <= MAX_ROWS:
+        return compiled_kernel()
+    return None
 
 
 @functools.cache
@@ -130,29 +166,11 @@ def int4_tile() -> int | None:
     return None
 
 
-class Int8x2Weight(Packed):
-    """8-bit codes in groups of 32 (Q8_0) as two 4-bit halves: code = 16 * high + low."""
-
-    fmt = "int4"
-
-    def __init__(self, high: Int4Weight, low: Int4Weight):
-        self.high, self.low = high, low
-        self.shape = high.shape
-
-    def tensors(self):
-        return {f"{h}.{k}": t for h, part in (("high", self.high), ("low", self.low))
-                for k, t in part.tensors().items()}
-
-    def matmul(self, x2):
-        xb = x2.to(_BF16)  # one cast for both halves
-        return self.high.product(xb).to(x2.dtype) + self.low.product(xb).to(x2.dtype)
-
-
 def packable(fmt: str, shape: tuple[int, ...]) -> bool:
     """Whether a weight of this shape can be stored in fmt (the int4 kernel wants whole groups)."""
     if len(shape) != 2:
         return False
-    return fmt != "int4" or shape[1] % GROUP == 0 and shape[0] % 16 == 0
+    return fmt != "int4" or shape[1] % GROUP == 0
 
 
 def _groups(w: torch.Tensor) -> torch.Tensor:
@@ -160,11 +178,12 @@ def _groups(w: torch.Tensor) -> torch.Tensor:
     return w.float().reshape(out, inn // GROUP, GROUP)  # [out, in/G, G]
 
 
-def _int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Weight:
-    """codes: [out, in] in 0..15; scale, zero: [out, in/G]; w = (code - 8) * scale + zero."""
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(_BF16)  # sz: [in/G, out, 2]
-    return Int4Weight(packed, sz, tuple(codes.shape))
+def _int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Int4Weight:
+    """codes: [out, in] in 0..15; scale, low: [out, in/G]; w = low + code * scale."""
+    out, inn = codes.shape
+    c = codes.to(torch.uint8).reshape(out, inn // GROUP, 2, GROUP // 2)  # c: [out, in/G, 2, G/2]
+    q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out, inn // 2).contiguous()
+    return Int4Weight(q, torch.stack([scale, low], dim=-1).to(torch.float16).contiguous(), (out, inn))
 
 
 def int4_codes(w: torch.Tensor):
@@ -187,15 +206,12 @@ def int8g_codes(w: torch.Tensor):
 
 
 def pack_int4(w: torch.Tensor) -> Int4Weight:
-    codes, scale, low = int4_codes(w)
-    return _int4(codes, scale, low + 8 * scale)
+    return _int4(*int4_codes(w))
 
 
-def pack_int8x2(w: torch.Tensor) -> Int8x2Weight:
+def pack_int8g(w: torch.Tensor) -> Int8gWeight:
     codes, scale = int8g_codes(w)
-    high = torch.div(codes, 16, rounding_mode="floor")  # high: [out, in] in -8..7
-    low = codes - 16 * high  # low: in 0..15
-    return Int8x2Weight(_int4(high + 8, 16 * scale, torch.zeros_like(scale)), _int4(low, scale, 8 * scale))
+    return Int8gWeight(codes.to(torch.int8).contiguous(), scale.to(torch.float16).contiguous())
 
 
 def pack_int8(w: torch.Tensor) -> Int8Weight:
@@ -207,14 +223,14 @@ def pack_int8(w: torch.Tensor) -> Int8Weight:
 
 def pack(w: torch.Tensor, fmt: str, head: bool = False):
     """w [out, in] in the format fmt ("raw": w itself); the LM head (head=True) under int4 is
-    stored as grouped 8-bit codes (Int8x2Weight)."""
+    stored as grouped 8-bit codes (Int8gWeight)."""
     if fmt == "raw" or not packable(fmt, tuple(w.shape)):
         return w
     if fmt == "bfloat16":
         return Bf16Weight(w.to(_BF16).contiguous())
     if fmt == "int8":
         return pack_int8(w)
-    return pack_int8x2(w) if head else pack_int4(w)
+    return pack_int8g(w) if head else pack_int4(w)
 
 
 def on_grid(w: torch.Tensor, fmt: str, head: bool = False, tol: float = 1e-3) -> bool:
@@ -238,9 +254,6 @@ def on_grid(w: torch.Tensor, fmt: str, head: bool = False, tol: float = 1e-3) ->
 def unpack_like(like, flat: dict[str, torch.Tensor]):
     """A packed weight of like's kind over the tensors `flat` (as like.tensors() names them), e.g.
     read back from a tier."""
-    if isinstance(like, Int8x2Weight):
-        part = {h: {k.split(".", 1)[1]: t for k, t in flat.items() if k.startswith(h + ".")} for h in ("high", "low")}
-        return Int8x2Weight(unpack_like(like.high, part["high"]), unpack_like(like.low, part["low"]))
     new = object.__new__(type(like))
     new.__dict__.update(like.__dict__)
     new.__dict__.update(flat)

@@ -55,11 +55,12 @@ def test_auto_packs_a_quantized_checkpoint_and_keeps_its_tokens(tmp_path):
     raw_tokens, raw_logits, _, _ = _run(src, "raw", tmp_path)
     tokens, logits, wf, kinds = _run(src, "auto", tmp_path)
     assert wf.chosen == {"int4": 2 * 7 + 1}  # 7 projections a layer, and the head
-    assert {"Int4Weight", "Int8x2Weight"} <= kinds
+    assert {"Int4Weight", "Int8gWeight"} <= kinds
     assert {"qkv.w", "gate_up.w"} <= kinds and "kv.w" not in kinds  # q|k|v and gate|up, one packed product each
     assert tokens == raw_tokens
-    # bfloat16 activations and scales in the packed kernels: a few parts in a thousand
-    assert float((logits - raw_logits).norm() / raw_logits.norm()) < 0.02
+    # float32 activations, the scales rounded to float16 (this source's are not float16 values): about
+    # one part in a thousand (measured 1.1e-3; the bfloat16 kernels that came before: a few in a thousand)
+    assert float((logits - raw_logits).norm() / raw_logits.norm()) < 5e-3
 
 
 def test_auto_leaves_float_weights_alone_and_follows_the_probe(tmp_path):

@@ -1,0 +1,69 @@
+"""The compiled group-quantized products (weight_kernel.cpp) and a decode step's one-call float32 ops
+(glue_kernel.cpp) against float64 references and torch's own ops, and the fallbacks where the kernel
+does not serve (a prefill's rows, no kernel)."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexgen_sparpr.models import cpu_kernel, layers, packed as P
+
+BUILDABLE = cpu_kernel.has_avx512() and shutil.which("g++") is not None and shutil.which("ninja") is not None
+pytestmark = pytest.mark.skipif(not BUILDABLE, reason="no AVX-512 CPU, g++ or ninja: the kernel is not built")
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# out rows not a multiple of the rows a call takes together; 5 groups (fewer than the 16 whose scales
+# widen together) and 37 (two chunks and a tail)
+@pytest.mark.parametrize("out, groups", [(37, 5), (64, 37), (3, 18)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_packed_products_equal_their_dequantized_weights(out, groups, rows):
+    gen = torch.Generator().manual_seed(out * 100 + groups + rows)
+    w = torch.randn(out, 32 * groups, generator=gen)
+    x = torch.randn(rows, 32 * groups, generator=gen)
+    for p in (P.pack_int4(w), P.pack_int8g(w)):
+        want = x.double() @ p.dequantized(torch.float64).T  # what the codes and float16 scales hold
+        got = p.matmul(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        assert rel(got, want) < 1e-6  # float32 sums only
+        # the packed weight is the float one up to its codes' step (and no bfloat16 rounding)
+        assert rel(got, x.double() @ w.double().T) < (0.12 if isinstance(p, P.Int4Weight) else 0.01)
+
+
+def test_longer_inputs_widen_the_weight_once_and_agree():
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(48, 96, generator=gen), torch.randn(20, 96, generator=gen)
+    for p in (P.pack_int4(w), P.pack_int8g(w)):
+        assert P._kernel(x) is None and P._kernel(x[:P.MAX_ROWS]) is not None
+        whole = p.matmul(x)  # 20 rows: F.linear over the widened weight
+        by_rows = torch.cat([p.matmul(x[i:i + 4]) for i in range(0, 20, 4)])  # the kernel
+        assert rel(by_rows, whole) < 1e-6
+
+
+def test_a_checkpoints_float16_scales_are_kept_exactly():
+    """A Q4_1 group whose scale and minimum are float16 values (as GGUF stores them) comes back exact."""
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (16, 2, 32), generator=gen).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = (torch.rand(16, 2, 1, generator=gen) * 0.01 + 1e-3).half().float()
+    low = (-7.5 * scale).half().float()
+    w = (low + codes * scale).reshape(16, 64)
+    assert torch.equal(P.pack_int4(w).dequantized(torch.float32), w)
+
+
+def test_glue_ops_equal_torchs():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 3, 576, generator=gen), torch.randn(576, generator=gen)
+    torch.testing.assert_close(layers.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    # q as the heads of a fused product's columns: strided, as split_heads leaves it
+    q = layers.split_heads(torch.randn(2, 1, 3 * 9 * 64, generator=gen)[..., :9 * 64], 9)  # q: [2, 9, 1, 64]
+    cos, sin = layers.rope_cos_sin(torch.tensor([[5], [700]]), 64, 10000.0, torch.float32)
+    half = torch.cat([-q[..., 32:], q[..., :32]], dim=-1)
+    torch.testing.assert_close(layers.apply_rope(q, cos, sin), q * cos + half * sin, rtol=1e-5, atol=1e-6)
+    gu = torch.randn(2, 1, 2 * 1536, generator=gen)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(layers.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
