@@ -81,21 +81,39 @@ class Int8Weight(Packed):
         return Int8Weight(self.q[start:stop], self.scales[start:stop])
 
 
-class Int4Weight(Packed):
+class GroupWeight(Packed):
+    """Codes with scales per group of GROUP inputs: decode rows go to the compiled product (its
+    `_op` in weight_kernel.cpp, over `_kernel_args()`), longer inputs to F.linear over the weight
+    widened once."""
+
+    _op: str
+
+    def _kernel_args(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # -> [out, in]
+        raise NotImplementedError
+
+    def matmul(self, x2):
+        k = _kernel(x2)
+        if k is not None:
+            return getattr(k, self._op)(x2.float().contiguous(), *self._kernel_args()).to(x2.dtype)
+        return F.linear(x2, self.dequantized(x2.dtype))
+
+
+class Int4Weight(GroupWeight):
     fmt = "int4"
+    _op = "q4_matmul"
 
     def __init__(self, q: torch.Tensor, dm: torch.Tensor, shape: tuple[int, int]):
         self.q = q  # [out, in/2] uint8: a group's byte j holds its input j (low nibble) and j + 16 (high)
         self.dm = dm  # [out, in/GROUP, 2] float16 (scale, low): w = low + code * scale
         self.shape = tuple(shape)
 
-    def matmul(self, x2):
-        k = _kernel(x2)
-        if k is not None:
-            return k.q4_matmul(x2.float().contiguous(), self.q, self.dm).to(x2.dtype)
-        return F.linear(x2, self.dequantized(x2.dtype))
+    def _kernel_args(self):
+        return self.q, self.dm
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # -> [out, in]
+    def dequantized(self, dtype):
         out, inn = self.shape
         q = self.q.view(out, inn // GROUP, GROUP // 2)
         codes = torch.cat([q & 15, q >> 4], dim=-1).to(torch.float32)  # codes: [out, in/G, G]
@@ -106,22 +124,20 @@ class Int4Weight(Packed):
         return Int4Weight(self.q[start:stop], self.dm[start:stop], (stop - start, self.shape[1]))
 
 
-class Int8gWeight(Packed):
+class Int8gWeight(GroupWeight):
     """8-bit codes with one scale per group of 32 inputs (GGUF's Q8_0): the LM head under int4."""
 
     fmt = "int4"
+    _op = "q8_matmul"
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor):
         self.q, self.d = q, d  # q: [out, in] int8; d: [out, in/GROUP] float16: w = code * d
         self.shape = tuple(q.shape)
 
-    def matmul(self, x2):
-        k = _kernel(x2)
-        if k is not None:
-            return k.q8_matmul(x2.float().contiguous(), self.q, self.d).to(x2.dtype)
-        return F.linear(x2, self.dequantized(x2.dtype))
+    def _kernel_args(self):
+        return self.q, self.d
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # -> [out, in]
+    def dequantized(self, dtype):
         out, inn = self.shape
         w = self.q.view(out, inn // GROUP, GROUP).to(torch.float32) * self.d.to(torch.float32)[..., None]
         return w.reshape(out, inn).to(dtype)
@@ -141,8 +157,8 @@ def _kernel(x2: torch.Tensor):
 
 @functools.cache
 def int4_tile() -> int | None:
-    """Rows the CPU int4 kernel packs together (whole tiles pack alone, as they do inside a bigger
-    weight), found once, with the kernel's arithmetic checked (code c means (c - 8) x scale + zero);
+    """Rows torch's CPU int4 kernel packs together (kv/policies/sparpr_int4.py packs SparPR's key codes
+    for it; whole tiles pack alone, as they do inside a bigger weight), found once, with the kernel's arithmetic checked (code c means (c - 8) x scale + zero);
     None: no such kernel here."""
     conv = getattr(torch, "_convert_weight_to_int4pack_for_cpu", None)
     mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None)
