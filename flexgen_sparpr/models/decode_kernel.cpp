@@ -22,8 +22,16 @@ namespace {
 constexpr int kChunk = 512;     // keys per work item: G x kChunk scores stay in the L1 cache
 constexpr float kLow = -1e30f;  // a masked key's score: finite, as -ffast-math's vector exp needs
 
-constexpr int kAhead = 8;  // rows read by index: fetch the row this many keys ahead (the hardware's
-                           // prefetcher does not follow a jump from one block to the next)
+// a row this many keys ahead is asked of memory now: rows read by index (the hardware's prefetcher does
+// not follow a jump from one block to the next), and rows read in order (it alone leaves a core at about
+// 80 % of what it streams: measured 6.1 against 5.0-5.3 ms a 2k step's attention, 16 and 32 alike)
+constexpr int kAhead = 8, kAheadInOrder = 16;
+
+// the row to ask of memory at key t of t0..t1: kAhead (by index) or kAheadInOrder keys on; -1: none
+inline int64_t ahead(const int64_t* idx, int64_t t, int64_t t1) {
+  if (idx) return t + kAhead < t1 ? idx[t + kAhead] : -1;
+  return t + kAheadInOrder < t1 ? t + kAheadInOrder : -1;
+}
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
@@ -59,7 +67,7 @@ void attend_chunk(const float* q, const T* k, const T* v, int64_t row, const int
     ++live;
     __m512 kv[V];
     const T* kt = k + (idx ? idx[t] : t) * row;
-    if (idx && t + kAhead < t1) prefetch_row(k + idx[t + kAhead] * row, D * sizeof(T));
+    if (const int64_t a = ahead(idx, t, t1); a >= 0) prefetch_row(k + a * row, D * sizeof(T));
     for (int i = 0; i < V; ++i) kv[i] = load16(kt + i * 16);
     for (int g = 0; g < G; ++g) {
       __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
@@ -90,7 +98,7 @@ void attend_chunk(const float* q, const T* k, const T* v, int64_t row, const int
     if (mask && !mask[t]) continue;
     __m512 vv[V];
     const T* vt = v + (idx ? idx[t] : t) * row;
-    if (idx && t + kAhead < t1) prefetch_row(v + idx[t + kAhead] * row, D * sizeof(T));
+    if (const int64_t a = ahead(idx, t, t1); a >= 0) prefetch_row(v + a * row, D * sizeof(T));
     for (int i = 0; i < V; ++i) vv[i] = load16(vt + i * 16);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(s[g][t - t0]);
@@ -247,6 +255,7 @@ std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::T
 
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);  // weight_kernel.cpp
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d);  // weight_kernel.cpp
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool wide);  // weight_kernel.cpp
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps);  // glue_kernel.cpp
 torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);  // glue_kernel.cpp
 torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
@@ -258,6 +267,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pick_rows", &pick_rows);
   m.def("q4_matmul", &q4_matmul);
   m.def("q8_matmul", &q8_matmul);
+  m.def("quantize_rows", &quantize_rows);
   m.def("rms_norm_rows", &rms_norm_rows);
   m.def("rope_rows", &rope_rows);
   m.def("silu_mul_rows", &silu_mul_rows);

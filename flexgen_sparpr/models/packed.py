@@ -12,9 +12,11 @@ product's contract: x [..., in] -> [..., out] in x's dtype.
 - int4: 4-bit codes with a scale and a minimum per group of 32 inputs (GGUF's Q4_1 layout: a Q4_1
   checkpoint packs without changing a code); the LM head, whose 8-bit groups (Q8_0) a 4-bit code
   cannot hold, as 8-bit codes per group of 32. Decode rows (at most MAX_ROWS) go to the compiled
-  product (weight_kernel.cpp), which widens each group in registers and multiplies it into float32
-  activations; its scales are float16 (a Q4_1 / Q8_0 checkpoint's own), its sums float32. Longer
-  inputs (a prefill) widen the weight once and take F.linear.
+  product (weight_kernel.cpp): each group of 32 activations rounded to integer codes with a float
+  scale (8-bit for the 4-bit projections, as llama.cpp's Q8_1; 16-bit for the head, whose near ties
+  decide the token), integer dots over the codes (AVX512-VNNI), scaled once a group; the weights'
+  scales are float16 (a Q4_1 / Q8_0 checkpoint's own). The codes are stored in the kernel's chunked
+  order (chunk_codes). Longer inputs (a prefill) widen the weight once and take F.linear.
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_kernel import kernel as compiled_kernel
+from .group_codes import GROUP, chunk_codes, unchunk_codes
 
 FORMATS = ("auto", "raw", "bfloat16", "int8", "int4")
-GROUP = 32  # inputs per int4 / grouped-int8 scale (GGUF's Q4_1 and Q8_0 block)
 _BF16 = torch.bfloat16
 MAX_ROWS = 8  # rows of x the compiled int4 product takes (weight_kernel.cpp): decode batches
 
@@ -106,19 +108,17 @@ class Int4Weight(GroupWeight):
     _op = "q4_matmul"
 
     def __init__(self, q: torch.Tensor, dm: torch.Tensor, shape: tuple[int, int]):
-        self.q = q  # [out, in/2] uint8: a group's byte j holds its input j (low nibble) and j + 16 (high)
-        self.dm = dm  # [out, in/GROUP, 2] float16 (scale, low): w = low + code * scale
+        self.q = q  # [out, in/2] uint8: the codes two a byte, in the kernel's chunks (chunk_codes)
+        self.dm = dm  # [out, 2, in/GROUP] float16: the groups' scales, then their lows: w = low + code * scale
         self.shape = tuple(shape)
 
     def _kernel_args(self):
         return self.q, self.dm
 
     def dequantized(self, dtype):
-        out, inn = self.shape
-        q = self.q.view(out, inn // GROUP, GROUP // 2)
-        codes = torch.cat([q & 15, q >> 4], dim=-1).to(torch.float32)  # codes: [out, in/G, G]
         dm = self.dm.to(torch.float32)
-        return (codes * dm[..., :1] + dm[..., 1:]).reshape(out, inn).to(dtype)
+        codes = unchunk_codes(self.q, self.shape[1], 4).to(torch.float32)  # codes: [out, in/G, G]
+        return (codes * dm[:, 0, :, None] + dm[:, 1, :, None]).reshape(self.shape).to(dtype)
 
     def rows(self, start, stop):
         return Int4Weight(self.q[start:stop], self.dm[start:stop], (stop - start, self.shape[1]))
@@ -131,16 +131,15 @@ class Int8gWeight(GroupWeight):
     _op = "q8_matmul"
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor):
-        self.q, self.d = q, d  # q: [out, in] int8; d: [out, in/GROUP] float16: w = code * d
+        self.q, self.d = q, d  # q: [out, in] uint8, code + 128 in the kernel's chunks; d: [out, in/GROUP] float16
         self.shape = tuple(q.shape)
 
     def _kernel_args(self):
         return self.q, self.d
 
     def dequantized(self, dtype):
-        out, inn = self.shape
-        w = self.q.view(out, inn // GROUP, GROUP).to(torch.float32) * self.d.to(torch.float32)[..., None]
-        return w.reshape(out, inn).to(dtype)
+        codes = unchunk_codes(self.q, self.shape[1], 8).to(torch.float32) - 128  # codes: [out, in/G, G]
+        return (codes * self.d.to(torch.float32)[..., None]).reshape(self.shape).to(dtype)
 
     def rows(self, start, stop):
         return Int8gWeight(self.q[start:stop], self.d[start:stop])
@@ -196,10 +195,8 @@ def _groups(w: torch.Tensor) -> torch.Tensor:
 
 def _int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Int4Weight:
     """codes: [out, in] in 0..15; scale, low: [out, in/G]; w = low + code * scale."""
-    out, inn = codes.shape
-    c = codes.to(torch.uint8).reshape(out, inn // GROUP, 2, GROUP // 2)  # c: [out, in/G, 2, G/2]
-    q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out, inn // 2).contiguous()
-    return Int4Weight(q, torch.stack([scale, low], dim=-1).to(torch.float16).contiguous(), (out, inn))
+    dm = torch.stack([scale, low], dim=1).to(torch.float16).contiguous()  # dm: [out, 2, in/G]
+    return Int4Weight(chunk_codes(codes, 4), dm, tuple(codes.shape))
 
 
 def int4_codes(w: torch.Tensor):
@@ -227,7 +224,7 @@ def pack_int4(w: torch.Tensor) -> Int4Weight:
 
 def pack_int8g(w: torch.Tensor) -> Int8gWeight:
     codes, scale = int8g_codes(w)
-    return Int8gWeight(codes.to(torch.int8).contiguous(), scale.to(torch.float16).contiguous())
+    return Int8gWeight(chunk_codes(codes + 128, 8), scale.to(torch.float16).contiguous())
 
 
 def pack_int8(w: torch.Tensor) -> Int8Weight:

@@ -58,9 +58,10 @@ def test_auto_packs_a_quantized_checkpoint_and_keeps_its_tokens(tmp_path):
     assert {"Int4Weight", "Int8gWeight"} <= kinds
     assert {"qkv.w", "gate_up.w"} <= kinds and "kv.w" not in kinds  # q|k|v and gate|up, one packed product each
     assert tokens == raw_tokens
-    # float32 activations, the scales rounded to float16 (this source's are not float16 values): about
-    # one part in a thousand (measured 1.1e-3; the bfloat16 kernels that came before: a few in a thousand)
-    assert float((logits - raw_logits).norm() / raw_logits.norm()) < 5e-3
+    # the decode steps' activations rounded to 8 bits per group of 32 (as llama.cpp's Q8_1) and the scales to
+    # float16 (this source's are not float16 values): under one part in a hundred (measured 6.8e-3; float32
+    # activations: 1.1e-3)
+    assert float((logits - raw_logits).norm() / raw_logits.norm()) < 1e-2
 
 
 def test_auto_leaves_float_weights_alone_and_follows_the_probe(tmp_path):
