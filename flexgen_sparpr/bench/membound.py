@@ -39,10 +39,12 @@ def weight_bytes(llm) -> int:
 
 def step_bytes(llm, context: int, batch: int, keep: float = 1.0, code_bytes: int = 0) -> dict[str, int]:
     """The least bytes a decode step reads at `context` tokens per sequence: the weights once, the
-    KV tokens attention reads (keep of them; resident in the compute dtype) and, for SparPR, its key
-    codes of every cached token (code_bytes per token and KV head)."""
+    KV tokens attention reads (keep of them; resident, in the dtype its tables store them in) and,
+    for SparPR, its key codes of every cached token (code_bytes per token and KV head)."""
     spec = llm.spec
-    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * llm.engine.dtype.itemsize
+    tables = llm.engine.tables  # the last run's (resident_dtype: float16 on a CPU with the kernel)
+    size = next(iter(tables.values())).store.resident_dtype.itemsize if tables else llm.engine.dtype.itemsize
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * size
     return {"weights": weight_bytes(llm), "kv": int(keep * context * batch * per_token),
             "codes": context * batch * spec.num_layers * spec.num_kv_heads * code_bytes}
 

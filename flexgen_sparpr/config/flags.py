@@ -118,7 +118,8 @@ ENGINE = _group(
     Option("kv_dtype", "str", "how KV blocks on the CPU and disk tiers are stored, converted to the compute dtype "
            "on read (auto: float16, bfloat16 under --dtype bfloat16; float32 keeps them exact; "
            "q8 / q4: 8- / 4-bit codes with a min and scale per 64 values, as --compress-cache's q4, "
-           "which also quantizes the compute tier's)", choices=("auto", "float16", "bfloat16", "float32", "q8", "q4")),
+           "which also quantizes the compute tier's); a CPU computing in float32 whose decode-attention "
+           "kernel is built keeps its resident blocks in the float16 / bfloat16 chosen too", choices=("auto", "float16", "bfloat16", "float32", "q8", "q4")),
     Option("weight_format", "str", "how projection weights are stored and multiplied: raw (the compute dtype), "
            "bfloat16, int8 (a scale per row), int4 (a scale and minimum per 32 inputs, GGUF's Q4_1; the LM head "
            "as 8-bit groups); int8 and int4 on the CPU only. auto (default): the fastest format on this "

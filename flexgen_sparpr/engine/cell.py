@@ -100,7 +100,8 @@ class KVReader:
         kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
         rows = fetched.rows if fetched is not None else None  # read in place: the rows attended
         o = decode_attention_step(q, kv, pos, mask, pads, sparsity=self.sparsity, rows=rows)
-        self.policy.observe(t, layer, q, kv, pos, fetched.sel if fetched else Selection.all(t))
+        if self.policy.observes:
+            self.policy.observe(t, layer, q, kv.to(q.dtype), pos, fetched.sel if fetched else Selection.all(t))
         return o, jobs
 
     def read(self, t: BlockTable, layer: int, q: torch.Tensor, fetched: Fetched | None, w,
@@ -148,6 +149,8 @@ class KVReader:
         or None, store jobs)."""
         if fetched is None:
             jobs = t.append(k, v)
+            if t.store.resident:  # in place, in the arena's own dtype (resident_dtype: the kernel widens it)
+                return t.store.resident_view(t.length), torch.arange(t.length, device=k.device), None, jobs
             kv, pos = t.gather()
             return kv, pos, None, jobs
         if fetched.rows is not None:  # read in place: the arena after the append, the new token's row added

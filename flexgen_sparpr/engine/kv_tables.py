@@ -7,6 +7,7 @@ import torch
 
 from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy
+from ..models import cpu_kernel
 from ..models.spec import ModelSpec
 from ..storage.codec import kv_group_codec
 from ..storage.tiers import Devices, Tier, block_homes
@@ -29,6 +30,10 @@ def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: 
     kv_shape = (2, gbs, spec.num_kv_heads, block_size, spec.head_dim)
     common = dict(batch=gbs, block_size=block_size, max_len=max_len, dtype=dtype, homes=homes, devices=devices,
                   disk=disk, store_dtype=store_dtype)
+    # a CPU computing in float32 keeps its resident raw blocks in store_dtype too, where its decode-attention
+    # kernel reads them (widened as they are read): a decode step reads half the bytes
+    resident = store_dtype if (store_dtype is not None and store_dtype != dtype and kv_bits is None and
+                               devices.compute.type == "cpu" and cpu_kernel.kernel() is not None) else None
     tables = {}
     for i in (range(spec.num_layers) if layers is None else layers):
         codec, coded = kv_policy.codec(kv_shape, dtype, i), None
@@ -38,7 +43,8 @@ def build_tables(spec: ModelSpec, placement: Policy, *, block_size: int, dtype: 
             codec, coded = kv_group_codec(kv_shape, dtype, kv_bits), (Tier.CPU, Tier.DISK)
         for k in range(placement.num_gpu_batches):
             t = BlockTable(name=f"{name}-l{i}-b{k}", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                           compress=placement.compress_cache, codec=codec, coded_tiers=coded, **common)
+                           compress=placement.compress_cache, codec=codec, coded_tiers=coded, resident_dtype=resident,
+                           **common)
             kv_policy.attach(t, i)
             if any(p.wants_checkpoints(t, spec.hidden) for p in keepers):
                 # on the same tiers as the blocks they rebuild (before any block is appended)

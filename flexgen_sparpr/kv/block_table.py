@@ -23,7 +23,8 @@ class BlockTable:
     def __init__(self, *, name: str, batch: int, num_kv_heads: int, head_dim: int, block_size: int,
                  max_len: int, dtype: torch.dtype, homes: list[Tier], devices: Devices,
                  disk=None, compress: bool = False, planes: int = 2, codec=None,
-                 coded_tiers: tuple[Tier, ...] | None = None, store_dtype: torch.dtype | None = None):
+                 coded_tiers: tuple[Tier, ...] | None = None, store_dtype: torch.dtype | None = None,
+                 resident_dtype: torch.dtype | None = None):
         self.bs, self.devices, self.dtype = block_size, devices, dtype
         self.block_shape = (planes, batch, num_kv_heads, block_size, head_dim)
         self.checkpoints: "BlockTable | None" = None  # hidden-state checkpoints, when kept
@@ -42,7 +43,7 @@ class BlockTable:
             codec = GroupCodec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
         self.store = TierStore(name=name, block_shape=self.block_shape, dtype=dtype, homes=self.homes,
                                slots=self.slot, devices=devices, disk=disk, codec=codec, coded_tiers=coded_tiers,
-                               store_dtype=store_dtype)
+                               store_dtype=store_dtype, resident_dtype=resident_dtype)
 
     # --- bookkeeping ---
     @property
@@ -86,8 +87,10 @@ class BlockTable:
             self.length += n
             off += n
             if pos + n == self.bs:
-                for hook in self.on_seal:
-                    hook(b, dst)
+                if self.on_seal:
+                    full = dst.to(self.dtype)  # the policies see the compute dtype (a copy where it is stored otherwise)
+                    for hook in self.on_seal:
+                        hook(b, full)
                 jobs.append(self.store.seal(b, dst))
         jobs = [j for j in jobs if j is not None]
         if self.raw_copies is not None:
@@ -110,8 +113,8 @@ class BlockTable:
         nb = self.num_blocks
         blocks = list(range(nb)) if blocks is None else blocks
         dev = self.devices.compute
-        if out is None and self.store.resident and blocks == list(range(nb)):
-            return self.store.resident_view(self.length), torch.arange(self.length, device=dev)
+        if out is None and self.store.resident and blocks == list(range(nb)):  # a copy where resident_dtype differs
+            return self.store.resident_view(self.length).to(self.dtype), torch.arange(self.length, device=dev)
         if self.store.resident:  # every token in one compute arena: indexed copies, whatever the blocks
             return self._resident_gather(blocks, out, dev)
         need = seqs.T.tolist() if seqs is not None else None  # need: [n][B] (no sync: seqs is a host tensor)
@@ -139,7 +142,11 @@ class BlockTable:
             # slice of a contiguous [planes, B, Hkv, T, D] buffer, so both views exist
             rows = planes * b * hkv
             src = arena.view(rows, -1, bs * d)  # src: [rows, capacity / bs, bs * D]
-            torch.index_select(src, 1, ids, out=kv[:, :, :, :n * bs].view(rows, n, bs * d))  # out: [rows, n, bs * D]
+            dst = kv[:, :, :, :n * bs].view(rows, n, bs * d)  # dst: [rows, n, bs * D]
+            if src.dtype == dst.dtype:
+                torch.index_select(src, 1, ids, out=dst)
+            else:  # stored in resident_dtype: widened as it lands
+                dst.copy_(torch.index_select(src, 1, ids))
         if open_len:
             kv[:, :, :, n * bs:].copy_(arena[:, :, :, sealed * bs:self.length])
         return kv, pos
@@ -155,7 +162,10 @@ class BlockTable:
         base = torch.arange(b * hkv, device=rows.device).view(b, hkv, 1) * cap  # base: [B, Hkv, 1]
         spare = rows.new_zeros(b, 1)
         idx = base + torch.cat([rows, spare], dim=1)[:, None, :]  # idx: [B, Hkv, T + 1]
-        torch.index_select(arena.view(planes, -1, d), 1, idx.flatten(), out=out.view(planes, -1, d))
+        if arena.dtype == out.dtype:
+            torch.index_select(arena.view(planes, -1, d), 1, idx.flatten(), out=out.view(planes, -1, d))
+        else:  # stored in resident_dtype: widened as it lands
+            out.view(planes, -1, d).copy_(torch.index_select(arena.view(planes, -1, d), 1, idx.flatten()))
         return out
 
     def views(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

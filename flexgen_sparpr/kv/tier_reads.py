@@ -18,7 +18,8 @@ BIG_RUN = 8  # blocks: a disk run this long is copied out by its reader; shorter
 class TierReads:
     # --- reading ---
     def resident_arena(self) -> torch.Tensor:
-        """A wholly resident cache's arena, every slot: [planes, B, Hkv, capacity, D], contiguous."""
+        """A wholly resident cache's arena, every slot: [planes, B, Hkv, capacity, D], contiguous, in
+        resident_dtype (here and in resident_view only: every other read gives the compute dtype)."""
         return self._arena[Tier.COMPUTE]
 
     def resident_view(self, length: int) -> torch.Tensor:
@@ -80,7 +81,7 @@ class TierReads:
         if n < self.bs:
             return self.writable(b)[:, :, :, :n]
         if self.is_raw_on_compute(b):
-            return self.in_place(b)
+            return self.in_place(b).to(self.dtype)  # a copy only where resident_dtype differs
         return self._exact_copy(b, sealed)
 
     def _exact_copy(self, b: int, sealed: int) -> torch.Tensor | None:

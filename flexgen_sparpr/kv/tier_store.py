@@ -33,8 +33,13 @@ class TierStore(TierReads):
 
     def __init__(self, *, name: str, block_shape: tuple[int, ...], dtype: torch.dtype, homes: list[Tier],
                  slots: list[int], devices: Devices, disk=None, codec: Codec,
-                 coded_tiers: tuple[Tier, ...] | None = None, store_dtype: torch.dtype | None = None):
+                 coded_tiers: tuple[Tier, ...] | None = None, store_dtype: torch.dtype | None = None,
+                 resident_dtype: torch.dtype | None = None):
         self.block_shape, self.dtype, self.devices = block_shape, dtype, devices
+        # raw blocks homed on compute are stored in resident_dtype (None: the compute dtype): float16
+        # on a CPU whose decode-attention kernel reads it (kv_tables.build_tables) halves the bytes
+        # every decode step reads; only resident_view / resident_arena hand them out as they are
+        self.resident_dtype = resident_dtype or dtype
         # raw blocks homed on the CPU and disk tiers are stored in store_dtype (--kv-dtype: float16
         # halves the bytes every offloaded read moves), converted on compute; compute-tier blocks,
         # the open block and what gather returns are in the compute dtype
@@ -69,7 +74,7 @@ class TierStore(TierReads):
                                     else devices.host.arena(shape, torch.uint8))
             else:
                 shape = (planes, batch, h, n[tier] * bs, d)
-                self._arena[tier] = (torch.zeros(shape, dtype=dtype, device=dev) if tier == Tier.COMPUTE
+                self._arena[tier] = (torch.zeros(shape, dtype=self.resident_dtype, device=dev) if tier == Tier.COMPUTE
                                      else devices.host.arena(shape, self.store_dtype))
         self._tail = torch.zeros(block_shape, dtype=dtype, device=dev)
         self.seq_nbytes = self.stored_raw.nbytes // batch  # one sequence's share of a raw block
@@ -128,7 +133,8 @@ class TierStore(TierReads):
 
     # --- writing ---
     def in_place(self, b: int) -> torch.Tensor:
-        """Raw block b where it lives (its arena slot): [planes, B, Hkv, bs, D], no copy."""
+        """Raw block b where it lives (its arena slot): [planes, B, Hkv, bs, D], no copy (in its tier's
+        dtype: store_dtype on the CPU tier, resident_dtype on compute)."""
         s = self.slots[b] * self.bs
         return self._arena[self.homes[b]][:, :, :, s:s + self.bs]
 

@@ -144,6 +144,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T being T'."""
     if rows is not None or kernel_usable(q, k, v):
         return kernel_decode(q, k, v, valid, rows)[0].to(q.dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored narrower than the compute dtype (no copy when alike)
     b, h, _, d = q.shape
     qg, ok = _grouped_query(q, k.shape[1], valid)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=ok)  # o: [B, Hkv, G, D]
