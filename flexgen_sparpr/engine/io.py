@@ -19,12 +19,20 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
-class Done(Future):
-    """A future that is already done (a task run inline)."""
+class Done:
+    """A task run inline: what a done Future answers, without one's lock and condition (a decode
+    step makes one a cell for resident weights and caches)."""
+
+    __slots__ = ("value",)
 
     def __init__(self, value=None):
-        super().__init__()
-        self.set_result(value)
+        self.value = value
+
+    def result(self, timeout=None):
+        return self.value
+
+    def done(self) -> bool:
+        return True
 
 
 class IOPool:
@@ -34,7 +42,7 @@ class IOPool:
         # the I/O stream and every hand-off across it are the streams' (storage/streams.py)
         self.streams = devices.streams
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn, *args) -> Future | Done:
         """Run fn(*args) on the pool (inline when not overlapping)."""
         if self.overlap:
             return self._pool.submit(self._task, fn, *args)

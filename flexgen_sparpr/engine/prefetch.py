@@ -24,7 +24,7 @@ import torch
 from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy, Selection
 from ..storage.tiers import Devices
-from .io import IOPool, to_compute
+from .io import Done, IOPool, to_compute
 from .weights import sub_weights
 
 
@@ -47,7 +47,7 @@ def early_selection(policy: KVPolicy, arch, table: BlockTable, layer: int, kind:
     if ahead is None or not (ahead.input_ready or guess) or ahead.x is None or kind not in ("attn", "block"):
         return None
     w = ahead.weights
-    if isinstance(w, Future):
+    if isinstance(w, (Future, Done)):
         if not w.done():  # never stall the current cell on the next layer's weights
             return None
         w = io.adopt(w.result())

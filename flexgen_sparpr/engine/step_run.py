@@ -35,7 +35,7 @@ class StepRun:
         self.reads = None if prefill else CacheReads(plan.reads)
         self.stores: list[Future] = []
 
-    def _load(self, j: int) -> Future:
+    def _load(self, j: int) -> Future | Done:
         """Layer j's weights; resident layers load inline: a thread hand-off would cost more than it hides."""
         weights = self.eng.weights
         if weights.is_resident(j):
