@@ -142,11 +142,7 @@ class BlockTable:
             # slice of a contiguous [planes, B, Hkv, T, D] buffer, so both views exist
             rows = planes * b * hkv
             src = arena.view(rows, -1, bs * d)  # src: [rows, capacity / bs, bs * D]
-            dst = kv[:, :, :, :n * bs].view(rows, n, bs * d)  # dst: [rows, n, bs * D]
-            if src.dtype == dst.dtype:
-                torch.index_select(src, 1, ids, out=dst)
-            else:  # stored in resident_dtype: widened as it lands
-                dst.copy_(torch.index_select(src, 1, ids))
+            _select_into(src, ids, kv[:, :, :, :n * bs].view(rows, n, bs * d))  # [rows, n, bs * D]
         if open_len:
             kv[:, :, :, n * bs:].copy_(arena[:, :, :, sealed * bs:self.length])
         return kv, pos
@@ -162,10 +158,7 @@ class BlockTable:
         base = torch.arange(b * hkv, device=rows.device).view(b, hkv, 1) * cap  # base: [B, Hkv, 1]
         spare = rows.new_zeros(b, 1)
         idx = base + torch.cat([rows, spare], dim=1)[:, None, :]  # idx: [B, Hkv, T + 1]
-        if arena.dtype == out.dtype:
-            torch.index_select(arena.view(planes, -1, d), 1, idx.flatten(), out=out.view(planes, -1, d))
-        else:  # stored in resident_dtype: widened as it lands
-            out.view(planes, -1, d).copy_(torch.index_select(arena.view(planes, -1, d), 1, idx.flatten()))
+        _select_into(arena.view(planes, -1, d), idx.flatten(), out.view(planes, -1, d))
         return out
 
     def views(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -258,3 +251,12 @@ class BlockTable:
             if side is not None:
                 side.close()
         self.store.close()
+
+
+def _select_into(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst = src.index_select(1, idx), in dst's dtype: an arena stored in resident_dtype is widened as
+    it lands (one indexed copy either way, then a cast where the dtypes differ)."""
+    if src.dtype == dst.dtype:
+        torch.index_select(src, 1, idx, out=dst)
+    else:
+        dst.copy_(torch.index_select(src, 1, idx))
