@@ -96,7 +96,7 @@ class WeightStore:
         head = len(layers) - 1 if layers and layers[-1].kind == "head" else None
         return cls(source, [l.names for l in layers], policy.weight_percents, devices, dtype, disk,
                    compress, policy.pin_weight, progress,
-                   transpose=transposed_weights(devices, policy), fmt=fmt, head=head)
+                   transpose=transposed_weights(devices, policy, dtype), fmt=fmt, head=head)
 
     def _put(self, name: str, t, home: Tier, disk, compress: bool, pin: bool) -> StoredWeight:
         dev = self.devices
@@ -246,8 +246,9 @@ def sub_weights(w: dict, prefix: str) -> dict:
     return {key[len(prefix):]: t for key, t in w.items() if key.startswith(prefix)}
 
 
-def transposed_weights(devices, policy) -> bool:
+def transposed_weights(devices, policy, dtype: torch.dtype) -> bool:
     """One sequence per batch on CPU: every decode product is a single row, which CPU BLAS runs
-    fastest against [in, out] weights (measured 1.6x); other shapes keep [out, in]."""
-    return not devices.is_cuda and policy.gpu_batch_size == 1
+    fastest against [in, out] weights (measured 1.6x); other shapes keep [out, in]. bfloat16
+    weights keep [out, in] for the compiled product that reads them (models/layers.linear)."""
+    return not devices.is_cuda and policy.gpu_batch_size == 1 and dtype != torch.bfloat16
 

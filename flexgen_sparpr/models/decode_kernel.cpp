@@ -256,6 +256,7 @@ std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::T
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);  // weight_kernel.cpp
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d);  // weight_kernel.cpp
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool wide);  // weight_kernel.cpp
+torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w);  // bf16_kernel.cpp
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps);  // glue_kernel.cpp
 torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);  // glue_kernel.cpp
 torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
@@ -268,6 +269,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul);
   m.def("q8_matmul", &q8_matmul);
   m.def("quantize_rows", &quantize_rows);
+  m.def("bf16_matmul", &bf16_matmul);
   m.def("rms_norm_rows", &rms_norm_rows);
   m.def("rope_rows", &rope_rows);
   m.def("silu_mul_rows", &silu_mul_rows);

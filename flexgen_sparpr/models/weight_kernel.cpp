@@ -179,15 +179,17 @@ void rows_of(const Acts& a, int64_t K, const uint8_t* codes, const c10::Half* sc
 
 template <bool Q8>
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x: contiguous float32 or bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows && K % 32 == 0, "x: 1..8 rows of whole groups of 32");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && scales.is_contiguous() &&
               scales.scalar_type() == torch::kFloat16, "uint8 codes and float16 scales, contiguous");
   TORCH_CHECK(codes.size(1) == (Q8 ? K : K / 2) && scales.numel() == N * (K / 32) * (Q8 ? 1 : 2), "shapes agree");
   thread_local std::vector<char> buf;
-  const Acts a = quantize<Q8>(x.data_ptr<float>(), M, K, buf);
-  auto y = torch::empty({M, N}, x.options());
+  const auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);  // a bfloat16 run's rows
+  const Acts a = quantize<Q8>(xf.data_ptr<float>(), M, K, buf);
+  auto y = torch::empty({M, N}, xf.options());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   float* yp = y.data_ptr<float>();
@@ -205,17 +207,17 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& codes, const 
       default: rows_of<8, Q8>(a, K, cp, sp, yp, N, n0, n1); break;
     }
   });
-  return y;
+  return x.scalar_type() == torch::kFloat32 ? y : y.to(torch::kBFloat16);
 }
 
 }  // namespace
 
-// x: [M, K] float32 (M <= 8); codes: [N, K/2] uint8 (chunked); dm: [N, 2, K/32] float16 -> [M, N] float32
+// x: [M, K] float32 or bfloat16 (M <= 8); codes: [N, K/2] uint8 (chunked); dm: [N, 2, K/32] float16 -> [M, N] x's dtype
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm) {
   return product<false>(x, codes, dm);
 }
 
-// x: [M, K] float32 (M <= 8); codes: [N, K] uint8 (chunked, code + 128); d: [N, K/32] float16 -> [M, N] float32
+// x: [M, K] float32 or bfloat16 (M <= 8); codes: [N, K] uint8 (chunked, code + 128); d: [N, K/32] float16 -> [M, N] x's dtype
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d) {
   return product<true>(x, codes, d);
 }

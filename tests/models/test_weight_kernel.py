@@ -1,4 +1,4 @@
-"""The compiled group-quantized products (weight_kernel.cpp) and a decode step's one-call float32 ops
+"""The compiled group-quantized and bfloat16 products (weight_kernel.cpp, bf16_kernel.cpp) and a decode step's one-call ops
 (glue_kernel.cpp) against float64 references and torch's own ops, and the fallbacks where the kernel
 does not serve (a prefill's rows, no kernel). The products round each group of 32 activations to
 8-bit codes (as llama.cpp does): the reference rounds them alike (packed.quantized_rows)."""
@@ -95,3 +95,46 @@ def test_glue_ops_equal_torchs():
     gu = torch.randn(2, 1, 2 * 1536, generator=gen)
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(layers.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("out, inputs", [(37, 100), (64, 576), (5, 16)])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_bfloat16_products_are_exact_up_to_float32_sums(out, inputs, rows):
+    """bf16_kernel.cpp widens each bfloat16 weight: the product is the float64 one of the same values;
+    a bfloat16 input gives a bfloat16 output (one rounding)."""
+    gen = torch.Generator().manual_seed(out + inputs + rows)
+    w = torch.randn(out, inputs, generator=gen).bfloat16()
+    x = torch.randn(rows, inputs, generator=gen)
+    p = P.pack(w.float(), "bfloat16")
+    assert P.bf16_kernel(x) is not None and P.bf16_kernel(torch.randn(3, inputs)) is None
+    got = p.matmul(x)
+    assert got.dtype == torch.float32 and rel(got, x.double() @ w.double().T) < 1e-6
+    xb = x.bfloat16()
+    got_b = cpu_kernel.kernel().bf16_matmul(xb, w)
+    want_b = (xb.double() @ w.double().T).bfloat16()
+    assert got_b.dtype == torch.bfloat16 and rel(got_b, want_b) < 4e-3  # one bfloat16 step at most
+    # a bfloat16 run's decode row through models/layers.linear takes the kernel, alike
+    torch.testing.assert_close(layers.linear(xb[:1], w), got_b[:1], rtol=0, atol=0)
+
+
+def test_glue_ops_in_bfloat16_round_torchs_float32_values_once():
+    """The bfloat16 glue ops compute in float32 and round each output once: within one bfloat16 step of
+    torch's ops on the same values (which round after each op)."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 3, 576, generator=gen).bfloat16(), torch.randn(576, generator=gen).bfloat16()
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()  # HF's bfloat16 order
+    got = layers.rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)
+    q = layers.split_heads(torch.randn(2, 1, 3 * 9 * 64, generator=gen)[..., :9 * 64], 9).bfloat16()
+    cos, sin = layers.rope_cos_sin(torch.tensor([[5], [700]]), 64, 10000.0, torch.bfloat16)
+    qf, half = q.float(), torch.cat([-q[..., 32:], q[..., :32]], dim=-1).float()
+    got = layers.apply_rope(q, cos, sin)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), (qf * cos.float() + half * sin.float()).bfloat16().float(), rtol=8e-3, atol=1e-2)
+    gu = torch.randn(2, 1, 2 * 1536, generator=gen).bfloat16()
+    gate, up = gu.float().chunk(2, dim=-1)
+    got = layers.silu_mul(gu)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up).bfloat16().float(), rtol=8e-3, atol=1e-3)
