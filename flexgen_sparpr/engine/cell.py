@@ -17,6 +17,7 @@ import torch
 from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy, Selection
 from ..models import cpu_kernel
+from ..runtime.placement import gathers_ahead
 from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, split_by_home
 from .io import Done, IOPool
@@ -38,7 +39,10 @@ class KVReader:
         self.cpu_cache_compute, self.speculate = cpu_cache_compute, speculate
         self.sparsity = sparsity  # FlexGen's --attn-sparsity: the top share of scores attention keeps
         self.clock = clock or StepClock()  # the engine's: select / read / rebuild seconds of its steps
-        self.ring = GatherRing()  # the decode cells' gather buffers, reused
+        # gathers in flight beyond the computing cell's (engine/prefetch.py CacheReads): deeper on the
+        # CPU, whose gather buffers are host memory, than on a GPU's scarce memory
+        self.read_ahead = gathers_ahead(devices.is_cuda)
+        self.ring = GatherRing(self.read_ahead + 2)  # the decode cells' gather buffers, reused
         self.recall: Recall | None = Recall()  # each offloaded table's last selective gather (None: off)
         self.blocks_read = [0, 0]  # over the decode cells so far: blocks attention read, blocks cached
 
@@ -79,12 +83,25 @@ class KVReader:
                 (on_compute or not self.devices.streams.active) and \
                 Recall.applies(t, sel) and len(sel.blocks) < t.num_blocks:
             return self.recall.gather(t, sel, self.dtype, self.devices.compute)
-        return gather_selection(t, sel, self.dtype, self.devices.compute, self.ring)
+        return gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring)
+
+    def gather_dtype(self, t: BlockTable) -> torch.dtype:
+        """The dtype a gather from table t lands in: for a policy that reads every block (dense), the
+        cache's own 16-bit storage dtype where the compiled CPU kernel attends it as it is (it widens
+        as it reads: half the bytes copied, then read, and the copy a plain one); else the compute
+        dtype (a selective policy's gathers are small, and its rebuilds, guesses and top-ups compute
+        in it), and under --attn-sparsity or with coded blocks."""
+        s = t.store
+        if (self.devices.is_cuda or not self.policy.reads_all or self.policy.observes or self.sparsity < 1
+                or s.coded or s.store_dtype not in (torch.float16, torch.bfloat16) or s.resident_dtype != s.store_dtype
+                or cpu_kernel.kernel() is None):
+            return self.dtype
+        return s.store_dtype
 
     def _gather_guess(self, t: BlockTable, sel) -> Fetched:
         with self.devices.counters.tag("speculative"):  # what a speculative prefetch moved
             # room for any top-up: the blocks it misses are distinct, so at most the cache's length
-            return gather_selection(t, sel, self.dtype, self.devices.compute, self.ring, room=t.length)
+            return gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring, room=t.length)
 
     # --- at compute time ---
     def attend(self, t: BlockTable, layer: int, q, k, v, fetched: Fetched | None, w, pads):
@@ -125,7 +142,7 @@ class KVReader:
             with clock.timed("select"):
                 sel = self.policy.select(t, layer, q)
             with self.devices.counters.tag("serial"), clock.timed("read"):
-                fetched = top_up(t, fetched, sel, self.dtype, self.devices.compute)
+                fetched = top_up(t, fetched, sel, self.gather_dtype(t), self.devices.compute)
         if fetched is not None and fetched.hidden is not None:
             with clock.timed("rebuild"):
                 rebuild_kv(fetched, self.arch, w, pads)

@@ -15,6 +15,7 @@ uses, so the output does not change; only the bytes of wrong guesses are added.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -65,25 +66,47 @@ class CacheReads:
     cache is gathered as soon as the cell before it in cache order has started, so with separate
     attention and MLP cells the gather for layer j+1 runs through layer j's attention and MLP, not
     only its MLP. Two cells early only when the cell between has its own gather in hand (it will
-    not read serially): then two gather buffers serve every cell (engine/recovery.py GatherRing).
-    A gather that cannot start yet (a query-aware policy still waiting for its query) is not
-    recorded, and is tried again at the next cell."""
+    not read serially). A gather that cannot start yet (a query-aware policy still waiting for its
+    query) is not recorded, and is tried again at the next cell.
 
-    def __init__(self, reads):
-        self.reads = frozenset(reads)  # the cells that read a cache (engine/schedule.py StepSchedule.reads)
+    Gathers planned without a query (dense, StreamingLLM: `KVPolicy.plan`) may run further ahead:
+    up to `ahead` of them beyond the computing cell's, each started only when every reading cell
+    before it holds its own, so that the disk always has a read in flight while layers compute
+    (a step with its KV on disk otherwise waits on one layer's read at a time). The gather ring
+    (engine/recovery.py GatherRing) holds ahead + 2 buffers."""
+
+    def __init__(self, reads, ahead: int = 1):
+        self.order = tuple(sorted(reads))  # the cells that read a cache (engine/schedule.py StepSchedule.reads)
+        self.reads = frozenset(reads)
+        self.ahead = ahead
         self.pending: dict[int, Future] = {}
 
     def may_start(self, n: int, m: int) -> bool:
         """Whether cell n may start cell m's gather: m is next, or n reads nothing or holds its own."""
         return m == n + 1 or n not in self.reads or n in self.pending
 
-    def start(self, m: int, gather) -> None:
-        """gather() -> Future for cell m, unless started already; a done future of None is dropped."""
+    def further(self, n: int) -> int | None:
+        """The next reading cell after n whose gather may start at cell n beyond the very next one:
+        every reading cell from n on holds its gather, and fewer than `ahead` are pending after n."""
+        if n in self.reads and n not in self.pending:
+            return None
+        held = 0
+        for m in self.order[bisect.bisect_right(self.order, n):]:
+            if m not in self.pending:
+                return m if held < self.ahead else None
+            held += 1
+        return None
+
+    def start(self, m: int, gather) -> bool:
+        """gather() -> Future for cell m, unless started already; a done future of None is dropped.
+        Returns whether m's gather is pending now."""
         if m in self.pending:
-            return
+            return True
         f = gather()
         if not (f.done() and f.result() is None):
             self.pending[m] = f
+            return True
+        return False
 
     def take(self, n: int) -> Future | None:
         """Cell n's gather, if one was started."""

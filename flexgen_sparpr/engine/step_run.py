@@ -32,7 +32,8 @@ class StepRun:
             eng.link.begin_step(self.per * self.gbs, ids.shape[1], eng.spec.hidden, eng.dtype)
         self.w = None  # the current layer's weights
         self.w_next = self._load(plan.cells[0].layer)
-        self.reads = None if prefill else CacheReads(plan.reads)
+        self.cells = plan.cells
+        self.reads = None if prefill else CacheReads(plan.reads, eng.reader.read_ahead)
         self.stores: list[Future] = []
 
     def _load(self, j: int) -> Future | Done:
@@ -67,7 +68,18 @@ class StepRun:
             x = self.hidden[mk] if c.input_ready or mk == c.batch else None  # x: [gbs, 1, hidden]
             ahead = Ahead(self.w if c.read_layer == c.layer else self.w_next, x, self.pos[mk], c.input_ready)
         table = self.eng.tables[(layer.index, mk)]
-        self.reads.start(m, lambda: self.eng.reader.prefetch(table, layer.index, layer.kind, ahead))
+        if self.reads.start(m, lambda: self.eng.reader.prefetch(table, layer.index, layer.kind, ahead)):
+            self._read_further(c.n)
+
+    def _read_further(self, n: int) -> None:
+        """Start the gathers planned without a query further on (CacheReads.further), in order,
+        until one cannot start (its policy waits for the query)."""
+        while (m := self.reads.further(n)) is not None:
+            cell = self.cells[m]
+            layer = self.eng.layers[cell.layer]
+            table = self.eng.tables[(layer.index, cell.batch)]
+            if not self.reads.start(m, lambda: self.eng.reader.prefetch(table, layer.index, layer.kind, None)):
+                return
 
     def compute(self, c: Cell) -> None:
         """The cell's layer on its GPU batch, with its cache read in hand; its sealed blocks start storing."""

@@ -261,16 +261,19 @@ torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps);  // g
 torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);  // glue_kernel.cpp
 torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
 
+// The kernels touch no Python object: they let go of the GIL while they run, so the engine's I/O threads
+// (disk reads, copies) go on meanwhile instead of waiting for the kernel to return.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("simd", &simd);
-  m.def("decode_attention", &decode_attention);
-  m.def("lowrank_scores", &lowrank_scores);
-  m.def("pick_rows", &pick_rows);
-  m.def("q4_matmul", &q4_matmul);
-  m.def("q8_matmul", &q8_matmul);
-  m.def("quantize_rows", &quantize_rows);
-  m.def("bf16_matmul", &bf16_matmul);
-  m.def("rms_norm_rows", &rms_norm_rows);
-  m.def("rope_rows", &rope_rows);
-  m.def("silu_mul_rows", &silu_mul_rows);
+  m.def("decode_attention", &decode_attention, nogil);
+  m.def("lowrank_scores", &lowrank_scores, nogil);
+  m.def("pick_rows", &pick_rows, nogil);
+  m.def("q4_matmul", &q4_matmul, nogil);
+  m.def("q8_matmul", &q8_matmul, nogil);
+  m.def("quantize_rows", &quantize_rows, nogil);
+  m.def("bf16_matmul", &bf16_matmul, nogil);
+  m.def("rms_norm_rows", &rms_norm_rows, nogil);
+  m.def("rope_rows", &rope_rows, nogil);
+  m.def("silu_mul_rows", &silu_mul_rows, nogil);
 }

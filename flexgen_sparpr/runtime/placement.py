@@ -30,6 +30,14 @@ COMPRESSED_BYTES = 4.5 / 8  # 4-bit codes + a 16-bit scale and min per group of 
 CALLS_PER_LAYER = 6      # q, k, v, out, fc1, fc2: the matmul calls one GPU batch makes per layer
 
 
+def gathers_ahead(cuda: bool) -> int:
+    """Decode KV gathers planned without a query kept in flight beyond the computing cell's
+    (engine/prefetch.py CacheReads): one on a GPU, whose memory is scarce; three on the CPU, so the
+    disk always has a read in flight (one at a time, a dense step with its KV on disk left the disk
+    idle a third of the time). Their buffers: gathers_ahead + 2 of them (engine/recovery.py GatherRing)."""
+    return 1 if cuda else 3
+
+
 @dataclass(frozen=True)
 class Workload:
     """What runs: the model, lengths, the total batch (split into GPU batches) and dtype."""
@@ -137,13 +145,13 @@ def tier_use(wl: Workload, cuda: bool, wg, wc, cg, cc, gbs: int, act_on_cpu: boo
     resident = wl.resident_share * B * n_kv * 2 * s.kv_dim * b * L  # the policy's share on compute
     wd, cd = 1 - wg - wc, 1 - cg - cc
     # working set on the compute device: streamed layers double-buffered, the KV of one
-    # (layer, GPU batch) gathered twice (compute + prefetch), one batch's prefill activations
+    # (layer, GPU batch) gathered into each buffer of the gather ring, one batch's prefill activations
     # (q, k, v, attention out, MLP hidden) and logits,
     # and every (layer, GPU batch)'s open block (a sparse policy's gather buffer is sized as
     # dense's: the union of a batch's picks can be all); a sparse policy's offloaded tables each
     # keep an arena of what they read (engine/recall.py)
     arena = (1 - cg) * L * B * n_kv * 2 * s.kv_dim * b * wl.kv_arena_share
-    work = (arena + 2 * (1 - wg) * Wl + 2 * (1 - cg) * gbs * n_kv * kv_tok
+    work = (arena + 2 * (1 - wg) * Wl + (gathers_ahead(cuda) + 2) * (1 - cg) * gbs * n_kv * kv_tok
             + gbs * p * (5 * s.hidden + s.ffn) * b + gbs * s.vocab * 4
             + L * B * wl.block_size * 2 * s.kv_dim * b)
     act = B * p * s.hidden * b                         # hidden states of every batch
