@@ -64,8 +64,14 @@ struct Acts {
   const int32_t* csum(int m, int64_t c) const { return qsum + (m * chunks + c) * 16; }
 };
 
-template <bool Wide>
-Acts quantize(const float* x, int64_t M, int64_t K, std::vector<char>& buf) {
+// 16 activations from p: float32, or bfloat16 widened (a float32's top half)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <bool Wide, typename T>
+Acts quantize(const T* x, int64_t M, int64_t K, std::vector<char>& buf) {
   constexpr int W = Wide ? 2 : 1;
   constexpr float top = Wide ? 32767.0f : 127.0f;
   const int64_t G = K / 32, chunks = (G + 15) / 16, lanes = M * chunks * 16, qbytes = M * chunks * 512 * W;
@@ -76,8 +82,8 @@ Acts quantize(const float* x, int64_t M, int64_t K, std::vector<char>& buf) {
   a.qsum = reinterpret_cast<int32_t*>(a.sum + lanes);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
-      const float* xg = x + m * K + g * 32;
-      const __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
+      const T* xg = x + m * K + g * 32;
+      const __m512 lo = load16(xg), hi = load16(xg + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const __m512 inv = _mm512_set1_ps(amax > 0 ? top / amax : 0.0f);
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
@@ -187,9 +193,9 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& codes, const 
               scales.scalar_type() == torch::kFloat16, "uint8 codes and float16 scales, contiguous");
   TORCH_CHECK(codes.size(1) == (Q8 ? K : K / 2) && scales.numel() == N * (K / 32) * (Q8 ? 1 : 2), "shapes agree");
   thread_local std::vector<char> buf;
-  const auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);  // a bfloat16 run's rows
-  const Acts a = quantize<Q8>(xf.data_ptr<float>(), M, K, buf);
-  auto y = torch::empty({M, N}, xf.options());
+  const bool bf = x.scalar_type() == torch::kBFloat16;  // a bfloat16 run's rows: widened as they are rounded
+  const Acts a = bf ? quantize<Q8>(x.data_ptr<c10::BFloat16>(), M, K, buf) : quantize<Q8>(x.data_ptr<float>(), M, K, buf);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   float* yp = y.data_ptr<float>();
@@ -207,7 +213,11 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& codes, const 
       default: rows_of<8, Q8>(a, K, cp, sp, yp, N, n0, n1); break;
     }
   });
-  return x.scalar_type() == torch::kFloat32 ? y : y.to(torch::kBFloat16);
+  if (!bf) return y;
+  auto yb = torch::empty({M, N}, x.options());  // one rounding of the float32 sums
+  c10::BFloat16* bp = yb.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < M * N; ++i) bp[i] = static_cast<c10::BFloat16>(yp[i]);
+  return yb;
 }
 
 }  // namespace
@@ -229,7 +239,8 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool wide) {
               "x: contiguous float32 [M, K], K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), G = K / 32;
   std::vector<char> buf;
-  const Acts a = wide ? quantize<true>(x.data_ptr<float>(), M, K, buf) : quantize<false>(x.data_ptr<float>(), M, K, buf);
+  const float* xp = x.data_ptr<float>();
+  const Acts a = wide ? quantize<true>(xp, M, K, buf) : quantize<false>(xp, M, K, buf);
   auto q = torch::empty({M, K}, x.options().dtype(torch::kInt16));
   auto s = torch::empty({M, G}, x.options());
   auto qa = q.accessor<int16_t, 2>();
