@@ -45,6 +45,10 @@ ENGINE = [
            "--keeps", "0.1", "--out", "results/step-kv-dtype"), _pair("results/step-kv-dtype", "step"),
           ("--lengths", "256", "--batches", "1", "--placements", "disk", "--kv-dtypes", "q8", "--keeps", "0.25",
            "--steps", "2", "--offload-dir", "{out}/offload", "--out", "{out}")),
+    # the decode step per weight format and compute dtype (--compress-weight, --dtype bfloat16)
+    Entry("weights", "scripts/bench_weights.py", ("--out", "results/weights"), _pair("results/weights", "weights"),
+          ("--lengths", "256", "--batches", "1", "--placements", "resident", "--steps", "2",
+           "--offload-dir", "{out}/offload", "--out", "{out}")),
     Entry("attention", "scripts/bench_attention.py", ("--out", "results/attention"),
           _pair("results/attention", "attention"),
           ("--lengths", "256", "--batches", "1", "--repeats", "2", "--out", "{out}")),
