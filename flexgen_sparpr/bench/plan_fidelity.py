@@ -79,6 +79,14 @@ FIDELITY = [
     Entry("fidelity-defaults-agreement", "scripts/agreement.py",
           (*_DEFAULTS, "--target", "sparpr@0.1", "--out", "results/fidelity/defaults"),
           ("results/fidelity/defaults/agreement.json", "results/fidelity/defaults/agreement.md")),
+    # dense and SparPR keep 0.1 alone at the defaults, the same prompts (a rerun at today's engine in minutes)
+    *[_needle(f"fidelity/defaults-sparpr/{n}", *FRESH, "--lengths", str(n), "--trials", t, "--batch", b,
+              "--policies", "sparpr", "--keep", "0.1") for n, t, b in ((2048, "24", "6"), (4096, "24", "6"),
+                                                                         (8000, "12", "4"))],
+    Entry("fidelity-defaults-sparpr-agreement", "scripts/agreement.py",
+          (*[f"results/fidelity/defaults-sparpr/{n}/needle.json" for n in (2048, 4096, 8000)], "--target", "sparpr@0.1",
+           "--out", "results/fidelity/defaults-sparpr"),
+          ("results/fidelity/defaults-sparpr/agreement.json", "results/fidelity/defaults-sparpr/agreement.md")),
     *[_needle(f"fidelity/defaults-block/b{b}", *FRESH, "--lengths", "2048", "--trials", "12", "--batch", "6",
               "--policies", "sparpr", "--keep", "0.1", "--block-size", str(b)) for b in (16, 64)],
     # the held-out split: six retrieval tasks and the late question
