@@ -12,6 +12,7 @@ from ..models.packed import Packed, unpack_like
 from ..storage.codec import GroupCodec
 from ..storage.compress import CompressionConfig
 from ..storage.tiers import Devices, Tier, split_by_percent
+from .table_rows import TableRows
 from .weight_format import WeightFormat
 
 WEIGHT_COMPRESSION = CompressionConfig(num_bits=4, group_size=64, group_dim=0)
@@ -46,8 +47,10 @@ class WeightStore:
 
     def __init__(self, source, layers: list[dict[str, str]], percents, devices: Devices,
                  dtype: torch.dtype, disk=None, compress: bool = False, pin: bool = True,
-                 progress=None, transpose: bool = False, fmt=None, head: int | None = None):
+                 progress=None, transpose: bool = False, fmt=None, head: int | None = None,
+                 embed: int | None = None):
         self.devices, self.dtype = devices, dtype
+        self.embed = embed  # the embedding layer: its tables on disk are looked up where they lie (table_rows.py)
         # projections (not embedding tables) of compute-resident layers, stored [in, out]
         self.transpose = transpose
         self.fmt = fmt
@@ -94,9 +97,10 @@ class WeightStore:
             weight_format, compress = "int4", False
         fmt = WeightFormat(weight_format, devices.compute, dtype, policy.gpu_batch_size)
         head = len(layers) - 1 if layers and layers[-1].kind == "head" else None
+        embed = 0 if layers and layers[0].kind == "embed" else None
         return cls(source, [l.names for l in layers], policy.weight_percents, devices, dtype, disk,
                    compress, policy.pin_weight, progress,
-                   transpose=transposed_weights(devices, policy, dtype), fmt=fmt, head=head)
+                   transpose=transposed_weights(devices, policy, dtype), fmt=fmt, head=head, embed=embed)
 
     def _put(self, name: str, t, home: Tier, disk, compress: bool, pin: bool) -> StoredWeight:
         dev = self.devices
@@ -151,7 +155,15 @@ class WeightStore:
             if j not in self._loaded:
                 self._loaded[j] = {short: self.fetch(full) for short, full in self.layers[j].items()}
             return self._loaded[j]
-        return {short: self.fetch(full) for short, full in self.layers[j].items()}
+        return {short: self._table_rows(full) if j == self.embed and short in LOOKUP_TABLES else self.fetch(full)
+                for short, full in self.layers[j].items()}
+
+    def _table_rows(self, name: str):
+        """An embedding table: raw on the disk tier, as TableRows (read by row); else fetched."""
+        w = self.stored[name]
+        if w.home == Tier.DISK and w.codec is None and not isinstance(w.data, PackedBytes) and len(w.shape) == 2:
+            return TableRows(w, self.dtype, self.devices)
+        return self.fetch(name)
 
     def fetch(self, name: str) -> torch.Tensor:
         w, dev = self.stored[name], self.devices
@@ -191,6 +203,8 @@ class WeightStore:
             f.close()
         self._files.clear()
 
+
+LOOKUP_TABLES = ("tok", "pos")  # an embedding layer's tables, indexed by token or position (models/*.py embed)
 
 # projections that one packed product serves, when both are in the same packed format and have no
 # bias: one kernel call and one activation cast instead of two (the engine reads the fused key)

@@ -238,7 +238,9 @@ class DiskFile:
 
     def read_at(self, slot: int, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill contiguous `out` with bytes [start, start + out.nbytes) of `slot` (part of what
-        was written there); with O_DIRECT `start` must be a multiple of 4096."""
+        was written there). With O_DIRECT a `start` off a 4096-byte boundary reads the pages around
+        the bytes into this thread's staging buffer (the slot's padding ends its last page) and
+        copies them out."""
         if not out.is_contiguous():
             raise ValueError("DiskFile.read_at needs a contiguous output tensor")
         n = out.nbytes
@@ -246,7 +248,13 @@ class DiskFile:
         if start < 0 or start + n > self._lens[slot]:
             raise ValueError(f"bytes [{start}, {start + n}) are outside slot {slot}'s {self._lens[slot]}")
         if self.direct_mode == "o_direct" and start % ALIGN:
-            raise ValueError(f"O_DIRECT reads start at multiples of {ALIGN} (got {start})")
+            skip = start % ALIGN
+            buf = _staging.get(round_up(skip + n))
+            _pio(os.preadv, self._fd, memoryview(buf.numpy()), off - skip)
+            _byte_view(out).copy_(buf[skip:skip + n])
+            with self._lock:
+                self.bytes_read += buf.numel()
+            return out
         return self._read_into(off, out)
 
     def _read_into(self, off: int, out: torch.Tensor) -> torch.Tensor:
