@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,7 +22,8 @@ from ..api.measure import disk_bandwidth
 from ..api.llm import LLM
 from .needle_prompt import NeedlePrompts, random_key
 from ..api.resolved import resolved
-from .results import md_table
+from .args import OneLineParser
+from .results import REPO, md_table, publish
 from .sweep import REFERENCE
 from .texts import TEXTS
 
@@ -106,3 +108,41 @@ def render(payload: dict) -> str:
             f"{cfg['steps']} decode steps. Produced by `scripts/bench_step.py`.\n\n"
             + md_table(["tokens", "batch", "KV", "policy", "step s", "vs dense", "disk MiB/step", "keep",
                         "select / read / rebuild / io_wait / compute ms", "dense vs floor"], rows))
+
+
+def parser(doc: str) -> OneLineParser:
+    """scripts/bench_step.py's command line."""
+    ap = OneLineParser(description=doc)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000],
+                    help="prompt tokens (8000: room for the decode steps in an 8192-position model)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(PLACEMENTS))
+    ap.add_argument("--keeps", type=float, nargs="+", default=[0.25, 0.1], help="SparPR keep ratios")
+    ap.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES, default=["auto"],
+                    help="--kv-dtype of the disk cells, each its own cell (q8 / q4: quantized blocks; the resident "
+                         "cells keep the compute dtype and run once)")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps each policy runs (median taken)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--offload-dir", default=str(Path(tempfile.gettempdir()) / "flexgen-sparpr-bench-step"))
+    ap.add_argument("--out", default=str(REPO / "results" / "step"))
+    return ap
+
+
+def run_grid(args) -> int:
+    """The disk's bandwidth, every (length, batch, placement, KV dtype) cell in turn, then
+    <out>/step.json and step.md."""
+    read_Bps, mode = disk_read_Bps(Path(args.offload_dir))
+    print(f"disk: {read_Bps / 1e9:.2f} GB/s O_DIRECT read ({mode})", flush=True)
+    cells = []
+    for tokens in args.lengths:
+        for batch in args.batches:
+            for placement in args.placements:
+                for kv in (args.kv_dtypes if placement == "disk" else ["auto"]):
+                    cell = run_cell(tokens, batch, placement, args.keeps, args.steps, args.offload_dir, args.seed, kv)
+                    cells.append(cell)
+                    print(f"{tokens} x{batch} {placement} {kv}: " + ", ".join(
+                        f"{k} {v['step_s']:.3f}s" for k, v in cell["policies"].items()), flush=True)
+    add_ratios(cells, read_Bps)
+    publish(args.out, "step", {**vars(args), "model": "smollm2-135m", "defaults": defaults_said(cells),
+                               "disk_read_Bps": read_Bps}, cells, render)
+    return 0

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import random
 import statistics
+import tempfile
+from pathlib import Path
 
 from ..api.llm import LLM
 from ..api.resolved import resolved
+from .args import OneLineParser
 from .needle_prompt import NeedlePrompts, random_key
-from .results import md_table
+from .results import REPO, md_table, publish
 from .texts import TEXTS
 
 TEXT = TEXTS["alice29"].path  # the demo's text (tuning split: bench/texts.py)
@@ -80,3 +83,31 @@ def render(payload: dict) -> str:
             f"this one's (above 1: this one is faster). Produced by `scripts/bench_weights.py`.\n\n"
             + md_table(["tokens", "batch", "weights on", "run", "weight format", "step s", "disk MiB/step",
                         "vs raw float32", "vs defaults", "bfloat16 vs float32"], rows))
+
+
+def parser(doc: str) -> OneLineParser:
+    """scripts/bench_weights.py's command line."""
+    ap = OneLineParser(description=doc)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(PLACEMENTS))
+    ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    ap.add_argument("--steps", type=int, default=12, help="decode steps each run times (median taken)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--offload-dir", default=str(Path(tempfile.gettempdir()) / "flexgen-sparpr-bench-weights"))
+    ap.add_argument("--out", default=str(REPO / "results" / "weights"))
+    return ap
+
+
+def run_grid(args) -> int:
+    """Every (length, batch, placement, run) cell in turn, then <out>/weights.json and weights.md."""
+    cells = []
+    for tokens in args.lengths:
+        for batch in args.batches:
+            for placement in args.placements:
+                for label in args.runs:
+                    cells.append(run_cell(tokens, batch, placement, label, args.steps, args.offload_dir, args.seed))
+                    print(f"{tokens} x{batch} {placement} {label}: {cells[-1]['step_s']:.4f} s", flush=True)
+    add_ratios(cells)
+    publish(args.out, "weights", {**vars(args), "model": "smollm2-135m"}, cells, render)
+    return 0

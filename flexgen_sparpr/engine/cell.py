@@ -17,7 +17,7 @@ import torch
 from ..kv.block_table import BlockTable
 from ..kv.policy import KVPolicy, Selection
 from ..models import cpu_kernel
-from ..runtime.placement import gathers_ahead
+from ..runtime.hardware import gathers_ahead
 from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, split_by_home
 from .io import Done, IOPool

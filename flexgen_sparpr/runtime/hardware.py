@@ -222,3 +222,10 @@ def save_hardware(hw: Hardware, path) -> None:
 
 
 HARDWARE_FIELDS = tuple(f.name for f in fields(Hardware))
+
+
+def gathers_ahead(cuda: bool) -> int:
+    """Decode KV gathers planned without a query in flight beyond the computing cell's (engine/prefetch.py
+    CacheReads; their buffers: this + 2): one on a GPU's scarce memory, three on the CPU (one at a time
+    left the disk idle a third of a dense step with its KV on disk)."""
+    return 1 if cuda else 3

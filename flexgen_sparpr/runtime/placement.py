@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import NoPlacementFits
 from ..models.spec import ModelSpec
-from .hardware import GiB, Hardware
+from .hardware import GiB, Hardware, gathers_ahead
 
 DEVICE_MARGIN = 0.05     # of the compute device's usable memory: allocator slack, fragmentation
 HOST_MARGIN = 0.10       # of host memory: the OS, page cache, pinned-allocation rounding
@@ -29,13 +29,6 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 COMPRESSED_BYTES = 4.5 / 8  # 4-bit codes + a 16-bit scale and min per group of 64
 CALLS_PER_LAYER = 6      # q, k, v, out, fc1, fc2: the matmul calls one GPU batch makes per layer
 
-
-def gathers_ahead(cuda: bool) -> int:
-    """Decode KV gathers planned without a query kept in flight beyond the computing cell's
-    (engine/prefetch.py CacheReads): one on a GPU, whose memory is scarce; three on the CPU, so the
-    disk always has a read in flight (one at a time, a dense step with its KV on disk left the disk
-    idle a third of the time). Their buffers: gathers_ahead + 2 of them (engine/recovery.py GatherRing)."""
-    return 1 if cuda else 3
 
 
 @dataclass(frozen=True)

@@ -237,10 +237,8 @@ class DiskFile:
         return total
 
     def read_at(self, slot: int, start: int, out: torch.Tensor) -> torch.Tensor:
-        """Fill contiguous `out` with bytes [start, start + out.nbytes) of `slot` (part of what
-        was written there). With O_DIRECT a `start` off a 4096-byte boundary reads the pages around
-        the bytes into this thread's staging buffer (the slot's padding ends its last page) and
-        copies them out."""
+        """Fill contiguous `out` with bytes [start, start + out.nbytes) of `slot` (part of what was written
+        there); with O_DIRECT, from any `start` (the pages around the bytes, through the staging buffer)."""
         if not out.is_contiguous():
             raise ValueError("DiskFile.read_at needs a contiguous output tensor")
         n = out.nbytes
@@ -248,8 +246,7 @@ class DiskFile:
         if start < 0 or start + n > self._lens[slot]:
             raise ValueError(f"bytes [{start}, {start + n}) are outside slot {slot}'s {self._lens[slot]}")
         if self.direct_mode == "o_direct" and start % ALIGN:
-            skip = start % ALIGN
-            buf = _staging.get(round_up(skip + n))
+            buf, skip = _staging.get(round_up(start % ALIGN + n)), start % ALIGN
             _pio(os.preadv, self._fd, memoryview(buf.numpy()), off - skip)
             _byte_view(out).copy_(buf[skip:skip + n])
             with self._lock:
