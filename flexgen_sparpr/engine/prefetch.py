@@ -73,13 +73,15 @@ class CacheReads:
     up to `ahead` of them beyond the computing cell's, each started only when every reading cell
     before it holds its own, so that the disk always has a read in flight while layers compute
     (a step with its KV on disk otherwise waits on one layer's read at a time). The gather ring
-    (engine/recovery.py GatherRing) holds ahead + 2 buffers."""
+    (engine/recovery.py GatherRing) holds ahead + 2 buffers. The first such gather that cannot start
+    (a query-aware policy) ends the trying for the step: it would fail at every cell."""
 
     def __init__(self, reads, ahead: int = 1):
         self.order = tuple(sorted(reads))  # the cells that read a cache (engine/schedule.py StepSchedule.reads)
         self.reads = frozenset(reads)
         self.ahead = ahead
         self.pending: dict[int, Future] = {}
+        self.no_further = False  # a gather further on could not start: none will this step
 
     def may_start(self, n: int, m: int) -> bool:
         """Whether cell n may start cell m's gather: m is next, or n reads nothing or holds its own."""
@@ -88,7 +90,7 @@ class CacheReads:
     def further(self, n: int) -> int | None:
         """The next reading cell after n whose gather may start at cell n beyond the very next one:
         every reading cell from n on holds its gather, and fewer than `ahead` are pending after n."""
-        if n in self.reads and n not in self.pending:
+        if self.no_further or (n in self.reads and n not in self.pending):
             return None
         held = 0
         for m in self.order[bisect.bisect_right(self.order, n):]:

@@ -73,12 +73,13 @@ class StepRun:
 
     def _read_further(self, n: int) -> None:
         """Start the gathers planned without a query further on (CacheReads.further), in order,
-        until one cannot start (its policy waits for the query)."""
+        until one cannot start (its policy waits for the query: then none further this step)."""
         while (m := self.reads.further(n)) is not None:
             cell = self.cells[m]
             layer = self.eng.layers[cell.layer]
             table = self.eng.tables[(layer.index, cell.batch)]
             if not self.reads.start(m, lambda: self.eng.reader.prefetch(table, layer.index, layer.kind, None)):
+                self.reads.no_further = True
                 return
 
     def compute(self, c: Cell) -> None:

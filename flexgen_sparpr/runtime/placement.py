@@ -30,7 +30,6 @@ COMPRESSED_BYTES = 4.5 / 8  # 4-bit codes + a 16-bit scale and min per group of 
 CALLS_PER_LAYER = 6      # q, k, v, out, fc1, fc2: the matmul calls one GPU batch makes per layer
 
 
-
 @dataclass(frozen=True)
 class Workload:
     """What runs: the model, lengths, the total batch (split into GPU batches) and dtype."""

@@ -144,3 +144,27 @@ def test_cache_reads_gather_the_next_reading_cell_two_cells_early():
     assert started == [3] and reads.take(3) is pending and reads.take(3) is None
     reads.start(1, lambda: Future())
     assert reads.may_start(1, 3)  # cell 1 holds its own gather: cell 3's may start two cells early
+
+
+def test_planned_gathers_run_ahead_while_every_reading_cell_before_holds_its_own():
+    """CacheReads.further: up to `ahead` gathers beyond the computing cell's, in order, each only when
+    every reading cell from the current one on holds its own; one that cannot start ends the trying."""
+    from concurrent.futures import Future
+
+    kinds = ["embed"] + ["attn", "mlp"] * 5 + ["head"]
+    plan = step_schedule(tuple(kind == "attn" for kind in kinds), 1, 1)
+    assert plan.reads == (1, 3, 5, 7, 9)
+    reads = prefetch.CacheReads(plan.reads, ahead=2)
+    assert reads.further(1) is None  # cell 1 reads and has no gather of its own yet
+    reads.start(1, Future)
+    assert reads.further(1) == 3
+    reads.start(3, Future)
+    assert reads.further(1) == 5
+    reads.start(5, Future)
+    assert reads.further(1) is None  # two pending beyond cell 1: the limit
+    reads.take(1)
+    assert reads.further(2) is None  # cell 2 (an MLP) sees 3 and 5 pending: the limit
+    reads.take(3)
+    assert reads.further(4) == 7  # only 5 pending beyond cell 4
+    reads.no_further = True  # a gather further on could not start (a query-aware policy)
+    assert reads.further(4) is None
