@@ -139,6 +139,8 @@ FIDELITY = [
     _fresh_ppl("ppl-defaults/4096", "4096", "sparpr,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv", "6"),
     _fresh_ppl("ppl-defaults/8000", "8000", "sparpr,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv", "4",
                partial="the published file holds 1 of its 3 batches (4 of 12 windows): rerunning resumes"),
+    # the raw-KV policies alone at 8000 (no DKV prefill, an hour a batch on one thread): all 12 windows
+    _fresh_ppl("ppl-defaults-raw/8000", "8000", "sparpr,quest,h2o,streaming-llm,flexgen-topk", "4"),
     *[_fresh_ppl(f"ppl-weights/{w}", "2048", "sparpr", "4", "--weight-format", w) for w in ("auto", "raw")],
     # quantized KV (--kv-dtype q8 / q4 on the disk tier), alone and under SparPR's selection, beside DKV
     _fresh_ppl("ppl-kv-dtype/2048", "2048", "dense+q8,dense+q4,sparpr,sparpr+q8,sparpr+q4,dkv", "6"),
