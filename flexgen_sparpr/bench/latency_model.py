@@ -25,7 +25,7 @@ def host_scan_Bps() -> float:
     (OPT-6.7B's 32 heads of 128, batch 4, an 8k context's 4-token runs; best of 5)."""
     import time
     import torch
-    from ..kv.policies.sparpr import block_scores
+    from ..kv.policies.sparpr_mean import block_scores
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -53,6 +53,8 @@ def _fresh_ppl(folder: str, length: str, policies: str, batch: str, *more: str, 
                 "--policies", policies, "--keep", "0.1", *more, partial=partial)
 
 
+_STUDY = "sparpr,sparpr:summary=exact,sparpr:per_head=true,sparpr:summary=exact:per_head=true"
+
 # dense's and DKV's answers on the held-out prompts, then DKV's with its top 2 routed blocks read raw
 _EXACT2 = [f"results/fidelity/{d}/needle.json" for d in (
     "retrieval-dkv-2k", "late-question", "retrieval-4k", "retrieval-dkv-4k-follow12", "late-question-4k",
@@ -142,6 +144,10 @@ FIDELITY = [
     # the raw-KV policies alone at 8000 (no DKV prefill, an hour a batch on one thread): all 12 windows
     _fresh_ppl("ppl-defaults-raw/8000", "8000", "sparpr,quest,h2o,streaming-llm,flexgen-topk", "4"),
     *[_fresh_ppl(f"ppl-weights/{w}", "2048", "sparpr", "4", "--weight-format", w) for w in ("auto", "raw")],
+    # what bounds keep 0.1 at 2k: SparPR's scores against the exact keys', one set for all KV heads
+    # against each its own, per selection granularity (docs/fidelity.md, "What bounds keep 0.1")
+    *[_fresh_ppl(f"ppl-granularity/b{bs}", "2048", _STUDY + (",flexgen-topk" if bs == 16 else ""), "6",
+                 "--block-size", str(bs)) for bs in (16, 4, 2)],
     # quantized KV (--kv-dtype q8 / q4 on the disk tier), alone and under SparPR's selection, beside DKV
     _fresh_ppl("ppl-kv-dtype/2048", "2048", "dense+q8,dense+q4,sparpr,sparpr+q8,sparpr+q4,dkv", "6"),
     # the same on the needle prompts of fidelity/defaults/2048 (DKV's rows are in that file)

@@ -48,7 +48,8 @@ KV_PERCENT = (100, 0, 0, 0, 100, 0)  # weights and activations on compute, the K
 class Config:
     """One decode configuration: a policy name, or "A+C" (policy A reading the blocks policy C's
     codec stores, as `--cold-codec C` does; or C a KV_STORES dtype: the blocks stored so on the disk
-    tier, as `--kv-dtype C` does), and its keep ratio (1 for policies without one)."""
+    tier, as `--kv-dtype C` does), and its keep ratio (1 for policies without one). The decoding
+    policy's name may carry knobs, "A:knob=value:knob=value" (field names: "sparpr:per_head=true")."""
 
     policy: str
     keep: float = 1.0
@@ -57,7 +58,22 @@ class Config:
     def parts(self) -> tuple[str, str | None]:
         """(the policy that decodes, the policy whose codec stores the blocks it reads, or None)."""
         name, _, cold = self.policy.partition("+")
-        return name, cold or None
+        return name.partition(":")[0], cold or None
+
+    @property
+    def knobs(self) -> dict:
+        """The knob values the name sets (typed as the policy's fields). Raises ValueError."""
+        name, _, rest = self.policy.partition("+")[0].partition(":")
+        fields = {k.name: k for k in knobs(POLICIES[name])}
+        out = {}
+        for item in filter(None, rest.split(":")):
+            key, eq, value = item.partition("=")
+            if key not in fields or not eq:
+                raise ValueError(f"{self.policy}: {item!r} is not knob=value for a knob of {name} "
+                                 f"({', '.join(fields)})")
+            kind = fields[key].type
+            out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        return out
 
     @property
     def budgeted(self) -> bool:
@@ -89,7 +105,8 @@ def known_policies(composed: tuple[str, ...] = ()) -> list[str]:
 
 
 def _composable(name: str) -> bool:
-    a, _, c = name.partition("+")
+    a, c = Config(name).parts
+    c = c or ""
     if c in KV_STORES:
         return a in POLICIES and a not in policies.codec_names()
     return a in POLICIES and c in policies.codec_names() and Config(a).budgeted
@@ -98,7 +115,7 @@ def _composable(name: str) -> bool:
 def configs(names: list[str], keeps: list[float], dense: bool = True) -> list[Config]:
     """The reference first (unless not `dense`), then each policy (registered, or a composition
     "A+C") at each keep ratio (once for a policy without one). Raises ValueError."""
-    bad = [p for p in names if p not in POLICIES and not _composable(p)]
+    bad = [p for p in names if Config(p).parts[0] not in POLICIES and not _composable(p)]
     if bad:
         raise ValueError(f"unknown policies {bad} (known: {', '.join(sorted(POLICIES))}, and A+C compositions "
                          f"of a budgeted policy over {', '.join(policies.codec_names())}, or of a raw policy "
@@ -106,6 +123,7 @@ def configs(names: list[str], keeps: list[float], dense: bool = True) -> list[Co
     out = [Config(REFERENCE)] if dense else []
     for p in names:
         if p != REFERENCE:
+            Config(p).knobs  # noqa: B018 (raises on a bad knob before any run)
             out += [Config(p, k) for k in keeps] if Config(p).budgeted else [Config(p)]
     return out
 
@@ -114,6 +132,7 @@ def new_policy(cfg: Config, codec_args: dict | None = None) -> KVPolicy:
     """A fresh policy for cfg; codec_args: the knobs of a policy with a codec (e.g. DKV's)."""
     name, _ = cfg.parts
     args = dict(codec_args or {}) if name in policies.codec_names() else {}
+    args.update(cfg.knobs)
     if cfg.budgeted:
         args["keep_ratio"] = cfg.keep
         floor = next((k.default for k in knobs(POLICIES[name]) if k.name == "min_keep"), None)

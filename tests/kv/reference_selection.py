@@ -10,7 +10,8 @@ import torch
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies.base import token_budget
 from flexgen_sparpr.kv.policies.quest import Quest, block_upper_bound
-from flexgen_sparpr.kv.policies.sparpr import SparPR, block_scores
+from flexgen_sparpr.kv.policies.sparpr import SparPR
+from flexgen_sparpr.kv.policies.sparpr_mean import block_scores
 from flexgen_sparpr.kv.policies.sparpr_lowrank import LEVELS, nibbles
 
 

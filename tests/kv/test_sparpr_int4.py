@@ -85,13 +85,14 @@ def test_smollm2_greedy_tokens_are_those_of_the_float_path(monkeypatch, smollm2_
     monkeypatch.setattr(sparpr_policy, "kernel_scores", lambda *a: False)  # the torch paths, not the compiled one
     prompt = [list(range(1000, 1600))]
     runs = {}
+    orig = sparpr_policy.synced_codes
     for name, int4 in (("int4", True), ("float", False)):
         if not int4:
             monkeypatch.setattr(sparpr_int4, "applies", lambda *a: False)
         with LLM("smollm2-135m", kv_policy="sparpr", keep_ratio=0.1, quiet=True) as llm:
             used = []
-            orig = llm.engine.kv_policy._packed_codes
-            llm.engine.kv_policy._packed_codes = lambda t, c: used.append(orig(t, c)) or used[-1]
+            monkeypatch.setattr(sparpr_policy, "synced_codes",
+                                lambda cache, t, c: used.append(orig(cache, t, c)) or used[-1])
             runs[name] = llm.generate(prompt, max_new_tokens=12, stop=None)[0].token_ids
             assert any(p is not None for p in used) == int4
     assert len(runs["int4"]) == 12 and runs["int4"] == runs["float"]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flexgen_sparpr.kv.policies.base import token_budget
-from flexgen_sparpr.kv.policies.sparpr import SparPR, block_scores, masked_mean_keys
+from flexgen_sparpr.kv.policies.sparpr import SparPR, masked_mean_keys
+from flexgen_sparpr.kv.policies.sparpr_mean import block_scores
 
 from tests.kv.sparpr_tables import fill, fixed, resident
 

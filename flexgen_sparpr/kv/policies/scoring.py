@@ -37,6 +37,23 @@ def budgeted_pick(score: torch.Tensor, counts: torch.Tensor, room: torch.Tensor,
     return pick if own is None else own | pick
 
 
+def exact_block_mass(table: BlockTable, q: torch.Tensor, sealed: int, pad_bias: torch.Tensor | None,
+                     per_head: bool) -> torch.Tensor:
+    """The attention mass each sealed block gets, from the cached keys themselves (every block
+    read: the ceiling of any summary's choice, for study). q: [B, H, 1, D]; pad_bias: [B, sealed
+    * bs] 0 or -inf or None -> [B, Hkv, nb] (per_head: each KV head's query heads' softmax over
+    the sealed tokens, summed) or [B, nb] (those summed over the KV heads as well)."""
+    kv, _ = table.gather()  # kv: [2, B, Hkv, L, D]; a view when the cache is resident
+    b, h, _, d = q.shape
+    hkv, t = kv.shape[2], sealed * table.bs
+    qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+    logit = torch.einsum("bkgd,bktd->bkgt", qg, kv[0, :, :, :t].float()) / math.sqrt(d)  # logit: [B, Hkv, G, T]
+    if pad_bias is not None:
+        logit += pad_bias[:, None, None]
+    mass = logit.softmax(dim=-1).sum(dim=2).view(b, hkv, sealed, table.bs).sum(dim=-1)  # mass: [B, Hkv, nb]
+    return mass if per_head else mass.sum(dim=1)
+
+
 def top_pick(score: torch.Tensor, k: int, own: torch.Tensor | None = None) -> torch.Tensor:
     """budgeted_pick where every block the ranking can take holds the same number c of valid tokens
     (no left padding): the k = room // c best blocks outside `own` with a finite score, and `own`.

@@ -17,17 +17,17 @@ from ..block_table import BlockTable
 from ..knobs import KnobError, at_least, in_unit, knob, knobs, one_of
 from ..policy import Selection
 from .base import masked_mean_keys
+from .scoring import exact_block_mass
 from .selection import BlockSelectionPolicy, Room, StepView, shared_pick
-from . import sparpr_int4
-from .sparpr_int4 import PackedCodes, packed_nbytes
+from .sparpr_int4 import PackedCodes, packed_nbytes, synced_codes
 from .sparpr_lowrank import KeyBasis, encode, fit_basis, kernel_scores, lowrank_block_scores, rank_for, summary_share
-from .sparpr_mean import block_scores
+from .sparpr_mean import summary_scores
 from .sparpr_plan import CostPlan
 from .sparpr_stats import StepStats
 
 
 HEAD_SCORES = ("sum", "softmax")
-SUMMARIES = ("auto", "lowrank", "mean")
+SUMMARIES = ("auto", "lowrank", "mean", "exact")
 SUMMARY_HOMES = ("compute", "cpu")
 
 
@@ -53,20 +53,21 @@ class SparPR(CostPlan, BlockSelectionPolicy):
     CPU / disk blocks are read per sequence; encoded ones move whole); each sequence's mask keeps it
     to its own blocks. `per_sequence=False` chooses one set for the batch (sequences take turns by rank).
 
-    Budget. A block's copy cost is codec.nbytes (K and V: the 2 is in it; the share of the
-    sequences reading it, where the block is read per sequence) over the measured
-    bandwidth of its home tier's link to compute; its recompute cost is its checkpoint's bytes
-    over that bandwidth plus B * bs * hidden * 2 kv_dim * 2 FLOP over the measured matmul FLOP/s.
-    rho = copy / recompute over the step's offloaded sealed blocks maps to the keep ratio
-    keep_ratio ** max(1, rho) (runtime/costs.py `keep_target`), bounded below by `min_keep` and
-    above by `keep_ratio`. Costs come from runtime/probe.py, refreshed from the engine's own
-    timed disk reads.
+    Study knobs: `summary` "exact" scores on the keys themselves, `per_head` lets each KV head
+    pick its own blocks (docs/fidelity.md, "What bounds keep 0.1").
 
-    Recovery. Selected blocks merge into spans (adjacent ids, one home tier); each span is
-    copied or rebuilt from its checkpoints (Selection.recompute), whichever costs less. When the
-    sparse path's cost exceeds `gamma` x the dense path's (every block, copied), the step reads
-    everything. `quest_only` keeps the selection alone (no dynamic budget, recompute or
-    fallback); `stats()` reports every decode step.
+    Budget. A block's copy cost is codec.nbytes (K and V: the 2 is in it; the share of the
+    sequences reading it, where the block is read per sequence) over the measured bandwidth of its
+    home tier's link to compute; its recompute cost is its checkpoint's bytes over that bandwidth
+    plus B * bs * hidden * 2 kv_dim * 2 FLOP over the measured matmul FLOP/s. rho = copy /
+    recompute over the step's offloaded sealed blocks maps to the keep ratio keep_ratio **
+    max(1, rho) (runtime/costs.py `keep_target`), bounded below by `min_keep` and above by
+    `keep_ratio`. Costs come from runtime/probe.py, refreshed from the engine's timed disk reads.
+
+    Recovery. Selected blocks merge into spans (adjacent ids, one home tier); each span is copied or
+    rebuilt from its checkpoints (Selection.recompute), whichever costs less. When the sparse path
+    costs more than `gamma` x the dense path (every block, copied), the step reads everything.
+    `quest_only`: the selection alone (no dynamic budget, recompute or fallback); `stats()` reports every step.
     """
 
     name = "sparpr"
@@ -86,7 +87,8 @@ class SparPR(CostPlan, BlockSelectionPolicy):
                            choices=HEAD_SCORES)
     summary: str = knob("auto", "what scores blocks: every key in 4 bits on its KV head's main directions "
                         "(lowrank) or a mean key per --summary-tokens tokens (mean); auto: lowrank, or mean "
-                        "with --summaries-on cpu", choices=SUMMARIES)
+                        "with --summaries-on cpu; exact (study: the keys themselves, every block read "
+                        "to score: the ceiling of any summary)", choices=SUMMARIES)
     summary_rank: float = knob(0.5, "lowrank summaries: directions kept, as a share of the head dim "
                                "(the summaries are this / 4 / dtype bytes of the K+V cache: 1/16 at 0.5 in float16)")
     summary_tokens: int = knob(4, "mean summaries: tokens per mean key (per KV head); divides --block-size; "
@@ -95,6 +97,8 @@ class SparPR(CostPlan, BlockSelectionPolicy):
                              "or in host memory (cpu: none of the device's memory; each layer's query goes "
                              "to the host and its block scores come back)", choices=SUMMARY_HOMES)
     per_sequence: bool = knob(True, "one block set for the whole batch instead of each sequence its own top-k")
+    per_head: bool = knob(False, "study: each KV head its own top-k blocks (the step moves their union: more "
+                          "bytes than the budget); default one set for every head, as in the paper")
     checkpoints: str = knob("auto", "keep hidden-state checkpoints always, or (auto) only where the measured "
                             "costs say a rebuild can pay", choices=("auto", "always"))
     costs: CostModel | None = None  # None: measured by the start-up probe
@@ -118,6 +122,8 @@ class SparPR(CostPlan, BlockSelectionPolicy):
             raise KnobError("summaries_on", "host summaries are the mean ones (--summary mean); the low-rank "
                             "codes stay on the compute device")
         one_of(self, "checkpoints", ("auto", "always"))
+        if self.per_head and (not self.per_sequence or self.summary == "mean" or self.head_score != "softmax"):
+            raise KnobError("per_head", "needs each sequence's own pick and the lowrank or exact summary's softmax")
         at_least(self, "recent_blocks", 0)
         if self.quest_only:  # the selection stage alone: the three runtime decisions are off
             self.dynamic_budget = self.recompute = self.fallback = False
@@ -128,8 +134,8 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         self._packed: weakref.WeakKeyDictionary[BlockTable, PackedCodes] = weakref.WeakKeyDictionary()
 
     @property
-    def lowrank(self) -> bool:
-        return self.summary == "lowrank"
+    def lowrank(self) -> bool:  # "exact" keeps the default's low-rank codes too (its memory), scoring on the keys
+        return self.summary in ("lowrank", "exact")
 
     @property
     def summary_axes(self) -> tuple[int, ...]:  # where each summary tensor keeps its block axis (empty_summaries)
@@ -241,35 +247,21 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         return super().pick(table, score, view, room) if self.per_sequence else shared_pick(score, view, room)
 
     def picks_top(self) -> bool:
-        return self.per_sequence
+        return self.per_sequence and not self.per_head
 
     def block_scores(self, table: BlockTable, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
-        """[B, nb]: each sealed block's score for each sequence."""
+        """[B, nb] (per_head: [B, Hkv, nb]): each sealed block's score for each sequence."""
+        if self.summary == "exact":
+            score = exact_block_mass(table, q, view.sealed, view.pad_bias, self.per_head)  # [B, (Hkv,) nb]
+            return score if view.live is None else score.masked_fill(~view.live[:, None] if self.per_head else
+                                                                     ~view.live, -math.inf)
         summ = self.summaries(table, layer)
         if not self.lowrank:
-            if summ[0].device == q.device:
-                return block_scores(q, *summ, self.head_score)
-            qh = q.to(summ[0].device)  # host summaries: the query goes there, the scores come back
-            score = block_scores(qh, *summ, self.head_score).to(q.device)  # score: [B, nb]
-            table.devices.counters.add("compute", "cpu", qh.nbytes)
-            table.devices.counters.add("cpu", "compute", score.nbytes)
-            return score
+            return summary_scores(table, q, summ, self.head_score)
         codes = summ[0].flatten(3)  # codes: [B, Hkv, r / 2, T], a view
-        fast = kernel_scores(q, codes, self.head_score)  # the compiled kernel reads the codes as they are
+        fast = not self.per_head and kernel_scores(q, codes, self.head_score)  # the compiled kernel reads them as they are
         return lowrank_block_scores(q, codes, self._basis[table], table.bs, self.head_score, view.pad_bias, view.live,
-                                    None if fast else self._packed_codes(table, codes), fast)
-
-    def _packed_codes(self, table: BlockTable, codes: torch.Tensor) -> PackedCodes | None:
-        """The table's codes in the CPU int4 kernel's layout, synced with its sealed tokens, where
-        that kernel scores them (sparpr_int4.applies); None elsewhere."""
-        b, hkv, half, t = codes.shape
-        if not sparpr_int4.applies(codes.device, 2 * half, table.dtype):
-            return None
-        packed = self._packed.get(table)
-        if packed is None:
-            packed = self._packed[table] = PackedCodes.empty(b * hkv, table.capacity, 2 * half, codes.device)
-        packed.sync(codes, t, table.rewinds)
-        return packed
+                                    None if fast else synced_codes(self._packed, table, codes), fast, self.per_head)
 
     def summary_bytes(self, table: BlockTable, on_host: bool = False) -> int:
         """Bytes of the table's summaries (every block's) on the compute device, with the low-rank

@@ -86,3 +86,17 @@ def packed_nbytes(packed: PackedCodes | None) -> int:
         return 0
     return sum(t.numel() * t.element_size() for t in (packed.packed, packed.scale_zero))
 
+
+
+def synced_codes(cache, table, codes: torch.Tensor) -> PackedCodes | None:
+    """The table's codes [B, Hkv, r / 2, T] in this kernel's layout, kept in `cache` (a mapping
+    table -> PackedCodes) and synced with its sealed tokens, where the kernel scores them
+    (`applies`); None elsewhere."""
+    b, hkv, half, t = codes.shape
+    if not applies(codes.device, 2 * half, table.dtype):
+        return None
+    packed = cache.get(table)
+    if packed is None:
+        packed = cache[table] = PackedCodes.empty(b * hkv, table.capacity, 2 * half, codes.device)
+    packed.sync(codes, t, table.rewinds)
+    return packed

@@ -116,12 +116,14 @@ def kernel_scores(q: torch.Tensor, codes: torch.Tensor, head_score: str) -> bool
 
 def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, bs: int, head_score: str,
                          pad_bias: torch.Tensor | None = None, live: torch.Tensor | None = None,
-                         packed: PackedCodes | None = None, compiled: bool = False) -> torch.Tensor:
+                         packed: PackedCodes | None = None, compiled: bool = False,
+                         per_head: bool = False) -> torch.Tensor:
     """q: [B, H, 1, D]; codes: [B, Hkv, r / 2, T] (tokens innermost) of T = nb * bs sealed tokens;
     pad_bias: [B, T] 0 or -inf (None: no left padding); live: [B, nb] blocks holding a valid token
     (None: all); packed: the same codes in the CPU int4 kernel's layout, synced (sparpr_int4.py),
-    or None; compiled: score by the compiled CPU kernel (`kernel_scores` must hold; packed unused)
-    -> [B, nb] (-inf: a block with no valid token)."""
+    or None; compiled: score by the compiled CPU kernel (`kernel_scores` must hold; packed unused;
+    not per_head) -> [B, nb] (-inf: a block with no valid token), or per_head (head_score
+    "softmax"): [B, Hkv, nb], each KV head's query heads' mass alone."""
     b, h, _, d = q.shape
     hkv, t = codes.shape[1], codes.shape[3]
     half = codes.shape[2]
@@ -145,6 +147,9 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
         logit += pad_bias[:, None, None]
     if head_score == "softmax":  # each query head's estimated attention mass per block, summed
         mass = logit.softmax(dim=-1, dtype=torch.float32)  # mass: [B, Hkv, G, T] (float32 whatever logit's dtype)
+        if per_head:
+            score = mass.sum(dim=2).view(b, hkv, t // bs, bs).sum(dim=-1)  # score: [B, Hkv, nb]
+            return score if live is None else score.masked_fill(~live[:, None], -math.inf)
         score = mass.sum(dim=(1, 2)).view(b, t // bs, bs).sum(dim=-1)  # [B, nb] (two sums: 2x faster than one over (1, 3))
     else:  # the block's best token, its logits summed over the query heads
         score = logit.sum(dim=(1, 2), dtype=torch.float32).view(b, t // bs, bs).amax(dim=-1)  # [B, nb]

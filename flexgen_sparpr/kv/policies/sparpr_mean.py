@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..block_table import BlockTable
+
 
 def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_score: str = "sum") -> torch.Tensor:
     """q: [B, H, 1, D]; summ: [B, Hkv, nb, P, D]; live: [B, nb, P] -> [B, nb] (-inf: no valid token).
@@ -28,3 +30,15 @@ def block_scores(q: torch.Tensor, summ: torch.Tensor, live: torch.Tensor, head_s
         per = (per / math.sqrt(d)).masked_fill(~live[:, None, None], -math.inf)
         part = per.softmax(dim=-1).sum(dim=(1, 2))  # part: [B, nb * P]
     return part.masked_fill(~live, -math.inf).view(b, nb, parts).amax(dim=-1)  # [B, nb]
+
+
+def summary_scores(table: BlockTable, q: torch.Tensor, summ: tuple[torch.Tensor, ...], head_score: str) -> torch.Tensor:
+    """block_scores where the summaries live: on q's device, or in host memory (--summaries-on cpu:
+    the query goes there, the scores come back, both counted on the link). -> [B, nb]"""
+    if summ[0].device == q.device:
+        return block_scores(q, *summ, head_score)
+    qh = q.to(summ[0].device)
+    score = block_scores(qh, *summ, head_score).to(q.device)  # score: [B, nb]
+    table.devices.counters.add("compute", "cpu", qh.nbytes)
+    table.devices.counters.add("cpu", "compute", score.nbytes)
+    return score
