@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from ..config.flags import DEFAULTS
+from ..kv.knobs import knobs
+from ..kv.policies.sparpr import SparPR
 from ..utils.args import OneLineParser  # noqa: F401  (the scripts' parser: one-line errors)
 from .texts import SPLITS, texts_of
 
@@ -49,10 +52,15 @@ def add_opt_bench_args(ap, gen_len: int) -> None:
                     help="GPU batches the batch is cut into (FlexGen's --num-gpu-batches); with 2 or more, "
                          "SparPR's recovery of the next cell overlaps the current one's compute (default: 1)")
     ap.add_argument("--gen-len", type=int, default=gen_len, help=f"new tokens per sequence, >= 2 (default: {gen_len})")
-    ap.add_argument("--keep-ratio", type=float, default=0.25, help="SparPR's ceiling (default: 0.25)")
-    ap.add_argument("--min-keep", type=float, default=0.1, help="SparPR's floor (default: 0.1)")
-    ap.add_argument("--gamma", type=float, default=0.9, help="SparPR's dense-fallback threshold (default: 0.9)")
-    ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: 64)")
+    sparpr = {k.name: k.default for k in knobs(SparPR)}  # the engine's defaults, never the benchmark's own
+    ap.add_argument("--keep-ratio", type=float, default=sparpr["keep_ratio"],
+                    help="SparPR's ceiling (default: the engine's, %(default)s)")
+    ap.add_argument("--min-keep", type=float, default=sparpr["min_keep"],
+                    help="SparPR's floor (default: the engine's, %(default)s)")
+    ap.add_argument("--gamma", type=float, default=sparpr["gamma"],
+                    help="SparPR's dense-fallback threshold (default: the engine's, %(default)s)")
+    ap.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],
+                    help="tokens per KV block (default: the engine's, %(default)s)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
 
 

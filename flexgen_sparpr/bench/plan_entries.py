@@ -99,6 +99,8 @@ ENGINE = [
     _throttled("quiet-8k-gen128-keep0.1", "--contexts", "8192", "--gen-lens", "128", "--keep-ratio", "0.1",
                "--no-upstream"),
     _throttled("quiet-8k-gen32-keep0.1", "--contexts", "8192", "--keep-ratio", "0.1", "--no-upstream"),
+    # the grid at the engine's defaults (block 16, SparPR's keep ceiling 0.5 and floor 0.1), this engine alone
+    _throttled("defaults-gen32", "--contexts", "1024,2048,4096,8192", "--gen-lens", "32", "--no-upstream"),
     _throttled("sweep-1k-gen32", "--contexts", "1024", "--read-mbps", "40,80", "--no-upstream"),
     # DKV on SmolLM2 (docs/dkv.md)
     _dkv("speed", "--trials", "2", "--configs", "dense,dkv,dkv-sparse-prefill", "--rank", "32", "--residuals", "16",

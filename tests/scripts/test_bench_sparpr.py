@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from flexgen_sparpr.config.flags import DEFAULTS
+from flexgen_sparpr.kv.policies.sparpr import SparPR
 from tests.scripts.resolved_check import check_resolved
 from tests.scripts.runner import run_script
 
@@ -26,8 +28,10 @@ def test_tiny_run_writes_both_policies_and_the_bound(tmp_path):
     assert 0 < s["cut_if_decode_free"] < 1 and 0 < s["bytes_per_token_ratio"] < 1
     assert s["est_bytes_bound"]  # the engine's counters: at most SparPR's own estimate (the arena saves)
     for c in data["cells"]:  # each cell's own engine, as it resolved its flags
-        check_resolved(c["resolved"], policy=c["policy"], block_size=64, compute_dtype="float32", device="cpu")
-    assert data["cells"][1]["resolved"]["kv_policy"]["keep_ratio"] == 0.25  # the flag's default, as the policy took it
+        check_resolved(c["resolved"], policy=c["policy"], block_size=DEFAULTS["block_size"], compute_dtype="float32",
+                       device="cpu")
+    # the flag's default is the engine's, as the policy took it
+    assert data["cells"][1]["resolved"]["kv_policy"]["keep_ratio"] == SparPR.__dataclass_fields__["keep_ratio"].default
     assert data["config"]["engine_commit"] and data["command"].startswith("python scripts/bench_sparpr.py")
     stats = data["cells"][1]["kv_policy_stats"]
     assert stats["checkpoint_tables"]["asked"] == 12  # opt-125m: one table per layer

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from flexgen_sparpr.config.flags import DEFAULTS
 from tests.scripts.resolved_check import check_resolved
 from tests.scripts.runner import run_script
 
@@ -29,12 +30,13 @@ def test_tiny_throttled_run_counts_every_byte(tmp_path):
     assert 0 < s["disk_read_bytes"] < d["disk_read_bytes"]
     assert s["blocks_selected"] <= s["blocks_total"] and s["requests"]["disk->cpu"] > 0
     assert all(abs(c["model_error"]) < 10 for c in (d, s))  # a number, whatever its size on a busy machine
-    check_resolved(d["resolved"], policy="dense", block_size=64)  # each engine run's own configuration
-    check_resolved(s["resolved"], policy="sparpr", block_size=64)
+    check_resolved(d["resolved"], policy="dense", block_size=DEFAULTS["block_size"])  # each run's own, the engine's block
+    check_resolved(s["resolved"], policy="sparpr", block_size=DEFAULTS["block_size"])
     assert data["config"]["engine_commit"] and data["command"].startswith("python scripts/bench_throttled.py")
-    if row["throttled"]:  # root with cgroup v1 blkio: the kernel saw exactly the engine's O_DIRECT reads
-        assert d["kernel_disk_read_bytes"] == d["disk_read_bytes"]
-        assert s["kernel_disk_read_bytes"] == s["disk_read_bytes"]
+    if row["throttled"]:  # root with cgroup v1 blkio: the kernel saw the engine's O_DIRECT reads, and beside
+        # them only the few pages the process faults in meanwhile from the same disk (code, a lazy import)
+        for c in (d, s):
+            assert 0 <= c["kernel_disk_read_bytes"] - c["disk_read_bytes"] <= max(1 << 20, c["disk_read_bytes"] // 100)
     else:
         assert "NOT throttled" in (out / "t.md").read_text()
     assert data["balance"]["read_mbps"] > 0 and not (tmp_path / "offload").exists()
