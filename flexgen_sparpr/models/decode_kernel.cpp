@@ -110,15 +110,14 @@ void attend_chunk(const float* q, const T* k, const T* v, int64_t row, const int
 }
 
 template <typename T, int G, int D>
-void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor* mask,
-         const torch::Tensor* rows, torch::Tensor& out, torch::Tensor& lse) {
+void run(const float* qp, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+         const torch::Tensor* mask, const torch::Tensor* rows, float* op, torch::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), T_ = rows ? rows->size(1) : k.size(2);
   const int64_t* rp = rows ? rows->data_ptr<int64_t>() : nullptr;
   const int64_t rs = rows && rows->size(0) > 1 ? rows->stride(0) : 0;
   const int64_t chunks = std::max<int64_t>(1, (T_ + kChunk - 1) / kChunk), items = B * H * chunks;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   std::vector<float> m(items * G), l(items * G), acc(items * G * D);
-  const float* qp = q.data_ptr<float>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   const bool* mp = mask ? mask->data_ptr<bool>() : nullptr;
@@ -133,7 +132,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             t1, mb, scale, &m[i * G], &l[i * G], &acc[i * G * D]);
     }
   });
-  float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   for (int64_t bh = 0; bh < B * H; ++bh) {
     for (int g = 0; g < G; ++g) {
@@ -168,26 +166,26 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
 }
 
 template <typename T, int D>
-bool run_g(int64_t g, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-           const torch::Tensor* mask, const torch::Tensor* rows, torch::Tensor& out, torch::Tensor& lse) {
+bool run_g(int64_t g, const float* qp, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+           const torch::Tensor* mask, const torch::Tensor* rows, float* op, torch::Tensor& lse) {
   switch (g) {
-    case 1: run<T, 1, D>(q, k, v, mask, rows, out, lse); return true;
-    case 2: run<T, 2, D>(q, k, v, mask, rows, out, lse); return true;
-    case 3: run<T, 3, D>(q, k, v, mask, rows, out, lse); return true;
-    case 4: run<T, 4, D>(q, k, v, mask, rows, out, lse); return true;
-    case 5: run<T, 5, D>(q, k, v, mask, rows, out, lse); return true;
-    case 6: run<T, 6, D>(q, k, v, mask, rows, out, lse); return true;
-    case 7: run<T, 7, D>(q, k, v, mask, rows, out, lse); return true;
-    case 8: run<T, 8, D>(q, k, v, mask, rows, out, lse); return true;
+    case 1: run<T, 1, D>(qp, q, k, v, mask, rows, op, lse); return true;
+    case 2: run<T, 2, D>(qp, q, k, v, mask, rows, op, lse); return true;
+    case 3: run<T, 3, D>(qp, q, k, v, mask, rows, op, lse); return true;
+    case 4: run<T, 4, D>(qp, q, k, v, mask, rows, op, lse); return true;
+    case 5: run<T, 5, D>(qp, q, k, v, mask, rows, op, lse); return true;
+    case 6: run<T, 6, D>(qp, q, k, v, mask, rows, op, lse); return true;
+    case 7: run<T, 7, D>(qp, q, k, v, mask, rows, op, lse); return true;
+    case 8: run<T, 8, D>(qp, q, k, v, mask, rows, op, lse); return true;
   }
   return false;
 }
 
 template <typename T>
-bool run_d(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor* mask,
-           const torch::Tensor* rows, torch::Tensor& out, torch::Tensor& lse) {
-  if (q.size(3) == 64) return run_g<T, 64>(q.size(2), q, k, v, mask, rows, out, lse);
-  if (q.size(3) == 128) return run_g<T, 128>(q.size(2), q, k, v, mask, rows, out, lse);
+bool run_d(const float* qp, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+           const torch::Tensor* mask, const torch::Tensor* rows, float* op, torch::Tensor& lse) {
+  if (q.size(3) == 64) return run_g<T, 64>(q.size(2), qp, q, k, v, mask, rows, op, lse);
+  if (q.size(3) == 128) return run_g<T, 128>(q.size(2), qp, q, k, v, mask, rows, op, lse);
   return false;
 }
 
@@ -202,15 +200,18 @@ bool simd() {
 #endif
 }
 
-// q: [B, Hkv, G, D] float32, contiguous (G <= 8; D 64 or 128); k, v: [B, Hkv, T, D] of one dtype (float32,
+// q: [B, Hkv, G, D] float32 or bfloat16, contiguous (G <= 8; D 64 or 128); k, v: [B, Hkv, T, D] of one dtype (float32,
 // bfloat16 or float16), each key a contiguous row of D, one row stride; mask: [B, 1|Hkv, T] bool, T
 // contiguous, or None (every key); rows: [1|B, T'] int64 (T' contiguous) or None: the keys attended are rows
 // rows[b, :] of k and v (shared by the sequences when its first size is 1), and T in mask is T'.
-// Returns (out [B, Hkv, G, D], lse [B, Hkv, G]) float32.
+// Returns (out [B, Hkv, G, D] in q's dtype (a bfloat16 q: read widened, out rounded once), lse [B, Hkv, G]
+// float32).
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                             c10::optional<torch::Tensor> mask, c10::optional<torch::Tensor> rows) {
   TORCH_CHECK(simd(), "built without AVX-512");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4, "q: contiguous float32 [B, Hkv, G, D]");
+  const bool wide = q.scalar_type() == torch::kFloat32;
+  TORCH_CHECK((wide || q.scalar_type() == torch::kBFloat16) && q.is_contiguous() && q.dim() == 4,
+              "q: contiguous float32 or bfloat16 [B, Hkv, G, D]");
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1) &&
                   k.size(3) == q.size(3),
               "k, v: [B, Hkv, T, D] like q");
@@ -237,14 +238,26 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, to
                     (mp->size(1) == 1 || mp->size(1) == q.size(1)) && mp->size(2) == keys && mp->stride(2) == 1,
                 "mask: bool [B, 1|Hkv, T]");
   auto out = torch::empty_like(q);
-  auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat32));
+  const int64_t n = q.numel();
+  std::vector<float> qw(wide ? 0 : n), ow(wide ? 0 : n);  // a bfloat16 q widened, its out before rounding
+  if (!wide) {
+    const c10::BFloat16* qb = q.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) qw[i] = static_cast<float>(qb[i]);
+  }
+  const float* qp = wide ? q.data_ptr<float>() : qw.data();
+  float* op = wide ? out.data_ptr<float>() : ow.data();
   bool done = false;
 #if defined(__AVX512F__)
-  if (k.scalar_type() == torch::kFloat32) done = run_d<float>(q, k, v, mp, rp, out, lse);
-  else if (k.scalar_type() == torch::kBFloat16) done = run_d<c10::BFloat16>(q, k, v, mp, rp, out, lse);
-  else if (k.scalar_type() == torch::kHalf) done = run_d<c10::Half>(q, k, v, mp, rp, out, lse);
+  if (k.scalar_type() == torch::kFloat32) done = run_d<float>(qp, q, k, v, mp, rp, op, lse);
+  else if (k.scalar_type() == torch::kBFloat16) done = run_d<c10::BFloat16>(qp, q, k, v, mp, rp, op, lse);
+  else if (k.scalar_type() == torch::kHalf) done = run_d<c10::Half>(qp, q, k, v, mp, rp, op, lse);
 #endif
   TORCH_CHECK(done, "shape or dtype not built (G <= 8, D 64 or 128; float32, bfloat16, float16)");
+  if (!wide) {
+    c10::BFloat16* ob = out.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) ob[i] = static_cast<c10::BFloat16>(ow[i]);
+  }
   return {out, lse};
 }
 

@@ -153,7 +153,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows[b] of k and v, read in place (the compiled CPU kernel only: `cpu_kernel.usable`), valid's
     T being T'."""
     if rows is not None or kernel_usable(q, k, v):
-        return kernel_decode(q, k, v, valid, rows)[0].to(q.dtype)
+        return kernel_decode(q, k, v, valid, rows, keep_dtype=True)[0].to(q.dtype)
     k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored narrower than the compute dtype (no copy when alike)
     b, h, _, d = q.shape
     qg, ok = _grouped_query(q, k.shape[1], valid)
@@ -162,14 +162,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def kernel_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-                  rows: torch.Tensor | None = None):
+                  rows: torch.Tensor | None = None, keep_dtype: bool = False):
     """One query per head by the compiled CPU kernel (cpu_kernel.py; `usable` must hold). q: [B, H, 1, D];
     k, v: [B, Hkv, T, D] (float32, bfloat16 or float16); valid: [B, T'] or [B, Hkv, T'] bool or None;
     rows: [1|B, T'] int64, the rows of k and v attended (None: all T, T' = T). Returns out: [B, H, 1, D]
-    and lse: [B, H, 1], float32 (a row with no valid key: 0 and -inf)."""
+    (float32; keep_dtype: a bfloat16 q's own dtype, read and rounded in the kernel, no conversion calls)
+    and lse: [B, H, 1] float32 (a row with no valid key: 0 and -inf)."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
-    qg = q.reshape(b, hkv, h // hkv, d).float().contiguous()  # qg: [B, Hkv, G, D]
+    qg = q.reshape(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+    qg = (qg if keep_dtype and q.dtype == torch.bfloat16 else qg.float()).contiguous()
     mask = None if valid is None else (valid[:, None] if valid.dim() == 2 else valid).contiguous()  # [B, 1|Hkv, T']
     out, lse = compiled_kernel().decode_attention(qg, k, v, mask, rows)  # out: [B, Hkv, G, D]; lse: [B, Hkv, G]
     return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)

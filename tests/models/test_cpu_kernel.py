@@ -81,6 +81,22 @@ def test_kernel_matches_reference(dtype, h, hkv, d, mask_kind, t):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_a_bfloat16_query_is_read_and_its_output_rounded_in_the_kernel(kv_dtype):
+    """keep_dtype (decode_attention's call): a bfloat16 q goes in as it is and its output comes back in
+    bfloat16, equal to the float32 call's output rounded once (no conversion calls around the kernel)."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 9, 1, 64, generator=g).bfloat16()
+    k, v = (torch.randn(2, 3, 900, 64, generator=g).to(kv_dtype) for _ in range(2))
+    valid = torch.rand(2, 900, generator=g) > 0.2
+    out, lse = layers.kernel_decode(q, k, v, valid, keep_dtype=True)
+    wide, wide_lse = layers.kernel_decode(q, k, v, valid)
+    assert out.dtype == torch.bfloat16 and wide.dtype == lse.dtype == torch.float32
+    assert torch.equal(out, wide.bfloat16()) and torch.equal(lse, wide_lse)
+    assert decode_attention(q, k, v, valid).dtype == torch.bfloat16
+
+
+@needs_kernel
 def test_rows_with_no_valid_key_give_zero_and_minus_inf():
     q, k, v = torch.randn(2, 6, 1, 64), torch.randn(2, 3, 700, 64), torch.randn(2, 3, 700, 64)
     valid = torch.ones(2, 3, 700, dtype=torch.bool)
@@ -97,7 +113,7 @@ def test_decode_attention_dispatch(monkeypatch):
     """SmolLM2's heads take the kernel; a head size it was not built for, or the switch off, take torch's."""
     calls = []
     real = layers.kernel_decode
-    monkeypatch.setattr(layers, "kernel_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(layers, "kernel_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = torch.randn(1, 9, 1, 64), torch.randn(1, 3, 300, 64), torch.randn(1, 3, 300, 64)
     fused = decode_attention(q, k, v, None)
     assert calls == [1]
@@ -105,7 +121,7 @@ def test_decode_attention_dispatch(monkeypatch):
     torch.testing.assert_close(decode_attention(q, k, v, None), fused, rtol=1e-5, atol=1e-5)
     q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
     monkeypatch.undo()
-    monkeypatch.setattr(layers, "kernel_decode", lambda *a: calls.append(2) or real(*a))
+    monkeypatch.setattr(layers, "kernel_decode", lambda *a, **kw: calls.append(2) or real(*a, **kw))
     decode_attention(q, k, v, None)
     assert calls == [1]
 
