@@ -115,7 +115,7 @@ def _composable(name: str) -> bool:
 def configs(names: list[str], keeps: list[float], dense: bool = True) -> list[Config]:
     """The reference first (unless not `dense`), then each policy (registered, or a composition
     "A+C") at each keep ratio (once for a policy without one). Raises ValueError."""
-    bad = [p for p in names if Config(p).parts[0] not in POLICIES and not _composable(p)]
+    bad = [p for p in names if not (_composable(p) if Config(p).parts[1] else Config(p).parts[0] in POLICIES)]
     if bad:
         raise ValueError(f"unknown policies {bad} (known: {', '.join(sorted(POLICIES))}, and A+C compositions "
                          f"of a budgeted policy over {', '.join(policies.codec_names())}, or of a raw policy "
