@@ -29,6 +29,7 @@ class Entry:
     needs: str = ""  # why it runs only when named (empty: it runs with the plan)
     resumable: bool = False  # the script resumes from its partial results (bench/resume.py)
     partial: str = ""  # why the published file holds only part of its recorded grid (kept; --force reruns)
+    extra: str = ""  # the module of an optional bench extra the script needs; without it the entry is skipped, said
 
     def __post_init__(self):
         if not self.outputs or any(not o.startswith("results/") for o in self.outputs):

@@ -1,9 +1,10 @@
 """Running the results plan (bench/plan.py): each entry as a subprocess of the same Python, one
 after another, one line each (ran / skipped / failed / not run, with the seconds taken); a failure
-is reported and the rest go on. The full run skips an entry whose outputs are complete (a grid that
+is reported and the rest go on; an entry whose optional bench extra is not installed is skipped, saying so. The full run skips an entry whose outputs are complete (a grid that
 stopped part way resumes: its script skips the batches it holds); --force reruns it from scratch."""
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -18,6 +19,8 @@ def run_entry(root: Path, entry: Entry, quick: bool, force: bool, log_dir: Path)
         return "not run (no quick variant)", 0.0
     if not quick and not force and is_complete(root, entry):
         return "skipped (complete)", 0.0
+    if entry.extra and importlib.util.find_spec(entry.extra) is None:
+        return f"skipped ({entry.extra} is not installed: an optional bench extra, `{entry.script} --help` says how)", 0.0
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{entry.name}.log"
     t0 = time.perf_counter()

@@ -139,6 +139,19 @@ def test_the_runner_goes_on_past_a_failure_and_skips_what_is_done(tmp_path):
     assert (tmp_path / QUICK_ROOT / "ok/r.json").is_file() and lines[1] == "render --check: ok"
 
 
+def test_an_entry_without_its_optional_extra_is_skipped_and_said(tmp_path):
+    """llama-cpp-python is an optional bench extra: a plan run without it says so and does not fail."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts/peer.py").write_text("raise SystemExit(2)\n")  # what the script does without it
+    (tmp_path / "scripts/render_tables.py").write_text("print('rendered')\n")
+    entry = Entry("peer", "scripts/peer.py", (), ("results/peer/r.json",), ("--out", "{out}"),
+                  extra="no_such_module_here")
+    lines: list[str] = []
+    assert run_plan(tmp_path, [entry], quick=True, force=False, say=lambda s, **_: lines.append(s)) == 0
+    assert "skipped (no_such_module_here is not installed" in lines[0]
+    assert next(e for e in PLAN if e.name == "llamacpp").extra == "llama_cpp"
+
+
 def test_ctrl_c_stops_the_plan_in_one_line(tmp_path):
     # Python's own Ctrl-C handler, as a terminal gives it: a job started in the background (`make
     # test` under nohup, say) inherits SIGINT ignored, and Python then leaves it ignored
