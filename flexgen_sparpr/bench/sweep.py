@@ -104,6 +104,12 @@ def known_policies(composed: tuple[str, ...] = ()) -> list[str]:
     return sorted(POLICIES) + list(composed)
 
 
+def _known(name: str) -> bool:
+    """A registered policy (its knobs aside), or a composition "A+C" that `_composable` accepts."""
+    policy, cold = Config(name).parts
+    return _composable(name) if cold else policy in POLICIES
+
+
 def _composable(name: str) -> bool:
     a, c = Config(name).parts
     c = c or ""
@@ -115,7 +121,7 @@ def _composable(name: str) -> bool:
 def configs(names: list[str], keeps: list[float], dense: bool = True) -> list[Config]:
     """The reference first (unless not `dense`), then each policy (registered, or a composition
     "A+C") at each keep ratio (once for a policy without one). Raises ValueError."""
-    bad = [p for p in names if not (_composable(p) if Config(p).parts[1] else Config(p).parts[0] in POLICIES)]
+    bad = [p for p in names if not _known(p)]
     if bad:
         raise ValueError(f"unknown policies {bad} (known: {', '.join(sorted(POLICIES))}, and A+C compositions "
                          f"of a budgeted policy over {', '.join(policies.codec_names())}, or of a raw policy "

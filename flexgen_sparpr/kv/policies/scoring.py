@@ -38,11 +38,12 @@ def budgeted_pick(score: torch.Tensor, counts: torch.Tensor, room: torch.Tensor,
 
 
 def exact_block_mass(table: BlockTable, q: torch.Tensor, sealed: int, pad_bias: torch.Tensor | None,
-                     per_head: bool) -> torch.Tensor:
+                     live: torch.Tensor | None, per_head: bool) -> torch.Tensor:
     """The attention mass each sealed block gets, from the cached keys themselves (every block
     read: the ceiling of any summary's choice, for study). q: [B, H, 1, D]; pad_bias: [B, sealed
-    * bs] 0 or -inf or None -> [B, Hkv, nb] (per_head: each KV head's query heads' softmax over
-    the sealed tokens, summed) or [B, nb] (those summed over the KV heads as well)."""
+    * bs] 0 or -inf or None; live: [B, nb] blocks holding a valid token (None: all) -> [B, Hkv, nb]
+    (per_head: each KV head's query heads' softmax over the sealed tokens, summed) or [B, nb]
+    (those summed over the KV heads as well); -inf: a block with no valid token."""
     kv, _ = table.gather()  # kv: [2, B, Hkv, L, D]; a view when the cache is resident
     b, h, _, d = q.shape
     hkv, t = kv.shape[2], sealed * table.bs
@@ -51,7 +52,8 @@ def exact_block_mass(table: BlockTable, q: torch.Tensor, sealed: int, pad_bias: 
     if pad_bias is not None:
         logit += pad_bias[:, None, None]
     mass = logit.softmax(dim=-1).sum(dim=2).view(b, hkv, sealed, table.bs).sum(dim=-1)  # mass: [B, Hkv, nb]
-    return mass if per_head else mass.sum(dim=1)
+    score = mass if per_head else mass.sum(dim=1)  # score: [B, (Hkv,) nb]
+    return score if live is None else score.masked_fill(~(live[:, None] if per_head else live), -math.inf)
 
 
 def top_pick(score: torch.Tensor, k: int, own: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,7 +5,6 @@ each span of selected blocks by copy or checkpoint recompute, and a dense fallba
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 from dataclasses import dataclass
 
@@ -252,9 +251,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
     def block_scores(self, table: BlockTable, layer: int, q: torch.Tensor, view: StepView) -> torch.Tensor:
         """[B, nb] (per_head: [B, Hkv, nb]): each sealed block's score for each sequence."""
         if self.summary == "exact":
-            score = exact_block_mass(table, q, view.sealed, view.pad_bias, self.per_head)  # [B, (Hkv,) nb]
-            return score if view.live is None else score.masked_fill(~view.live[:, None] if self.per_head else
-                                                                     ~view.live, -math.inf)
+            return exact_block_mass(table, q, view.sealed, view.pad_bias, view.live, self.per_head)
         summ = self.summaries(table, layer)
         if not self.lowrank:
             return summary_scores(table, q, summ, self.head_score)
