@@ -1,18 +1,25 @@
 """The decode step benchmark (scripts/bench_step.py): dense vs SparPR at the engine's defaults,
-where each step's time goes, KV resident or on disk (O_DIRECT), SmolLM2-135M, `LLM.compare`
-(one prefill, then each policy decodes the same fixed number of steps from it).
+where each step's time goes, the KV resident, all on disk or half on disk (O_DIRECT),
+SmolLM2-135M, `LLM.compare` (one prefill, then each policy decodes the same fixed number of steps
+from it).
 
 Per cell: the median decode step of each policy and its parts (select, read, rebuild, io_wait,
 compute), the KV bytes read from disk per step, SparPR's effective keep, and the two ratios the
 decode-step targets name:
   resident:  SparPR step / dense step                      (target <= 1.10 at batch 1, 1.05 at 4)
-  disk:      dense step / max(resident dense step, disk bytes / disk bandwidth)   (target <= 1.3)
+  disk, half-disk: dense step / max(resident dense step, disk bytes / disk bandwidth)   (target <= 1.3)
 The disk bandwidth is measured on the offload folder with O_DIRECT 4 MiB reads (what `profile`
-records as disk_read_GBps)."""
+records as disk_read_GBps) on the spot: just before and just after each disk cell (a VM's disk
+drifts by a third within minutes), the floor taking their mean. Once per grid it is checked
+against `dd iflag=direct` reading a file of the same size."""
 from __future__ import annotations
 
+import os
 import random
+import re
+import shutil
 import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -28,7 +35,8 @@ from .sweep import REFERENCE
 from .texts import TEXTS
 
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "q8", "q4")  # --kv-dtype's values (engine/config.py)
-PLACEMENTS = {"resident": [100, 0, 100, 0, 100, 0], "disk": [100, 0, 0, 0, 100, 0]}
+# --percent per placement: all the KV resident, all on disk (make run's), half of it on disk (the target's wording)
+PLACEMENTS = {"resident": [100, 0, 100, 0, 100, 0], "disk": [100, 0, 0, 0, 100, 0], "half-disk": [100, 0, 50, 0, 100, 0]}
 PARTS = ("select", "read", "rebuild", "io_wait", "compute")
 TEXT = TEXTS["alice29"].path  # the demo's text (tuning split: bench/texts.py)
 
@@ -39,6 +47,26 @@ def disk_read_Bps(folder: Path) -> tuple[float, str]:
     with torch.inference_mode(False):
         bw = disk_bandwidth(folder, nbytes=256 << 20, direct=True, chunk_bytes=4 << 20)
     return bw["read_GBps"] * 1e9, bw["mode"]
+
+
+def dd_read_Bps(folder: Path, nbytes: int = 256 << 20) -> float | None:
+    """`dd iflag=direct bs=4M` reading an `nbytes` file of random bytes in `folder` (bytes/s, as dd
+    times itself), or None where dd or O_DIRECT is not there; the file is removed."""
+    if shutil.which("dd") is None:
+        return None
+    path = folder / f"dd-{os.getpid()}.bin"
+    try:
+        with open(path, "wb") as f:
+            for _ in range(nbytes >> 20):
+                f.write(os.urandom(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"], capture_output=True,
+                           text=True, env={**os.environ, "LC_ALL": "C"})
+        m = re.search(r"^(\d+) bytes.*copied, ([\d.]+) s", r.stderr, re.M)
+        return int(m[1]) / float(m[2]) if r.returncode == 0 and m and float(m[2]) > 0 else None
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps: int, offload: str,
@@ -87,8 +115,9 @@ def add_ratios(cells: list[dict], read_Bps: float) -> None:
         dense = c["policies"][REFERENCE]
         for p in c["policies"].values():
             p["vs_dense"] = p["step_s"] / dense["step_s"]
-        if c["placement"] == "disk" and res is not None:
-            floor = max(res["policies"][REFERENCE]["step_s"], dense["disk_bytes_per_step"] / read_Bps)
+        if c["placement"] != "resident" and res is not None:  # the cell's own bandwidth (files before it: the grid's)
+            bw = statistics.mean(c.get("disk_read_Bps_around", [read_Bps]))
+            floor = max(res["policies"][REFERENCE]["step_s"], dense["disk_bytes_per_step"] / bw)
             c["dense_vs_floor"] = dense["step_s"] / floor
 
 
@@ -101,13 +130,27 @@ def render(payload: dict) -> str:
             kv = c.get("kv_dtype", "auto")
             rows.append([c["tokens"], c["batch"], c["placement"] + ("" if kv == "auto" else f", {kv}"), label, f"{p['step_s']:.3f}", f"{p['vs_dense']:.2f}x",
                          f"{p['disk_bytes_per_step'] / 2 ** 20:.1f}", f"{p.get('effective_keep', 1):.2f}", parts,
-                         f"{c['dense_vs_floor']:.2f}x" if label == REFERENCE and "dense_vs_floor" in c else ""])
+                         _floor_said(c) if label == REFERENCE else ""])
+    dd = cfg.get("dd_read_Bps", False)
+    dd = "" if dd is False else " (dd iflag=direct: " + ("not measured" if dd is None else f"{dd / 1e9:.2f} GB/s") + ")"
+    said = "" if cfg.get("per_cell_bandwidth") is None else (
+        " before the grid; each disk cell's floor uses the mean of its own, measured just before and after it"
+        " (beside its ratio)")
     return (f"# Decode step, dense vs SparPR (SmolLM2-135M, engine {cfg['engine_commit']})\n\n"
             f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
-            f"disk {cfg['disk_read_Bps'] / 1e9:.2f} GB/s O_DIRECT read. {cfg['defaults']}; median of "
+            f"disk {cfg['disk_read_Bps'] / 1e9:.2f} GB/s O_DIRECT read{said}{dd}. {cfg['defaults']}; median of "
             f"{cfg['steps']} decode steps. Produced by `scripts/bench_step.py`.\n\n"
             + md_table(["tokens", "batch", "KV", "policy", "step s", "vs dense", "disk MiB/step", "keep",
                         "select / read / rebuild / io_wait / compute ms", "dense vs floor"], rows))
+
+
+def _floor_said(c: dict) -> str:
+    """A disk cell's dense step over its floor, and the bandwidth around the cell it used."""
+    if "dense_vs_floor" not in c:
+        return ""
+    around = c.get("disk_read_Bps_around")
+    return f"{c['dense_vs_floor']:.2f}x" + ("" if around is None else
+                                              f" ({' / '.join(f'{b / 1e9:.2f}' for b in around)} GB/s)")
 
 
 def parser(doc: str) -> OneLineParser:
@@ -132,17 +175,22 @@ def run_grid(args) -> int:
     """The disk's bandwidth, every (length, batch, placement, KV dtype) cell in turn, then
     <out>/step.json and step.md."""
     read_Bps, mode = disk_read_Bps(Path(args.offload_dir))
-    print(f"disk: {read_Bps / 1e9:.2f} GB/s O_DIRECT read ({mode})", flush=True)
+    dd = dd_read_Bps(Path(args.offload_dir))
+    print(f"disk: {read_Bps / 1e9:.2f} GB/s O_DIRECT read ({mode}); dd iflag=direct: "
+          + ("not measured" if dd is None else f"{dd / 1e9:.2f} GB/s"), flush=True)
     cells = []
     for tokens in args.lengths:
         for batch in args.batches:
             for placement in args.placements:
-                for kv in (args.kv_dtypes if placement == "disk" else ["auto"]):
+                for kv in (args.kv_dtypes if placement != "resident" else ["auto"]):
+                    before = disk_read_Bps(Path(args.offload_dir))[0] if placement != "resident" else None
                     cell = run_cell(tokens, batch, placement, args.keeps, args.steps, args.offload_dir, args.seed, kv)
+                    if before is not None:
+                        cell["disk_read_Bps_around"] = [before, disk_read_Bps(Path(args.offload_dir))[0]]
                     cells.append(cell)
                     print(f"{tokens} x{batch} {placement} {kv}: " + ", ".join(
                         f"{k} {v['step_s']:.3f}s" for k, v in cell["policies"].items()), flush=True)
     add_ratios(cells, read_Bps)
     publish(args.out, "step", {**vars(args), "model": "smollm2-135m", "defaults": defaults_said(cells),
-                               "disk_read_Bps": read_Bps}, cells, render)
+                               "disk_read_Bps": read_Bps, "dd_read_Bps": dd, "per_cell_bandwidth": True}, cells, render)
     return 0

@@ -125,6 +125,38 @@ def test_cpu_spans_are_one_copy(per_block):
     torch.testing.assert_close(kv, kv1, rtol=0, atol=0)
 
 
+def _copies(fn) -> int:
+    """aten copy_ calls fn makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_resident_blocks_in_adjacent_slots_are_one_copy(store, per_block):
+    """Half the KV resident: its whole blocks in adjacent compute slots copy as one run (not a
+    copy per block), with the same values, beside the disk blocks' spans."""
+    t, ref = table([C] * 4 + [D] * 2 + [C], store)
+    blocks = list(range(7))
+    run = _copies(lambda: t.gather(blocks))
+    kv, _ = t.gather(blocks)
+    with per_block():
+        one_each = _copies(lambda: t.gather(blocks))
+        kv1, _ = t.gather(blocks)
+    assert one_each - run == 3  # blocks 0-3: one copy instead of four
+    torch.testing.assert_close(kv, ref, rtol=0, atol=0)
+    torch.testing.assert_close(kv1, ref, rtol=0, atol=0)
+    kv, _ = t.gather([0, 1, 3, 4, 5, 6])  # block 2 left out: two runs, placed one after the other
+    torch.testing.assert_close(kv, torch.cat([ref[:, :, :, :2 * BS], ref[:, :, :, 3 * BS:]], 3), rtol=0, atol=0)
+
+
 PROMPTS = [list(range(5, 70)), list(range(9, 70)), list(range(3, 66)), list(range(11, 69))]
 
 

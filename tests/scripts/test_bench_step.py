@@ -42,6 +42,8 @@ def test_kv_dtypes_make_a_disk_cell_each(smollm2_dir, tmp_path):
     auto, q8 = (c["policies"]["dense"]["disk_bytes_per_step"] for c in cells[1:])
     assert 0 < q8 < 0.7 * auto
     assert all("dense_vs_floor" in c for c in cells[1:])
+    assert all(len(c["disk_read_Bps_around"]) == 2 and min(c["disk_read_Bps_around"]) > 0 for c in cells[1:])
+    assert "disk_read_Bps_around" not in cells[0]
     assert "| 256 | 1 | disk, q8 | dense |" in (tmp_path / "step.md").read_text()
     assert not any((tmp_path / "off").glob("*.kv*"))  # no offload files left
 
@@ -51,3 +53,30 @@ def test_kv_dtypes_are_the_engines():
     from flexgen_sparpr.bench.step import KV_DTYPES
     from flexgen_sparpr.engine.config import KV_DTYPES as ENGINE
     assert KV_DTYPES == ENGINE
+
+
+def test_a_disk_cells_floor_uses_the_bandwidth_measured_around_it():
+    """dense vs floor = dense disk step / max(resident dense step, bytes / the mean of the cell's
+    own before / after bandwidths); a file without them (before per-cell bandwidth) uses the grid's."""
+    from flexgen_sparpr.bench.step import add_ratios, render
+
+    def cell(placement, step, nbytes=0.0, around=None):
+        c = {"tokens": 2048, "batch": 1, "placement": placement, "kv_dtype": "auto",
+             "policies": {"dense": {"step_s": step, "disk_bytes_per_step": nbytes, "parts_s": {}}}}
+        return c if around is None else {**c, "disk_read_Bps_around": around}
+
+    res, own, old = cell("resident", 0.01), cell("disk", 0.06, 50e6, [1e9, 3e9]), cell("disk", 0.06, 50e6)
+    add_ratios([res, own, old], read_Bps=1e9)
+    assert own["dense_vs_floor"] == pytest.approx(0.06 / (50e6 / 2e9))  # 2.4x, the cell's mean
+    assert old["dense_vs_floor"] == pytest.approx(0.06 / (50e6 / 1e9))  # 1.2x, the grid's
+    md = render({"config": {"engine_commit": "x", "disk_read_Bps": 1e9, "dd_read_Bps": 1.1e9, "per_cell_bandwidth": True,
+                            "defaults": "d", "steps": 2},
+                 "machine": {"cpu_model": "c", "cpu_count": 2, "torch": "t", "torch_threads": 2}, "cells": [res, own]})
+    assert "| 2.40x (1.00 / 3.00 GB/s) |" in md and "(dd iflag=direct: 1.10 GB/s)" in md
+
+
+def test_dd_reads_a_file_with_o_direct_and_leaves_nothing(tmp_path):
+    from flexgen_sparpr.bench.step import dd_read_Bps
+    bw = dd_read_Bps(tmp_path, nbytes=8 << 20)
+    assert bw is None or bw > 1e6  # None: no dd, or this filesystem refuses O_DIRECT
+    assert not list(tmp_path.iterdir())
