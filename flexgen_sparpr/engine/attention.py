@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.block_table import BlockTable
-from ..models.layers import attention_with_lse, decode_attention, merge_attention, topk_sparse_attention
+from ..models.layers import attention_with_lse, decode_attention, kernel_decode, merge_attention, topk_sparse_attention
 from ..storage.tiers import Tier
 
 
@@ -33,6 +33,27 @@ def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0, rows
     if sparsity < 1:
         return topk_sparse_attention(q, kv[0], kv[1], valid, sparsity)
     return decode_attention(q, kv[0], kv[1], valid, rows)
+
+
+def with_resident_blocks(table: BlockTable, resident: list[int], q, kv, pos, mask, pads) -> torch.Tensor:
+    """A whole-cache read split by where the blocks live (engine/cell.py `resident_split`): the
+    resident sealed blocks attended in place in the compute arena (the compiled kernel reads their
+    rows), the gathered rest kv: [2, B, Hkv, T+1, D] (the new token last; pos: [T+1]; mask: None or
+    [B, Hkv, T]) attended as decode_attention_step would, the two merged by log-sum-exp. q: [B, H, 1, D].
+    Returns o: [B, H, 1, D]."""
+    bs, dev = table.bs, q.device
+    arena = table.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
+    slots = torch.tensor([table.store.slots[b] for b in resident], device=dev)
+    offs = torch.arange(bs, device=dev)
+    rows = (slots[:, None] * bs + offs).flatten()[None]  # rows: [1, Tr] arena rows
+    rpos = (torch.tensor(resident, device=dev)[:, None] * bs + offs).flatten()  # rpos: [Tr] cache positions
+    rvalid = None if pads is None else rpos[None, :] >= pads[:, None]  # [B, Tr]
+    valid = None if pads is None else pos[None, :] >= pads[:, None]  # [B, T+1]
+    if mask is not None:
+        keep = torch.cat([mask, mask.new_ones(*mask.shape[:2], 1)], dim=-1)  # keep: [B, Hkv, T+1]
+        valid = keep if valid is None else valid[:, None, :] & keep
+    parts = [kernel_decode(q, arena[0], arena[1], rvalid, rows), attention_with_lse(q, kv[0], kv[1], valid)]
+    return merge_attention(parts).to(q.dtype)
 
 
 def append_attention(table: BlockTable, q, k, v) -> torch.Tensor:

@@ -7,7 +7,9 @@ early query (prefetch.py) or its real one; the chosen blocks are gathered to the
 (on the I/O pool, one cell ahead, when the choice is known early), a speculative gather is topped
 up with what the guess missed, and blocks to rebuild go through the K/V projections
 (recovery.py). Then the step's new token joins both the table and what attention reads. A cache
-read whole and resident (or attended by the policy itself) is read in place, with no gather.
+read whole and resident (or attended by the policy itself) is read in place, with no gather; one
+read whole and partly resident has only its offloaded blocks gathered, its resident ones attended
+in place, the two merged by log-sum-exp (`resident_split`).
 """
 from __future__ import annotations
 
@@ -19,12 +21,18 @@ from ..kv.policy import KVPolicy, Selection
 from ..models import cpu_kernel
 from ..runtime.hardware import gathers_ahead
 from ..storage.tiers import Devices, Tier
-from .attention import decode_attention_step, split_by_home
+from .attention import decode_attention_step, split_by_home, with_resident_blocks
 from .io import Done, IOPool
 from .prefetch import Ahead, early_selection
 from .recall import Recall
 from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
 from .step_clock import StepClock
+
+
+# the least resident KV a layer attends in place rather than copies with the rest (resident_split):
+# below it the second attention call and the merge cost more than the copy they save (measured on a
+# 2-core Intel Xeon, SmolLM2: at 2k tokens, batch 1, ~0.8 MB a layer, the split was no faster)
+SPLIT_MIN_BYTES = 1 << 20
 
 
 class KVReader:
@@ -52,6 +60,27 @@ class KVReader:
         return (t.store.resident and self.policy.reads_all) or self.policy.attends or \
             (self.cpu_cache_compute and self.devices.is_cuda)
 
+    def resident_split(self, t: BlockTable, sel: Selection | None) -> Selection | None:
+        """A policy that reads the whole cache, part of it resident (whole raw blocks homed on
+        compute) and part offloaded, on the compiled CPU kernel: only the offloaded blocks and the
+        open one are gathered; `attend` reads the resident ones in place and merges the two by
+        log-sum-exp. Copying the resident half into the gather buffer had cost more than reading the
+        other half from disk (369 MB of copies a step at 8000 tokens, batch 4). Else sel as it is."""
+        if sel is None or not self.policy.reads_all or self.policy.observes or self.sparsity < 1 or \
+                self.devices.is_cuda or t.store.resident or Tier.COMPUTE in t.store.coded or \
+                len(sel.blocks) != t.num_blocks:
+            return sel
+        sealed, homes = t.sealed, t.homes
+        rest = [b for b in sel.blocks if b >= sealed or homes[b] != Tier.COMPUTE]
+        if not rest or len(rest) == len(sel.blocks):
+            return sel
+        spec, arena = self.arch.spec, t.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
+        token_bytes = arena.numel() // arena.shape[3] * arena.element_size()
+        if (len(sel.blocks) - len(rest)) * t.bs * token_bytes < SPLIT_MIN_BYTES:
+            return sel
+        q = torch.empty(1, spec.num_heads, 1, spec.head_dim)  # the shape of a query, for the kernel's check
+        return Selection(rest) if cpu_kernel.usable(q, arena[0], arena[1]) else sel
+
     def splits_by_home(self, t: BlockTable) -> bool:
         """FlexGen's --cpu-cache-compute applies: CPU blocks are attended where they live."""
         return self.cpu_cache_compute and self.devices.is_cuda and Tier.CPU in t.homes[:t.num_blocks]
@@ -62,7 +91,7 @@ class KVReader:
         the cell's early (or guessed) query; a done future of None when nothing can start yet."""
         if self.in_place(t):
             return Done(None)
-        sel = self.policy.plan(t, layer)
+        sel = self.resident_split(t, self.policy.plan(t, layer))
         if sel is None:
             with self.clock.timed("select"):  # the early query's projection counts here too
                 sel = early_selection(self.policy, self.arch, t, layer, kind, ahead, self.io, self.devices,
@@ -114,8 +143,13 @@ class KVReader:
         if self.splits_by_home(t):
             return split_by_home(t, q, k, v, pads), t.append(k, v)
         fetched = self.read(t, layer, q, fetched, w, pads)
+        split = fetched is not None and fetched.rows is None and self.policy.reads_all and \
+            len(fetched.sel.blocks) < t.num_blocks  # resident_split's: the rest is resident, attended in place
+        resident = [b for b in range(t.num_blocks) if b not in set(fetched.sel.blocks)] if split else []
         kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
         rows = fetched.rows if fetched is not None else None  # read in place: the rows attended
+        if resident:
+            return with_resident_blocks(t, resident, q, kv, pos, mask, pads), jobs
         o = decode_attention_step(q, kv, pos, mask, pads, sparsity=self.sparsity, rows=rows)
         if self.policy.observes:
             self.policy.observe(t, layer, q, kv.to(q.dtype), pos, fetched.sel if fetched else Selection.all(t))
@@ -128,7 +162,7 @@ class KVReader:
         weights). None: the cache is read in place."""
         clock = self.clock
         if fetched is None and not self.in_place(t):
-            sel = self.policy.plan(t, layer)
+            sel = self.resident_split(t, self.policy.plan(t, layer))
             if sel is None:
                 with clock.timed("select"):
                     sel = self.policy.select(t, layer, q)
@@ -146,7 +180,7 @@ class KVReader:
         if fetched is not None and fetched.hidden is not None:
             with clock.timed("rebuild"):
                 rebuild_kv(fetched, self.arch, w, pads)
-        self.blocks_read[0] += t.num_blocks if fetched is None else len(fetched.sel.blocks)
+        self.blocks_read[0] += t.num_blocks if fetched is None or self.policy.reads_all else len(fetched.sel.blocks)
         self.blocks_read[1] += t.num_blocks
         return fetched
 

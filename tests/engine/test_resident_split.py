@@ -1,0 +1,80 @@
+"""A whole-cache read (dense) of a cache partly resident and partly offloaded: the resident blocks
+are attended in place, only the rest gathered, the two merged by log-sum-exp (engine/cell.py
+`resident_split`, engine/attention.py `with_resident_blocks`). The same numbers as attending
+everything gathered: against HF, and against the gathered path on the same table."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_sparpr.engine import attention, cell
+from flexgen_sparpr.engine.attention import decode_attention_step, with_resident_blocks
+from flexgen_sparpr.engine.config import EngineConfig, Policy
+from flexgen_sparpr.engine.executor import Engine
+from flexgen_sparpr.kv.block_table import BlockTable
+from flexgen_sparpr.models import cpu_kernel
+from flexgen_sparpr.storage.disk_store import DiskStore
+from flexgen_sparpr.storage.tiers import Devices, Tier
+from flexgen_sparpr.weights.resolve import resolve_source
+from tests.conftest import _save
+from tests.engine.test_vs_hf import LONG, forced_logits, hf_greedy
+
+pytestmark = pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the split reads resident rows in place "
+                                "through the compiled CPU kernel, which is not built on this machine")
+C, D = Tier.COMPUTE, Tier.DISK
+HALF = dict(cache_gpu_percent=50, cache_cpu_percent=0)  # half the KV resident, half on disk
+
+
+@pytest.fixture(scope="module")
+def llama64_dir(tmp_path_factory):
+    """A tiny Llama whose head dim (64) the CPU kernel takes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=256, vocab_size=300, max_position_embeddings=512,
+                      rope_theta=10000.0, tie_word_embeddings=False)
+    return _save(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("llama64"))
+
+
+def test_split_attention_equals_attending_everything_gathered(tmp_path):
+    store = DiskStore(tmp_path / "o", direct=False)
+    t = BlockTable(name="t", batch=2, num_kv_heads=2, head_dim=64, block_size=4, max_len=24, dtype=torch.float32,
+                   homes=[C, C, C, D, D, C], devices=Devices(torch.device("cpu")), disk=store)
+    k, v = torch.randn(2, 2, 2, 21, 64).unbind(0)
+    for job in t.append(k, v):
+        job()
+    q, new = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 2, 1, 64)  # new: [2, B, Hkv, 1, D]
+    pads = torch.tensor([0, 5])
+    full, pos = t.gather()  # every block gathered, then the new token
+    ref = decode_attention_step(q, torch.cat([full, new], 3), torch.cat([pos, pos.new_tensor([21])]), None, pads)
+    rest, rpos = t.gather([3, 4, 5])
+    got = with_resident_blocks(t, [0, 1, 2], q, torch.cat([rest, new], 3), torch.cat([rpos, rpos.new_tensor([21])]),
+                               None, pads)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    store.close()
+
+
+@pytest.mark.parametrize("min_bytes", [0, None], ids=["split", "below-threshold"])
+def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkeypatch, min_bytes):
+    """Half the KV resident: attended in place when it holds SPLIT_MIN_BYTES a layer (0 here: this
+    tiny model's few kilobytes), else copied with the rest; HF's logits either way."""
+    if min_bytes is not None:
+        monkeypatch.setattr(cell, "SPLIT_MIN_BYTES", min_bytes)
+    calls = []
+    monkeypatch.setattr(cell, "with_resident_blocks",
+                        lambda t, resident, *a: calls.append(len(resident)) or attention.with_resident_blocks(t, resident, *a))
+    src = resolve_source(str(llama64_dir), "")
+    ref_tokens, ref_logits = hf_greedy(llama64_dir, LONG)
+    eng = Engine(src, Policy(gpu_batch_size=2, **HALF),
+                 EngineConfig(block_size=4, dtype="float32", kv_dtype="float32", offload_dir=str(tmp_path)))
+    try:
+        got = forced_logits(eng, LONG, ref_tokens)
+        moved = eng.devices.counters.snapshot().get("disk->cpu", 0)
+    finally:
+        eng.close()
+    if min_bytes is None:
+        assert not calls  # a few kilobytes resident: copied with the rest
+    else:
+        assert calls and min(calls) > 0  # the resident blocks were attended in place
+    assert moved > 0  # and the others read from disk
+    assert float((got - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
