@@ -43,11 +43,16 @@ def with_resident_blocks(table: BlockTable, resident: list[int], q, kv, pos, mas
     Returns o: [B, H, 1, D]."""
     bs, dev = table.bs, q.device
     arena = table.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
-    slots = torch.tensor([table.store.slots[b] for b in resident], device=dev)
+    slots = [table.store.slots[b] for b in resident]
     offs = torch.arange(bs, device=dev)
-    rows = (slots[:, None] * bs + offs).flatten()[None]  # rows: [1, Tr] arena rows
-    rpos = (torch.tensor(resident, device=dev)[:, None] * bs + offs).flatten()  # rpos: [Tr] cache positions
-    rvalid = None if pads is None else rpos[None, :] >= pads[:, None]  # [B, Tr]
+    if slots == list(range(slots[0], slots[0] + len(slots))):  # adjacent slots: a view, no row list
+        arena, rows = arena[:, :, :, slots[0] * bs:(slots[0] + len(slots)) * bs], None
+    else:
+        rows = (torch.tensor(slots, device=dev)[:, None] * bs + offs).flatten()[None]  # rows: [1, Tr] arena rows
+    rvalid = None
+    if pads is not None:
+        rpos = (torch.tensor(resident, device=dev)[:, None] * bs + offs).flatten()  # rpos: [Tr] cache positions
+        rvalid = rpos[None, :] >= pads[:, None]  # [B, Tr]
     valid = None if pads is None else pos[None, :] >= pads[:, None]  # [B, T+1]
     if mask is not None:
         keep = torch.cat([mask, mask.new_ones(*mask.shape[:2], 1)], dim=-1)  # keep: [B, Hkv, T+1]
@@ -73,7 +78,8 @@ def split_by_home(table: BlockTable, q, k, v, pads):
     (not yet appended), and merge by log-sum-exp. Returns o: [B, H, 1, D]."""
     nb = table.num_blocks
     on_cpu = [b for b in range(nb) if table.homes[b] == Tier.CPU and table.block_len(b) == table.bs]
-    rest = [b for b in range(nb) if b not in set(on_cpu)]
+    cpu_set = set(on_cpu)
+    rest = [b for b in range(nb) if b not in cpu_set]
     parts = []
     kv, pos = table.gather(rest)
     kv = torch.cat([kv, torch.stack([k, v])], dim=3)  # + the new token

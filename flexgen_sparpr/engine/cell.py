@@ -145,7 +145,8 @@ class KVReader:
         fetched = self.read(t, layer, q, fetched, w, pads)
         split = fetched is not None and fetched.rows is None and self.policy.reads_all and \
             len(fetched.sel.blocks) < t.num_blocks  # resident_split's: the rest is resident, attended in place
-        resident = [b for b in range(t.num_blocks) if b not in set(fetched.sel.blocks)] if split else []
+        read = set(fetched.sel.blocks) if split else ()
+        resident = [b for b in range(t.num_blocks) if b not in read] if split else []
         kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
         rows = fetched.rows if fetched is not None else None  # read in place: the rows attended
         if resident:

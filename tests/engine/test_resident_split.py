@@ -36,10 +36,13 @@ def llama64_dir(tmp_path_factory):
     return _save(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("llama64"))
 
 
-def test_split_attention_equals_attending_everything_gathered(tmp_path):
+@pytest.mark.parametrize("homes, resident", [([C, C, C, D, D, C], [0, 1, 2]),  # adjacent slots: a view
+                                             ([C, D, C, D, C, C], [0, 4])],  # slots 0 and 2: by rows
+                         ids=["adjacent-slots", "rows"])
+def test_split_attention_equals_attending_everything_gathered(tmp_path, homes, resident):
     store = DiskStore(tmp_path / "o", direct=False)
     t = BlockTable(name="t", batch=2, num_kv_heads=2, head_dim=64, block_size=4, max_len=24, dtype=torch.float32,
-                   homes=[C, C, C, D, D, C], devices=Devices(torch.device("cpu")), disk=store)
+                   homes=homes, devices=Devices(torch.device("cpu")), disk=store)
     k, v = torch.randn(2, 2, 2, 21, 64).unbind(0)
     for job in t.append(k, v):
         job()
@@ -47,8 +50,8 @@ def test_split_attention_equals_attending_everything_gathered(tmp_path):
     pads = torch.tensor([0, 5])
     full, pos = t.gather()  # every block gathered, then the new token
     ref = decode_attention_step(q, torch.cat([full, new], 3), torch.cat([pos, pos.new_tensor([21])]), None, pads)
-    rest, rpos = t.gather([3, 4, 5])
-    got = with_resident_blocks(t, [0, 1, 2], q, torch.cat([rest, new], 3), torch.cat([rpos, rpos.new_tensor([21])]),
+    rest, rpos = t.gather([x for x in range(6) if x not in resident])
+    got = with_resident_blocks(t, resident, q, torch.cat([rest, new], 3), torch.cat([rpos, rpos.new_tensor([21])]),
                                None, pads)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     store.close()
