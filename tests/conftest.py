@@ -27,14 +27,19 @@ def tiny_opt_dir(tmp_path_factory):
     return _save(OPTForCausalLM(cfg), tmp_path_factory.mktemp("tiny-opt"))
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
+def tiny_llama(path, hidden: int = 64, ffn: int = 128):
+    """A random 2-layer Llama (4 query heads, 2 KV heads: head dim hidden / 4) saved at path."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=128, vocab_size=300, max_position_embeddings=512,
+    cfg = LlamaConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=ffn, vocab_size=300, max_position_embeddings=512,
                       rope_theta=10000.0, tie_word_embeddings=False)
-    return _save(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("tiny-llama"))
+    return _save(LlamaForCausalLM(cfg), path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session", params=["opt", "llama"])

@@ -18,18 +18,25 @@ def pads_valid(pos, pads) -> torch.Tensor | None:
     return torch.arange(s, device=pos.device)[None, :] >= pads[:, None]
 
 
-def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0, rows=None) -> torch.Tensor:
-    """One new token. q: [B, H, 1, D]; kv: [2, B, Hkv, T+1, D] the tokens read, the new one last;
-    pos: [T+1] their cache positions, or [B, T+1] each sequence's own; mask: [B, Hkv, T] the tokens
-    each sequence and KV head attends (None: all); pads: [B] left-pad counts or None. rows: [1|B, T+1]
-    or None: kv is a whole resident cache read in place and these are the rows attended (pos).
-    Returns o: [B, H, 1, D]."""
+def step_valid(pos, mask, pads) -> torch.Tensor | None:
+    """Which of a step's read tokens (the new one last) each sequence attends: pos: [T+1] or [B, T+1];
+    mask: [B, Hkv, T] or None; pads: [B] or None. Returns [B, T+1], [B, Hkv, T+1] or None (all)."""
     valid = None if pads is None else (pos if pos.dim() == 2 else pos[None, :]) >= pads[:, None]  # [B, T+1]
     if mask is not None:
         if valid is None:
             valid = torch.ones(mask.shape[0], pos.shape[-1], dtype=torch.bool, device=pos.device)
         keep = torch.cat([mask, mask.new_ones(*mask.shape[:2], 1)], dim=-1)  # keep: [B, Hkv, T+1]
         valid = valid[:, None, :] & keep  # valid: [B, Hkv, T+1]
+    return valid
+
+
+def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0, rows=None) -> torch.Tensor:
+    """One new token. q: [B, H, 1, D]; kv: [2, B, Hkv, T+1, D] the tokens read, the new one last;
+    pos: [T+1] their cache positions, or [B, T+1] each sequence's own; mask: [B, Hkv, T] the tokens
+    each sequence and KV head attends (None: all); pads: [B] left-pad counts or None. rows: [1|B, T+1]
+    or None: kv is a whole resident cache read in place and these are the rows attended (pos).
+    Returns o: [B, H, 1, D]."""
+    valid = step_valid(pos, mask, pads)
     if sparsity < 1:
         return topk_sparse_attention(q, kv[0], kv[1], valid, sparsity)
     return decode_attention(q, kv[0], kv[1], valid, rows)
@@ -53,11 +60,8 @@ def with_resident_blocks(table: BlockTable, resident: list[int], q, kv, pos, mas
     if pads is not None:
         rpos = (torch.tensor(resident, device=dev)[:, None] * bs + offs).flatten()  # rpos: [Tr] cache positions
         rvalid = rpos[None, :] >= pads[:, None]  # [B, Tr]
-    valid = None if pads is None else pos[None, :] >= pads[:, None]  # [B, T+1]
-    if mask is not None:
-        keep = torch.cat([mask, mask.new_ones(*mask.shape[:2], 1)], dim=-1)  # keep: [B, Hkv, T+1]
-        valid = keep if valid is None else valid[:, None, :] & keep
-    parts = [kernel_decode(q, arena[0], arena[1], rvalid, rows), attention_with_lse(q, kv[0], kv[1], valid)]
+    parts = [kernel_decode(q, arena[0], arena[1], rvalid, rows),
+             attention_with_lse(q, kv[0], kv[1], step_valid(pos, mask, pads))]
     return merge_attention(parts).to(q.dtype)
 
 

@@ -16,7 +16,7 @@ from flexgen_sparpr.models import cpu_kernel
 from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
-from tests.conftest import _save
+from tests.conftest import tiny_llama
 from tests.engine.test_vs_hf import LONG, forced_logits, hf_greedy
 
 pytestmark = pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the split reads resident rows in place "
@@ -28,12 +28,7 @@ HALF = dict(cache_gpu_percent=50, cache_cpu_percent=0)  # half the KV resident, 
 @pytest.fixture(scope="module")
 def llama64_dir(tmp_path_factory):
     """A tiny Llama whose head dim (64) the CPU kernel takes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=256, vocab_size=300, max_position_embeddings=512,
-                      rope_theta=10000.0, tie_word_embeddings=False)
-    return _save(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("llama64"))
+    return tiny_llama(tmp_path_factory.mktemp("llama64"), hidden=256, ffn=256)
 
 
 @pytest.mark.parametrize("homes, resident", [([C, C, C, D, D, C], [0, 1, 2]),  # adjacent slots: a view
