@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.block_table import BlockTable
-from ..models.layers import attention_with_lse, decode_attention, kernel_decode, merge_attention, topk_sparse_attention
+from ..models.cpu_kernel import usable as kernel_usable
+from ..models.layers import (attention_with_lse, decode_attention, kernel_decode, kernel_decode_parts, merge_attention,
+                             topk_sparse_attention)
 from ..storage.tiers import Tier
 
 
@@ -42,27 +44,53 @@ def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0, rows
     return decode_attention(q, kv[0], kv[1], valid, rows)
 
 
-def with_resident_blocks(table: BlockTable, resident: list[int], q, kv, pos, mask, pads) -> torch.Tensor:
+def with_resident_blocks(table: BlockTable, resident: list[int], q, kv, pos, mask, pads,
+                         landed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
     """A whole-cache read split by where the blocks live (engine/cell.py `resident_split`): the
-    resident sealed blocks attended in place in the compute arena (the compiled kernel reads their
-    rows), the gathered rest kv: [2, B, Hkv, T+1, D] (the new token last; pos: [T+1]; mask: None or
-    [B, Hkv, T]) attended as decode_attention_step would, the two merged by log-sum-exp. q: [B, H, 1, D].
-    Returns o: [B, H, 1, D]."""
+    resident sealed blocks attended in place in the compute arena, the disk blocks where they landed
+    (landed: their ids and [B, n, planes, Hkv, bs, D] as read), both by the compiled kernel reading
+    their rows, and the gathered rest kv: [2, B, Hkv, T+1, D] (the new token last; pos: [T+1]; mask:
+    None or [B, Hkv, T]), as decode_attention_step would: one softmax, one kernel call over the parts
+    (merged by log-sum-exp where the rest is not the kernel's). q: [B, H, 1, D]. Returns o: [B, H, 1, D]."""
     bs, dev = table.bs, q.device
-    arena = table.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
-    slots = [table.store.slots[b] for b in resident]
-    offs = torch.arange(bs, device=dev)
-    if slots == list(range(slots[0], slots[0] + len(slots))):  # adjacent slots: a view, no row list
-        arena, rows = arena[:, :, :, slots[0] * bs:(slots[0] + len(slots)) * bs], None
-    else:
-        rows = (torch.tensor(slots, device=dev)[:, None] * bs + offs).flatten()[None]  # rows: [1, Tr] arena rows
-    rvalid = None
-    if pads is not None:
-        rpos = (torch.tensor(resident, device=dev)[:, None] * bs + offs).flatten()  # rpos: [Tr] cache positions
-        rvalid = rpos[None, :] >= pads[:, None]  # [B, Tr]
-    parts = [kernel_decode(q, arena[0], arena[1], rvalid, rows),
-             attention_with_lse(q, kv[0], kv[1], step_valid(pos, mask, pads))]
-    return merge_attention(parts).to(q.dtype)
+    parts = [(kv[0], kv[1], step_valid(pos, mask, pads), None)]  # the gathered rest, the new token last
+    if resident:
+        arena = table.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
+        slots = [table.store.slots[b] for b in resident]
+        if slots == list(range(slots[0], slots[0] + len(slots))):  # adjacent slots: a view, no row list
+            arena, rows = arena[:, :, :, slots[0] * bs:(slots[0] + len(slots)) * bs], None
+        else:
+            rows = (torch.tensor(slots, device=dev)[:, None] * bs + torch.arange(bs, device=dev)).flatten()[None]
+        parts.append((arena[0], arena[1], _blocks_valid(resident, bs, pads), rows))
+    if landed:
+        k, v, rows = blockwise_kv(landed[1])
+        parts.append((k, v, _blocks_valid(landed[0], bs, pads), rows))
+    if kernel_usable(q, kv[0], kv[1]):  # one kernel call over every part
+        return kernel_decode_parts(q, parts)
+    return merge_attention([attention_with_lse(q, kv[0], kv[1], parts[0][2])] +
+                           [kernel_decode(q, *p) for p in parts[1:]]).to(q.dtype)
+
+
+def blockwise_kv(blocks: torch.Tensor):
+    """Blocks as read from a disk file, [B, n, 2, Hkv, bs, D] (any strides but the last two dims'
+    rows of D), as the decode kernel reads them: (k, v: [B, Hkv, R, D] views of the same memory, rows:
+    [1, n * bs] the row of each token, block after block)."""
+    b, n, _, hkv, bs, d = blocks.shape
+    sb, sn, sp, sh, st, sd = blocks.stride()
+    assert st == d and sd == 1 and sn % d == 0, "each token a contiguous row of D"
+    r = (n - 1) * (sn // d) + bs  # rows up to the last block's last token
+    k = blocks.as_strided((b, hkv, r, d), (sb, sh, d, 1), blocks.storage_offset())
+    v = blocks.as_strided((b, hkv, r, d), (sb, sh, d, 1), blocks.storage_offset() + sp)
+    rows = (torch.arange(n, device=blocks.device)[:, None] * (sn // d) + torch.arange(bs, device=blocks.device))
+    return k, v, rows.flatten()[None]  # rows: [1, n * bs]
+
+
+def _blocks_valid(blocks: list[int], bs: int, pads) -> torch.Tensor | None:
+    """[B, n * bs] validity of whole blocks' tokens under left padding (None: no padding)."""
+    if pads is None:
+        return None
+    pos = (torch.tensor(blocks, device=pads.device)[:, None] * bs + torch.arange(bs, device=pads.device)).flatten()
+    return pos[None, :] >= pads[:, None]
 
 
 def append_attention(table: BlockTable, q, k, v) -> torch.Tensor:

@@ -29,12 +29,6 @@ from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
 from .step_clock import StepClock
 
 
-# the least resident KV a layer attends in place rather than copies with the rest (resident_split):
-# below it the second attention call and the merge cost more than the copy they save (measured on a
-# 2-core Intel Xeon, SmolLM2: at 2k tokens, batch 1, ~0.8 MB a layer, the split was no faster)
-SPLIT_MIN_BYTES = 1 << 20
-
-
 class KVReader:
     """The cells' KV reads for one engine. Inputs: the KV policy (swappable between runs), the
     model's maths (`arch`: query and K/V projections), the I/O pool, the devices and dtype, and
@@ -51,6 +45,7 @@ class KVReader:
         # CPU, whose gather buffers are host memory, than on a GPU's scarce memory
         self.read_ahead = gathers_ahead(devices.is_cuda)
         self.ring = GatherRing(self.read_ahead + 2)  # the decode cells' gather buffers, reused
+        self.landing = GatherRing(self.read_ahead + 2, aligned=True)  # where dense's disk blocks land
         self.recall: Recall | None = Recall()  # each offloaded table's last selective gather (None: off)
         self.blocks_read = [0, 0]  # over the decode cells so far: blocks attention read, blocks cached
 
@@ -60,26 +55,32 @@ class KVReader:
         return (t.store.resident and self.policy.reads_all) or self.policy.attends or \
             (self.cpu_cache_compute and self.devices.is_cuda)
 
-    def resident_split(self, t: BlockTable, sel: Selection | None) -> Selection | None:
-        """A policy that reads the whole cache, part of it resident (whole raw blocks homed on
-        compute) and part offloaded, on the compiled CPU kernel: only the offloaded blocks and the
-        open one are gathered; `attend` reads the resident ones in place and merges the two by
-        log-sum-exp. Copying the resident half into the gather buffer had cost more than reading the
-        other half from disk (369 MB of copies a step at 8000 tokens, batch 4). Else sel as it is."""
+    def resident_split(self, t: BlockTable, sel: Selection | None) -> tuple[Selection | None, list[int]]:
+        """A policy that reads the whole cache of an offloaded table, on the compiled CPU kernel,
+        reads its sealed raw blocks where they are rather than copy them into one gather buffer:
+        resident ones (homed on compute) in the compute arena, disk ones where they land, read as
+        they are stored (`TierReads.land`: no copy out, no conversion). Returns (the selection left
+        to gather: the open block and the other homes' blocks, the disk blocks to land); `attend`
+        reads the parts in one kernel call (engine/attention.py `with_resident_blocks`). Copying had
+        cost more than the reads: the resident half, 369 MB of copies a step at 8000 tokens, batch 4;
+        the disk blocks, a permuting copy of every byte read, on the two cores the matmuls use. Else
+        (sel, [])."""
         if sel is None or not self.policy.reads_all or self.policy.observes or self.sparsity < 1 or \
-                self.devices.is_cuda or t.store.resident or Tier.COMPUTE in t.store.coded or \
-                len(sel.blocks) != t.num_blocks:
-            return sel
-        sealed, homes = t.sealed, t.homes
-        rest = [b for b in sel.blocks if b >= sealed or homes[b] != Tier.COMPUTE]
-        if not rest or len(rest) == len(sel.blocks):
-            return sel
-        spec, arena = self.arch.spec, t.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
-        token_bytes = arena.numel() // arena.shape[3] * arena.element_size()
-        if (len(sel.blocks) - len(rest)) * t.bs * token_bytes < SPLIT_MIN_BYTES:
-            return sel
+                self.devices.is_cuda or t.store.resident or len(sel.blocks) != t.num_blocks:
+            return sel, []
+        store, sealed, homes = t.store, t.sealed, t.homes
+        resident = [] if Tier.COMPUTE in store.coded else [b for b in range(sealed) if homes[b] == Tier.COMPUTE]
+        arena = store.resident_arena() if resident else None  # arena: [2, B, Hkv, cap, D]
+        land = [b for b in range(sealed) if homes[b] == Tier.DISK] if store.lands_disk() else []
+        if not resident and not land:
+            return sel, []
+        spec = self.arch.spec
         q = torch.empty(1, spec.num_heads, 1, spec.head_dim)  # the shape of a query, for the kernel's check
-        return Selection(rest) if cpu_kernel.usable(q, arena[0], arena[1]) else sel
+        k = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=store.store_dtype)
+        if not cpu_kernel.usable(q, k, k) or (resident and not cpu_kernel.usable(q, arena[0], arena[1])):
+            return sel, []
+        skip = set(resident) | set(land)
+        return Selection([b for b in sel.blocks if b not in skip]), land
 
     def splits_by_home(self, t: BlockTable) -> bool:
         """FlexGen's --cpu-cache-compute applies: CPU blocks are attended where they live."""
@@ -91,7 +92,7 @@ class KVReader:
         the cell's early (or guessed) query; a done future of None when nothing can start yet."""
         if self.in_place(t):
             return Done(None)
-        sel = self.resident_split(t, self.policy.plan(t, layer))
+        sel, land = self.resident_split(t, self.policy.plan(t, layer))
         if sel is None:
             with self.clock.timed("select"):  # the early query's projection counts here too
                 sel = early_selection(self.policy, self.arch, t, layer, kind, ahead, self.io, self.devices,
@@ -100,9 +101,9 @@ class KVReader:
             return Done(None)
         if sel.guess:
             return self.io.submit(self._gather_guess, t, sel)
-        return self.io.submit(self._gather, t, sel, False)
+        return self.io.submit(self._gather, t, sel, False, land)
 
-    def _gather(self, t: BlockTable, sel, on_compute: bool = True) -> Fetched:
+    def _gather(self, t: BlockTable, sel, on_compute: bool = True, land: list[int] = ()) -> Fetched:
         """A copy of part of an offloaded cache by a policy that keeps arenas (`arena_share`: a
         selective one that does not observe attention's reads in gather order) goes through the
         recall (only what the table's arena lacks is read; engine/recall.py); the rest, through
@@ -112,7 +113,11 @@ class KVReader:
                 (on_compute or not self.devices.streams.active) and \
                 Recall.applies(t, sel) and len(sel.blocks) < t.num_blocks:
             return self.recall.gather(t, sel, self.dtype, self.devices.compute)
-        return gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring)
+        fetched = gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring)
+        if land:  # the disk blocks read into the landing ring's next buffer, attended there
+            buf = self.landing.take((t.store.landing_bytes(len(land)),), torch.uint8, self.devices.compute)
+            fetched.landed = (list(land), t.store.land(land, buf))
+        return fetched
 
     def gather_dtype(self, t: BlockTable) -> torch.dtype:
         """The dtype a gather from table t lands in: for a policy that reads every block (dense), the
@@ -143,14 +148,15 @@ class KVReader:
         if self.splits_by_home(t):
             return split_by_home(t, q, k, v, pads), t.append(k, v)
         fetched = self.read(t, layer, q, fetched, w, pads)
+        landed = fetched.landed if fetched is not None else None
         split = fetched is not None and fetched.rows is None and self.policy.reads_all and \
-            len(fetched.sel.blocks) < t.num_blocks  # resident_split's: the rest is resident, attended in place
-        read = set(fetched.sel.blocks) if split else ()
+            len(fetched.sel.blocks) < t.num_blocks  # resident_split's: the rest attended where it is
+        read = set(fetched.sel.blocks) | set(landed[0] if landed else ()) if split else ()
         resident = [b for b in range(t.num_blocks) if b not in read] if split else []
         kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
         rows = fetched.rows if fetched is not None else None  # read in place: the rows attended
-        if resident:
-            return with_resident_blocks(t, resident, q, kv, pos, mask, pads), jobs
+        if resident or landed:
+            return with_resident_blocks(t, resident, q, kv, pos, mask, pads, landed), jobs
         o = decode_attention_step(q, kv, pos, mask, pads, sparsity=self.sparsity, rows=rows)
         if self.policy.observes:
             self.policy.observe(t, layer, q, kv.to(q.dtype), pos, fetched.sel if fetched else Selection.all(t))
@@ -163,7 +169,7 @@ class KVReader:
         weights). None: the cache is read in place."""
         clock = self.clock
         if fetched is None and not self.in_place(t):
-            sel = self.resident_split(t, self.policy.plan(t, layer))
+            sel, land = self.resident_split(t, self.policy.plan(t, layer))
             if sel is None:
                 with clock.timed("select"):
                     sel = self.policy.select(t, layer, q)
@@ -172,7 +178,7 @@ class KVReader:
                                   t.positions(sel.blocks)[None])  # rows: [1|B, T]
             else:
                 with self.devices.counters.tag("serial"), clock.timed("read"):  # inside the cell: nothing hides it
-                    fetched = self._gather(t, sel)
+                    fetched = self._gather(t, sel, land=land)
         elif fetched is not None and fetched.sel.guess:  # speculative prefetch: keep what the guess read
             with clock.timed("select"):
                 sel = self.policy.select(t, layer, q)

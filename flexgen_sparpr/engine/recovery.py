@@ -10,6 +10,7 @@ import torch
 
 from ..kv.block_table import BlockTable
 from ..kv.policy import Selection
+from ..storage.disk import aligned_empty
 
 
 @dataclass
@@ -25,6 +26,9 @@ class Fetched:
     # read in place (a resident cache on the CPU kernel: no copy): kv and pos are None until the new
     # token joins; rows: [1|B, T] the cache positions attended (the arena's rows), one row shared or one a sequence
     rows: torch.Tensor | None = None
+    # raw disk blocks attended where they landed (engine/cell.py `resident_split`): their ids (ascending)
+    # and the blocks as read, [B, n, planes, Hkv, bs, D] (TierReads.land); kv holds the rest
+    landed: tuple[list[int], torch.Tensor] | None = None
 
 
 def _offsets(t: BlockTable, blocks: list[int]) -> dict[int, int]:
@@ -42,10 +46,11 @@ class GatherRing:
     values, so their stale rows are finite: a per-sequence gather need not zero the rows it skips
     (masked out, they get exactly zero attention weight)."""
 
-    def __init__(self, n: int = 2):
+    def __init__(self, n: int = 2, aligned: bool = False):
         self._bufs: list[torch.Tensor | None] = [None] * n
         self._next = 0
         self._lock = threading.Lock()
+        self.aligned = aligned  # buffers start on a page (O_DIRECT reads land in them) and are not zeroed
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of `shape`, finite but stale, on the next buffer of the ring (grown by 1/4 when short)."""
@@ -56,7 +61,9 @@ class GatherRing:
             i, self._next = self._next, (self._next + 1) % len(self._bufs)
             buf = self._bufs[i]
             if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-                buf = self._bufs[i] = torch.zeros(numel + numel // 4, dtype=dtype, device=device)
+                n = numel + numel // 4
+                buf = self._bufs[i] = (aligned_empty((n,), dtype) if self.aligned else
+                                       torch.zeros(n, dtype=dtype, device=device))
         return buf[:numel].view(shape)
 
 

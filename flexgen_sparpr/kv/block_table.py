@@ -63,6 +63,8 @@ class BlockTable:
         dev = self.devices.compute if device is None else device
         if not blocks:
             return torch.empty(0, dtype=torch.long, device=dev)
+        if blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
+            return torch.arange(blocks[0] * self.bs, min((blocks[-1] + 1) * self.bs, self.length), device=dev)
         ids = torch.tensor(blocks).to(dev, non_blocking=True)  # no sync: the host copy is staged at once
         pos = (ids[:, None] * self.bs + torch.arange(self.bs, device=dev)).flatten()  # pos: [n * bs]
         last = self.num_blocks - 1
@@ -118,8 +120,10 @@ class BlockTable:
         if self.store.resident:  # every token in one compute arena: indexed copies, whatever the blocks
             return self._resident_gather(blocks, out, dev)
         need = seqs.T.tolist() if seqs is not None else None  # need: [n][B] (no sync: seqs is a host tensor)
-        kv = self.store.gather(blocks, [self.block_len(b) for b in blocks], self.sealed, out, need, zero_unread,
-                               starts)
+        lens = [self.bs] * len(blocks)  # every block is whole but the open one
+        if blocks and blocks[-1] >= self.sealed:
+            lens[-1] = self.block_len(blocks[-1])
+        kv = self.store.gather(blocks, lens, self.sealed, out, need, zero_unread, starts)
         return kv, self.positions(blocks, dev)
 
     def _resident_gather(self, blocks: list[int], out: torch.Tensor | None, dev: torch.device):

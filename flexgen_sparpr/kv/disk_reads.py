@@ -58,6 +58,14 @@ def read_raw_disk(store, runs: list, out: torch.Tensor) -> None:
         out6[:, :, :, blk] = data.view(len(blk), b_all, planes, h, bs, d).permute(2, 1, 3, 0, 4, 5).to(out.dtype)
 
 
+def read_landed(store, ranges: list, out: torch.Tensor) -> None:
+    """Raw disk runs ((first slot, slots), byte offset in out) of a TierStore's packed file read into
+    page-aligned CPU out, where they stay (attended there: TierReads.land)."""
+    nbytes = sum(c for (_, c), _ in ranges) * store.disk_file.slot_bytes
+    _in_shares(store, lambda share: store.disk_file.read_ranges([r for r, _ in share], out, [a for _, a in share]),
+               ranges, nbytes)
+
+
 def _in_shares(store, read, reqs: list, nbytes: int) -> None:
     """read(share) for the requests cut into the read depth's shares, in parallel; the bytes and
     their time counted on the disk link (and the host link on CUDA)."""

@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from ..storage.tiers import Tier
-from .disk_reads import read_disk, read_raw_disk
+from .disk_reads import read_disk, read_landed, read_raw_disk
 
 BIG_RUN = 8  # blocks: a disk run this long is copied out by its reader; shorter ones together, by index
 
@@ -77,6 +77,38 @@ class TierReads:
         if raw_reads:
             read_raw_disk(self, raw_reads, out)
         return out[:, :, :, :total]
+
+    def lands_disk(self) -> bool:
+        """Whether raw disk blocks can be read as they are stored and attended where they land
+        (`land`): raw (not encoded) blocks in a packed disk file."""
+        return self._disk is not None and Tier.DISK not in self.coded and self._disk.is_packed
+
+    def landing_bytes(self, n: int) -> int:
+        """The bytes `land` reads n blocks into."""
+        return n * self.stored_raw.nbytes
+
+    def land(self, blocks: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Sealed raw disk blocks (`lands_disk`; ascending) read as they are stored into out, a
+        page-aligned uint8 CPU tensor of `landing_bytes(len(blocks))`: no copy out, no conversion,
+        one request per run of adjacent slots (per sequence when the file is sequence-major).
+        Returns the blocks as a view of out, [B, n, planes, Hkv, bs, D] in store_dtype (strided:
+        block-major in a whole-block file, sequence-major in a sequence-major one)."""
+        planes, b_all, h, bs, d = self.block_shape
+        n, piece = len(blocks), self._disk.slot_bytes
+        groups = b_all if self._seq_disk else 1  # the file's units: one sequence's share of a block, or a block
+        runs, i = [], 0  # (first slot, slots, first block)
+        while i < n:
+            j = i + 1
+            while j < n and self.slots[blocks[j]] == self.slots[blocks[j - 1]] + 1:
+                j += 1
+            runs.append((self.slots[blocks[i]], j - i, i))
+            i = j
+        ranges = [((r * self._n_disk + s, c), (r * n + i) * piece) for r in range(groups) for s, c, i in runs]
+        read_landed(self, ranges, out)
+        data = out.view(self.store_dtype)
+        if self._seq_disk:  # data: [B, n, planes, Hkv, bs, D]
+            return data.view(b_all, n, planes, h, bs, d)
+        return data.view(n, b_all, planes, h, bs, d).transpose(0, 1)  # [n, B, ...] read as [B, n, ...]
 
     def view(self, b: int, n: int, sealed: int) -> torch.Tensor | None:
         """Block b's first n tokens on compute with no copy, [planes, B, Hkv, n, D]: the open block's

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).with_name(n) for n in ("decode_kernel.cpp", "lowrank_kernel.cpp", "select_kernel.cpp", "weight_kernel.cpp",
-                                                "bf16_kernel.cpp", "glue_kernel.cpp")]
+_SRCS = [Path(__file__).with_name(n) for n in ("decode_kernel.cpp", "kernel_module.cpp", "lowrank_kernel.cpp",
+                                                "select_kernel.cpp", "weight_kernel.cpp", "bf16_kernel.cpp",
+                                                "glue_kernel.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; without it the kernels run on one thread
 # (the OpenMP runtime is the one torch has loaded: the same soname, libgomp.so.1)
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

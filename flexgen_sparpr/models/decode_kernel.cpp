@@ -3,7 +3,8 @@
 // read); q, the scores, the softmax and the output are float32. A KV head's G query heads share its keys, so
 // each key and value row is read once for all of them. The keys are split into chunks of kChunk over the
 // threads (flash-decoding: a batch of one has too few heads to keep two cores busy); each chunk keeps its
-// (max score, sum of exp, weighted values) and the chunks are merged at the end.
+// (max score, sum of exp, weighted values) and the chunks are merged at the end. The keys may lie in several
+// places (parts: a resident arena, disk blocks where they landed, a gather buffer): one call, one softmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -14,12 +15,30 @@
 #include <limits>
 #include <vector>
 
+namespace {
+
+constexpr int kChunk = 512;     // keys per work item: G x kChunk scores stay in the L1 cache
+
+// One source of keys (decode_attention_parts): k, v rows, which of them are attended, which are valid.
+struct Part {
+  const void* k;
+  const void* v;
+  int64_t kb, kh, vb, vh, row;  // strides (elements): sequence, KV head, row
+  const int64_t* idx;           // rows [1|B, T] attended (null: row t of t < keys)
+  int64_t idx_b;                // its stride per sequence (0: one list for all)
+  const bool* mask;             // [B, 1|Hkv, T] or null (every key)
+  int64_t mb, mh;               // its strides per sequence and per KV head (0: one for all heads)
+  int64_t keys, chunks, first;  // keys; chunks of kChunk (at least 1); its first among all parts' chunks
+  c10::ScalarType dtype;
+};
+
+}  // namespace
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 namespace {
 
-constexpr int kChunk = 512;     // keys per work item: G x kChunk scores stay in the L1 cache
 constexpr float kLow = -1e30f;  // a masked key's score: finite, as -ffast-math's vector exp needs
 
 // a row this many keys ahead is asked of memory now: rows read by index (the hardware's prefetcher does
@@ -109,30 +128,33 @@ void attend_chunk(const float* q, const T* k, const T* v, int64_t row, const int
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + g * D + i * 16, av[g][i]);
 }
 
-template <typename T, int G, int D>
-void run(const float* qp, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-         const torch::Tensor* mask, const torch::Tensor* rows, float* op, torch::Tensor& lse) {
-  const int64_t B = q.size(0), H = q.size(1), T_ = rows ? rows->size(1) : k.size(2);
-  const int64_t* rp = rows ? rows->data_ptr<int64_t>() : nullptr;
-  const int64_t rs = rows && rows->size(0) > 1 ? rows->stride(0) : 0;
-  const int64_t chunks = std::max<int64_t>(1, (T_ + kChunk - 1) / kChunk), items = B * H * chunks;
+template <int G, int D>
+void run(const float* qp, int64_t B, int64_t H, const std::vector<Part>& parts, float* op, float* lp) {
+  const int64_t chunks = parts.back().first + parts.back().chunks, items = B * H * chunks;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   std::vector<float> m(items * G), l(items * G), acc(items * G * D);
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  const bool* mp = mask ? mask->data_ptr<bool>() : nullptr;
-  const int64_t mh = mask ? mask->size(1) : 0;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t bh = i / chunks, c = i % chunks, b = bh / H, h = bh % H;
-      const int64_t t0 = c * kChunk, t1 = std::min<int64_t>(T_, t0 + kChunk);
-      const bool* mb = mp ? mp + b * mask->stride(0) + (mh == 1 ? 0 : h) * mask->stride(1) : nullptr;
-      attend_chunk<T, G, D>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
-                            vp + b * v.stride(0) + h * v.stride(1), k.stride(2), rp ? rp + b * rs : nullptr, t0,
-                            t1, mb, scale, &m[i * G], &l[i * G], &acc[i * G * D]);
+      size_t pi = 0;
+      while (c >= parts[pi].first + parts[pi].chunks) ++pi;
+      const Part& p = parts[pi];
+      const int64_t t0 = (c - p.first) * kChunk, t1 = std::min<int64_t>(p.keys, t0 + kChunk);
+      const bool* mb = p.mask ? p.mask + b * p.mb + h * p.mh : nullptr;
+      const int64_t* ib = p.idx ? p.idx + b * p.idx_b : nullptr;
+      const int64_t ko = b * p.kb + h * p.kh, vo = b * p.vb + h * p.vh;
+      float *mi = &m[i * G], *li = &l[i * G], *ai = &acc[i * G * D];
+      const float* qi = qp + bh * G * D;
+      if (p.dtype == torch::kFloat32)
+        attend_chunk<float, G, D>(qi, (const float*)p.k + ko, (const float*)p.v + vo, p.row, ib, t0, t1, mb, scale, mi, li, ai);
+      else if (p.dtype == torch::kBFloat16)
+        attend_chunk<c10::BFloat16, G, D>(qi, (const c10::BFloat16*)p.k + ko, (const c10::BFloat16*)p.v + vo, p.row, ib,
+                                          t0, t1, mb, scale, mi, li, ai);
+      else
+        attend_chunk<c10::Half, G, D>(qi, (const c10::Half*)p.k + ko, (const c10::Half*)p.v + vo, p.row, ib, t0, t1, mb,
+                                      scale, mi, li, ai);
     }
   });
-  float* lp = lse.data_ptr<float>();
   for (int64_t bh = 0; bh < B * H; ++bh) {
     for (int g = 0; g < G; ++g) {
       float top = kLow;
@@ -165,27 +187,18 @@ void run(const float* qp, const torch::Tensor& q, const torch::Tensor& k, const 
   }
 }
 
-template <typename T, int D>
-bool run_g(int64_t g, const float* qp, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-           const torch::Tensor* mask, const torch::Tensor* rows, float* op, torch::Tensor& lse) {
+template <int D>
+bool run_g(int64_t g, const float* qp, int64_t B, int64_t H, const std::vector<Part>& parts, float* op, float* lp) {
   switch (g) {
-    case 1: run<T, 1, D>(qp, q, k, v, mask, rows, op, lse); return true;
-    case 2: run<T, 2, D>(qp, q, k, v, mask, rows, op, lse); return true;
-    case 3: run<T, 3, D>(qp, q, k, v, mask, rows, op, lse); return true;
-    case 4: run<T, 4, D>(qp, q, k, v, mask, rows, op, lse); return true;
-    case 5: run<T, 5, D>(qp, q, k, v, mask, rows, op, lse); return true;
-    case 6: run<T, 6, D>(qp, q, k, v, mask, rows, op, lse); return true;
-    case 7: run<T, 7, D>(qp, q, k, v, mask, rows, op, lse); return true;
-    case 8: run<T, 8, D>(qp, q, k, v, mask, rows, op, lse); return true;
+    case 1: run<1, D>(qp, B, H, parts, op, lp); return true;
+    case 2: run<2, D>(qp, B, H, parts, op, lp); return true;
+    case 3: run<3, D>(qp, B, H, parts, op, lp); return true;
+    case 4: run<4, D>(qp, B, H, parts, op, lp); return true;
+    case 5: run<5, D>(qp, B, H, parts, op, lp); return true;
+    case 6: run<6, D>(qp, B, H, parts, op, lp); return true;
+    case 7: run<7, D>(qp, B, H, parts, op, lp); return true;
+    case 8: run<8, D>(qp, B, H, parts, op, lp); return true;
   }
-  return false;
-}
-
-template <typename T>
-bool run_d(const float* qp, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-           const torch::Tensor* mask, const torch::Tensor* rows, float* op, torch::Tensor& lse) {
-  if (q.size(3) == 64) return run_g<T, 64>(q.size(2), qp, q, k, v, mask, rows, op, lse);
-  if (q.size(3) == 128) return run_g<T, 128>(q.size(2), qp, q, k, v, mask, rows, op, lse);
   return false;
 }
 
@@ -200,43 +213,70 @@ bool simd() {
 #endif
 }
 
-// q: [B, Hkv, G, D] float32 or bfloat16, contiguous (G <= 8; D 64 or 128); k, v: [B, Hkv, T, D] of one dtype (float32,
-// bfloat16 or float16), each key a contiguous row of D, one row stride; mask: [B, 1|Hkv, T] bool, T
-// contiguous, or None (every key); rows: [1|B, T'] int64 (T' contiguous) or None: the keys attended are rows
-// rows[b, :] of k and v (shared by the sequences when its first size is 1), and T in mask is T'.
+// One part of the keys (decode_attention_parts), checked against q: [B, Hkv, G, D].
+Part part(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& mask,
+          const c10::optional<torch::Tensor>& rows) {
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1) &&
+                  k.size(3) == q.size(3) && k.device().is_cpu() && v.device().is_cpu(),
+              "k, v: [B, Hkv, T, D] like q, on the CPU");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2),
+              "k, v: one dtype, rows of D contiguous, one row stride");
+  const auto dt = k.scalar_type();
+  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf, "k, v: float32, bfloat16 or float16");
+  Part p{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k.stride(2),
+         nullptr, 0, nullptr, 0, 0, k.size(2), 0, 0, dt};
+  if (rows.has_value()) {
+    const torch::Tensor& rp = rows.value();
+    TORCH_CHECK(rp.scalar_type() == torch::kLong && rp.dim() == 2 && (rp.size(0) == 1 || rp.size(0) == q.size(0)) &&
+                    rp.stride(1) == 1,
+                "rows: int64 [1|B, T']");
+    const int64_t* r = rp.data_ptr<int64_t>();
+    bool inside = true;  // a row outside k would read outside its memory
+    for (int64_t i = 0; i < rp.size(0); ++i)
+      for (int64_t j = 0; j < rp.size(1); ++j) {
+        const int64_t x = r[i * rp.stride(0) + j];
+        inside &= x >= 0 && x < k.size(2);
+      }
+    TORCH_CHECK(inside, "rows: within k's T");
+    p.idx = r;
+    p.idx_b = rp.size(0) > 1 ? rp.stride(0) : 0;
+    p.keys = rp.size(1);
+  }
+  if (mask.has_value()) {
+    const torch::Tensor& mp = mask.value();
+    TORCH_CHECK(mp.scalar_type() == torch::kBool && mp.dim() == 3 && mp.size(0) == q.size(0) &&
+                    (mp.size(1) == 1 || mp.size(1) == q.size(1)) && mp.size(2) == p.keys && mp.stride(2) == 1,
+                "mask: bool [B, 1|Hkv, T]");
+    p.mask = mp.data_ptr<bool>();
+    p.mb = mp.stride(0);
+    p.mh = mp.size(1) == 1 ? 0 : mp.stride(1);
+  }
+  p.chunks = std::max<int64_t>(1, (p.keys + kChunk - 1) / kChunk);
+  return p;
+}
+
+// q: [B, Hkv, G, D] float32 or bfloat16, contiguous (G <= 8; D 64 or 128). The keys come in parts: part i's
+// ks[i], vs[i]: [B, Hkv, T, D] of one dtype (float32, bfloat16 or float16; the parts' may differ), each key a
+// contiguous row of D, one row stride; masks[i]: [B, 1|Hkv, T'] bool, T' contiguous, or None (every key);
+// rows[i]: [1|B, T'] int64 (T' contiguous) or None: the keys attended are rows rows[b, :] of k and v (shared by
+// the sequences when its first size is 1), else T' = T. One softmax over every part's keys.
 // Returns (out [B, Hkv, G, D] in q's dtype (a bfloat16 q: read widened, out rounded once), lse [B, Hkv, G]
 // float32).
-std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                            c10::optional<torch::Tensor> mask, c10::optional<torch::Tensor> rows) {
+std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<torch::Tensor> ks,
+                                                  std::vector<torch::Tensor> vs,
+                                                  std::vector<c10::optional<torch::Tensor>> masks,
+                                                  std::vector<c10::optional<torch::Tensor>> rows) {
   TORCH_CHECK(simd(), "built without AVX-512");
   const bool wide = q.scalar_type() == torch::kFloat32;
   TORCH_CHECK((wide || q.scalar_type() == torch::kBFloat16) && q.is_contiguous() && q.dim() == 4,
               "q: contiguous float32 or bfloat16 [B, Hkv, G, D]");
-  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1) &&
-                  k.size(3) == q.size(3),
-              "k, v: [B, Hkv, T, D] like q");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2),
-              "k, v: one dtype, rows of D contiguous, one row stride");
-  const torch::Tensor* rp = rows.has_value() ? &rows.value() : nullptr;
-  if (rp) {
-    TORCH_CHECK(rp->scalar_type() == torch::kLong && rp->dim() == 2 && (rp->size(0) == 1 || rp->size(0) == q.size(0)) &&
-                    rp->stride(1) == 1,
-                "rows: int64 [1|B, T']");
-    const int64_t* r = rp->data_ptr<int64_t>();
-    bool inside = true;  // a row outside k would read outside its memory
-    for (int64_t i = 0; i < rp->size(0); ++i)
-      for (int64_t j = 0; j < rp->size(1); ++j) {
-        const int64_t x = r[i * rp->stride(0) + j];
-        inside &= x >= 0 && x < k.size(2);
-      }
-    TORCH_CHECK(inside, "rows: within k's T");
+  TORCH_CHECK(!ks.empty() && ks.size() == vs.size() && ks.size() == masks.size() && ks.size() == rows.size(),
+              "one k, v, mask and rows a part, at least one part");
+  std::vector<Part> parts;
+  for (size_t i = 0; i < ks.size(); ++i) {
+    parts.push_back(part(q, ks[i], vs[i], masks[i], rows[i]));
+    parts.back().first = i ? parts[i - 1].first + parts[i - 1].chunks : 0;
   }
-  const int64_t keys = rp ? rp->size(1) : k.size(2);
-  const torch::Tensor* mp = mask.has_value() ? &mask.value() : nullptr;
-  if (mp)
-    TORCH_CHECK(mp->scalar_type() == torch::kBool && mp->dim() == 3 && mp->size(0) == q.size(0) &&
-                    (mp->size(1) == 1 || mp->size(1) == q.size(1)) && mp->size(2) == keys && mp->stride(2) == 1,
-                "mask: bool [B, 1|Hkv, T]");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat32));
   const int64_t n = q.numel();
@@ -249,11 +289,10 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, to
   float* op = wide ? out.data_ptr<float>() : ow.data();
   bool done = false;
 #if defined(__AVX512F__)
-  if (k.scalar_type() == torch::kFloat32) done = run_d<float>(qp, q, k, v, mp, rp, op, lse);
-  else if (k.scalar_type() == torch::kBFloat16) done = run_d<c10::BFloat16>(qp, q, k, v, mp, rp, op, lse);
-  else if (k.scalar_type() == torch::kHalf) done = run_d<c10::Half>(qp, q, k, v, mp, rp, op, lse);
+  if (q.size(3) == 64) done = run_g<64>(q.size(2), qp, q.size(0), q.size(1), parts, op, lse.data_ptr<float>());
+  else if (q.size(3) == 128) done = run_g<128>(q.size(2), qp, q.size(0), q.size(1), parts, op, lse.data_ptr<float>());
 #endif
-  TORCH_CHECK(done, "shape or dtype not built (G <= 8, D 64 or 128; float32, bfloat16, float16)");
+  TORCH_CHECK(done, "shape not built (G <= 8, D 64 or 128)");
   if (!wide) {
     c10::BFloat16* ob = out.data_ptr<c10::BFloat16>();
     for (int64_t i = 0; i < n; ++i) ob[i] = static_cast<c10::BFloat16>(ow[i]);
@@ -261,32 +300,8 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, to
   return {out, lse};
 }
 
-torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optional<torch::Tensor> bias, int64_t bs);  // lowrank_kernel.cpp
-
-std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::Tensor> own, int64_t k, int64_t bs,
-                                     int64_t length);  // select_kernel.cpp
-
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);  // weight_kernel.cpp
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d);  // weight_kernel.cpp
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool wide);  // weight_kernel.cpp
-torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w);  // bf16_kernel.cpp
-torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps);  // glue_kernel.cpp
-torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);  // glue_kernel.cpp
-torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
-
-// The kernels touch no Python object: they let go of the GIL while they run, so the engine's I/O threads
-// (disk reads, copies) go on meanwhile instead of waiting for the kernel to return.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("simd", &simd);
-  m.def("decode_attention", &decode_attention, nogil);
-  m.def("lowrank_scores", &lowrank_scores, nogil);
-  m.def("pick_rows", &pick_rows, nogil);
-  m.def("q4_matmul", &q4_matmul, nogil);
-  m.def("q8_matmul", &q8_matmul, nogil);
-  m.def("quantize_rows", &quantize_rows, nogil);
-  m.def("bf16_matmul", &bf16_matmul, nogil);
-  m.def("rms_norm_rows", &rms_norm_rows, nogil);
-  m.def("rope_rows", &rope_rows, nogil);
-  m.def("silu_mul_rows", &silu_mul_rows, nogil);
+// decode_attention_parts over one part
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                            c10::optional<torch::Tensor> mask, c10::optional<torch::Tensor> rows) {
+  return decode_attention_parts(q, {k}, {v}, {mask}, {rows});
 }

@@ -177,6 +177,21 @@ def kernel_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
 
 
+def kernel_decode_parts(q: torch.Tensor, parts: list) -> torch.Tensor:
+    """One query per head over keys that lie in several places, by one call of the compiled CPU kernel
+    (one softmax over them all; `usable` must hold for each part). q: [B, H, 1, D]; parts: (k, v: [B,
+    Hkv, T, D] (float32, bfloat16 or float16), valid: [B, T'] or [B, Hkv, T'] bool or None, rows: [1|B,
+    T'] int64 or None) each, as kernel_decode takes them. Returns out: [B, H, 1, D] in q's dtype."""
+    b, h, _, d = q.shape
+    hkv = parts[0][0].shape[1]
+    qg = q.reshape(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
+    qg = (qg if q.dtype == torch.bfloat16 else qg.float()).contiguous()
+    masks = [None if m is None else (m[:, None] if m.dim() == 2 else m).contiguous() for _, _, m, _ in parts]
+    out, _ = compiled_kernel().decode_attention_parts(qg, [p[0] for p in parts], [p[1] for p in parts], masks,
+                                                      [p[3] for p in parts])  # out: [B, Hkv, G, D]
+    return out.reshape(b, h, 1, d).to(q.dtype)
+
+
 def _grouped_query(q: torch.Tensor, hkv: int, valid: torch.Tensor | None):
     """One decode query per head laid out for a kernel without group-query support: the query heads
     of a KV head become that head's query rows (no K/V expansion). q: [B, H, 1, D]; valid: [B, T]

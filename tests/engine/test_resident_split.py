@@ -1,7 +1,8 @@
 """A whole-cache read (dense) of a cache partly resident and partly offloaded: the resident blocks
-are attended in place, only the rest gathered, the two merged by log-sum-exp (engine/cell.py
-`resident_split`, engine/attention.py `with_resident_blocks`). The same numbers as attending
-everything gathered: against HF, and against the gathered path on the same table."""
+are attended in place, the disk blocks where they land as read, only the rest gathered, the parts
+merged by log-sum-exp (engine/cell.py `resident_split`, engine/attention.py `with_resident_blocks`).
+The same numbers as attending everything gathered: against HF, and against the gathered path on
+the same table."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,8 @@ from flexgen_sparpr.engine.attention import decode_attention_step, with_resident
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
-from flexgen_sparpr.models import cpu_kernel
+from flexgen_sparpr.models import cpu_kernel, layers
+from flexgen_sparpr.storage.disk import aligned_empty
 from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
@@ -52,15 +54,44 @@ def test_split_attention_equals_attending_everything_gathered(tmp_path, homes, r
     store.close()
 
 
-@pytest.mark.parametrize("min_bytes", [0, None], ids=["split", "below-threshold"])
-def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkeypatch, min_bytes):
-    """Half the KV resident: attended in place when it holds SPLIT_MIN_BYTES a layer (0 here: this
-    tiny model's few kilobytes), else copied with the rest; HF's logits either way."""
-    if min_bytes is not None:
-        monkeypatch.setattr(cell, "SPLIT_MIN_BYTES", min_bytes)
+@pytest.mark.parametrize("batch", [1, 2], ids=["whole-block-file", "sequence-major-file"])
+def test_disk_blocks_attended_where_they_land_equal_attending_them_gathered(tmp_path, batch):
+    """Disk blocks read as stored (float16) into one page-aligned buffer (TierReads.land) and
+    attended there, in both disk layouts, with left padding: what attending every block gathered
+    gives."""
+    store = DiskStore(tmp_path / "o", direct=False)
+    homes = [C, D, D, C, D, C]
+    t = BlockTable(name="t", batch=batch, num_kv_heads=2, head_dim=64, block_size=4, max_len=24, dtype=torch.float32,
+                   homes=homes, devices=Devices(torch.device("cpu")), disk=store, store_dtype=torch.float16)
+    assert t.store.lands_disk() and t.store.seq_disk == (batch > 1)
+    k, v = torch.randn(2, batch, 2, 21, 64).unbind(0)
+    for job in t.append(k, v):
+        job()
+    q, new = torch.randn(batch, 4, 1, 64), torch.randn(2, batch, 2, 1, 64)  # new: [2, B, Hkv, 1, D]
+    pads = torch.tensor([0, 5][:batch])
+    full, pos = t.gather()  # every block gathered, then the new token
+    ref = decode_attention_step(q, torch.cat([full, new], 3), torch.cat([pos, pos.new_tensor([21])]), None, pads)
+    disk = [1, 2, 4]
+    landed = t.store.land(disk, aligned_empty((t.store.landing_bytes(3),), torch.uint8))
+    assert landed.shape == (batch, 3, 2, 2, 4, 64)
+    torch.testing.assert_close(landed.permute(2, 0, 3, 1, 4, 5).flatten(3, 4).float(), t.gather(disk)[0], rtol=0, atol=0)
+    rest, rpos = t.gather([0, 3, 5])  # the resident blocks and the open one gathered
+    got = with_resident_blocks(t, [], q, torch.cat([rest, new], 3), torch.cat([rpos, rpos.new_tensor([21])]),
+                               None, pads, (disk, landed))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    store.close()
+
+
+def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkeypatch):
+    """Half the KV resident, half on disk: the resident blocks attended in place, the disk ones
+    where they land, in one kernel call with the gathered rest; HF's logits."""
     calls = []
     monkeypatch.setattr(cell, "with_resident_blocks",
-                        lambda t, resident, *a: calls.append(len(resident)) or attention.with_resident_blocks(t, resident, *a))
+                        lambda t, resident, *a: calls.append((len(resident), len(a[-1][0]))) or
+                        attention.with_resident_blocks(t, resident, *a))
+    parts = []
+    monkeypatch.setattr(attention, "kernel_decode_parts", lambda q, p: parts.append(len(p)) or
+                        layers.kernel_decode_parts(q, p))
     src = resolve_source(str(llama64_dir), "")
     ref_tokens, ref_logits = hf_greedy(llama64_dir, LONG)
     eng = Engine(src, Policy(gpu_batch_size=2, **HALF),
@@ -70,9 +101,8 @@ def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkey
         moved = eng.devices.counters.snapshot().get("disk->cpu", 0)
     finally:
         eng.close()
-    if min_bytes is None:
-        assert not calls  # a few kilobytes resident: copied with the rest
-    else:
-        assert calls and min(calls) > 0  # the resident blocks were attended in place
+    assert calls and min(n for _, n in calls) > 0  # the disk blocks were attended where they landed
+    assert min(r for r, _ in calls) > 0  # the resident ones in place
+    assert parts and min(parts) == 3  # with the gathered rest, in one call
     assert moved > 0  # and the others read from disk
     assert float((got - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5

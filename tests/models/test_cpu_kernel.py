@@ -156,6 +156,34 @@ def test_rows_read_in_place_equal_a_gather(shared, per_head_mask):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bf16_q", [False, True])
+def test_keys_in_parts_are_one_softmax_over_them_all(bf16_q):
+    """decode_attention_parts: keys in three places of three dtypes, one read by rows, masks of both
+    kinds and a part with nothing valid for one head, attend as one softmax over their concatenation."""
+    b, h, hkv, d = 2, 6, 3, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(b, h, 1, d, generator=g)
+    q = q.bfloat16() if bf16_q else q
+    a = torch.randn(2, b, hkv, 700, d, generator=g)  # a float32 arena, 600 of its rows read in place
+    rows = torch.randperm(700, generator=g)[:600].sort().values[None]  # rows: [1, 600]
+    bk, bv = torch.randn(2, b, hkv, 1100, d, generator=g).bfloat16().unbind(0)
+    hk, hv = torch.randn(2, b, hkv, 5, d, generator=g).half().unbind(0)
+    m1 = torch.rand(b, 600, generator=g) > 0.2
+    m3 = torch.rand(b, hkv, 5, generator=g) > 0.3
+    m3[0, 1] = False  # sequence 0, KV head 1: nothing valid in this part
+    parts = [(a[0], a[1], m1, rows), (bk, bv, None, None), (hk, hv, m3, None)]
+    got = layers.kernel_decode_parts(q, parts)
+    kk = torch.cat([a[0][:, :, rows[0]], bk.float(), hk.float()], 2)  # kk: [B, Hkv, 1705, D]
+    vv = torch.cat([a[1][:, :, rows[0]], bv.float(), hv.float()], 2)
+    valid = torch.cat([m1[:, None].expand(b, hkv, 600), torch.ones(b, hkv, 1100, dtype=torch.bool), m3], 2)
+    ref, _ = reference(q.float(), kk, vv, valid)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got.double(), ref, rtol=1e-2 if bf16_q else 1e-4, atol=1e-2 if bf16_q else 1e-5)
+    one = layers.kernel_decode_parts(q, parts[1:2])  # one part: decode_attention's own call
+    torch.testing.assert_close(one, decode_attention(q, bk, bv, None), rtol=0, atol=0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("g, r, bs, nb", [(3, 32, 16, 40), (2, 2, 4, 9), (8, 12, 8, 33)])
 def test_lowrank_scores_match_the_float_path(padded, g, r, bs, nb):

@@ -1,0 +1,43 @@
+// The compiled CPU kernels' Python module (models/cpu_kernel.py builds it with the other .cpp files).
+#include <torch/extension.h>
+
+#include <vector>
+
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                            c10::optional<torch::Tensor> mask,
+                                            c10::optional<torch::Tensor> rows);  // decode_kernel.cpp
+std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<torch::Tensor> ks,
+                                                  std::vector<torch::Tensor> vs,
+                                                  std::vector<c10::optional<torch::Tensor>> masks,
+                                                  std::vector<c10::optional<torch::Tensor>> rows);  // decode_kernel.cpp
+bool simd();  // decode_kernel.cpp
+torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optional<torch::Tensor> bias, int64_t bs);  // lowrank_kernel.cpp
+
+std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::Tensor> own, int64_t k, int64_t bs,
+                                     int64_t length);  // select_kernel.cpp
+
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);  // weight_kernel.cpp
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d);  // weight_kernel.cpp
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool wide);  // weight_kernel.cpp
+torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w);  // bf16_kernel.cpp
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps);  // glue_kernel.cpp
+torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);  // glue_kernel.cpp
+torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
+
+// The kernels touch no Python object: they let go of the GIL while they run, so the engine's I/O threads
+// (disk reads, copies) go on meanwhile instead of waiting for the kernel to return.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("simd", &simd);
+  m.def("decode_attention", &decode_attention, nogil);
+  m.def("decode_attention_parts", &decode_attention_parts, nogil);
+  m.def("lowrank_scores", &lowrank_scores, nogil);
+  m.def("pick_rows", &pick_rows, nogil);
+  m.def("q4_matmul", &q4_matmul, nogil);
+  m.def("q8_matmul", &q8_matmul, nogil);
+  m.def("quantize_rows", &quantize_rows, nogil);
+  m.def("bf16_matmul", &bf16_matmul, nogil);
+  m.def("rms_norm_rows", &rms_norm_rows, nogil);
+  m.def("rope_rows", &rope_rows, nogil);
+  m.def("silu_mul_rows", &silu_mul_rows, nogil);
+}
