@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from ..kv.block_table import BlockTable
 from ..models.cpu_kernel import usable as kernel_usable
-from ..models.layers import (attention_with_lse, decode_attention, kernel_decode, kernel_decode_parts, merge_attention,
-                             topk_sparse_attention)
+from ..models.layers import attention_with_lse, decode_attention, kernel_decode, kernel_decode_parts, merge_attention
+from ..models.topk_attention import topk_sparse_attention
 from ..storage.tiers import Tier
 
 

@@ -14,7 +14,8 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.policies import POLICIES, register
 from flexgen_sparpr.kv.policy import KVPolicy, Selection
 from flexgen_sparpr.models import build_arch
-from flexgen_sparpr.models.layers import decode_attention, topk_sparse_attention
+from flexgen_sparpr.models.layers import decode_attention
+from flexgen_sparpr.models.topk_attention import topk_sparse_attention
 from flexgen_sparpr.models.spec import ModelSpec
 from flexgen_sparpr.storage.codec import GroupCodec
 from flexgen_sparpr.storage.tiers import Devices

@@ -30,7 +30,7 @@ class FlexGenTopK(BudgetPolicy):
     set, ranked by the max over the group of each query head's softmax probability (a key that
     any head of the group needs survives). With one query head per KV head (OPT) this is exactly
     per-head top-k. Per-query-head exactness under GQA needs the engine's own path
-    (Policy.attn_sparsity -> models/layers.topk_sparse_attention, which also ranks the new token
+    (Policy.attn_sparsity -> models/topk_attention.topk_sparse_attention, which also ranks the new token
     among the k instead of keeping it on top).
 
     Bytes: ranking needs every key, so `select` reads every block (on a resident cache a view,
