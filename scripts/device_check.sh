@@ -6,9 +6,10 @@
 # and all inside BUDGET seconds (one hang cannot eat the rest):
 #   install  the wheelhouse into a temporary site folder (no registry)
 #   info     torch, CUDA device, NVML, the offload folder's file system
+#   kernels  the compiled CPU kernels built once for this torch install (their own timeout: on a
+#            slow 2-core VM the build alone took most of the tests step's)
 #   tests    the `cuda`-marked tests (HF equivalence, byte accounting, policy matrix, ...)
-#   model    SmolLM2-135M cut to 8 layers (the wheelhouse's GGUF) prepared as a HF model dir;
-#            `prepare` also builds the CPU kernels once per torch install (~1 min on 2 cores)
+#   model    SmolLM2-135M cut to 8 layers (the wheelhouse's GGUF) prepared as a HF model dir
 #   tokens   that model's greedy tokens on the device vs the CPU's (float32 equal; float16 reported)
 #   decode   scripts/bench_decode.py: this engine's decode vs HF generate, both on the device
 #   sparpr   scripts/bench_sparpr.py: dense vs SparPR vs upstream FlexGen (unpatched on CUDA),
@@ -35,7 +36,7 @@ OUT=${OUT:-results/device}
 PY=${PY:-python3}
 WHEELS=${WHEELS:-.whl}
 BUDGET=${BUDGET:-530}  # seconds for all steps; the device tool allows 600 a call
-STEPS=${STEPS:-install info tests model tokens decode sparpr laptop-dense laptop-sparpr upstream-sparpr packaging}  # a rerun may name fewer
+STEPS=${STEPS:-install info kernels tests model tokens decode sparpr laptop-dense laptop-sparpr upstream-sparpr packaging}  # a rerun may name fewer
 CUT_MODEL=$WHEELS/smollm2-135m-8l.gguf
 if [ "$DEVICE" = cpu ]; then  # the dry run: the same steps at sizes a 2-core CI box runs in ~2 min
     SPARPR="--model opt-125m --contexts 128 --gen-len 3"
@@ -125,6 +126,11 @@ ls "$WHEELS"/*.whl >/dev/null 2>&1 || echo "no wheels in $WHEELS: run \`make whe
 step install 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$WORK/site" "$WHEELS"/*.whl
 step info 20 "$PY" -c "$INFO" "$OFFLOAD"
+KERNELS='
+from flexgen_sparpr.models import cpu_kernel
+print("CPU kernels:", "built" if cpu_kernel.kernel() is not None else cpu_kernel.why_not())
+'
+step kernels 240 "$PY" -c "$KERNELS"
 # the CPU suite hides CUDA from itself; an empty model cache makes the SmolLM2 tests skip
 step tests 110 env FLEXGEN_SPARPR_CACHE="$WORK/test-cache" "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda \
     --junitxml="$WORK/results/cuda-tests.xml" "${CUDA_TESTS[@]}" tests
