@@ -2,6 +2,8 @@
 engine/cell.py's; the new token joins the cache there)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -61,10 +63,10 @@ def with_resident_blocks(table: BlockTable, resident: list[int], q, kv, pos, mas
             arena, rows = arena[:, :, :, slots[0] * bs:(slots[0] + len(slots)) * bs], None
         else:
             rows = (torch.tensor(slots, device=dev)[:, None] * bs + torch.arange(bs, device=dev)).flatten()[None]
-        parts.append((arena[0], arena[1], _blocks_valid(resident, bs, pads), rows))
+        parts.append((arena[0], arena[1], _blocks_valid(table, resident, pads), rows))
     if landed:
         k, v, rows = blockwise_kv(landed[1])
-        parts.append((k, v, _blocks_valid(landed[0], bs, pads), rows))
+        parts.append((k, v, _blocks_valid(table, landed[0], pads), rows))
     if kernel_usable(q, kv[0], kv[1]):  # one kernel call over every part
         return kernel_decode_parts(q, parts)
     return merge_attention([attention_with_lse(q, kv[0], kv[1], parts[0][2])] +
@@ -81,16 +83,19 @@ def blockwise_kv(blocks: torch.Tensor):
     r = (n - 1) * (sn // d) + bs  # rows up to the last block's last token
     k = blocks.as_strided((b, hkv, r, d), (sb, sh, d, 1), blocks.storage_offset())
     v = blocks.as_strided((b, hkv, r, d), (sb, sh, d, 1), blocks.storage_offset() + sp)
-    rows = (torch.arange(n, device=blocks.device)[:, None] * (sn // d) + torch.arange(bs, device=blocks.device))
-    return k, v, rows.flatten()[None]  # rows: [1, n * bs]
+    return k, v, _block_rows(n, sn // d, bs, blocks.device)
 
 
-def _blocks_valid(blocks: list[int], bs: int, pads) -> torch.Tensor | None:
-    """[B, n * bs] validity of whole blocks' tokens under left padding (None: no padding)."""
-    if pads is None:
-        return None
-    pos = (torch.tensor(blocks, device=pads.device)[:, None] * bs + torch.arange(bs, device=pads.device)).flatten()
-    return pos[None, :] >= pads[:, None]
+@functools.lru_cache(maxsize=64)
+def _block_rows(n: int, stride: int, bs: int, device: torch.device) -> torch.Tensor:
+    """[1, n * bs] the row of each token of n blocks `stride` rows apart (the same every layer)."""
+    rows = torch.arange(n, device=device)[:, None] * stride + torch.arange(bs, device=device)  # rows: [n, bs]
+    return rows.flatten()[None]
+
+
+def _blocks_valid(table: BlockTable, blocks: list[int], pads) -> torch.Tensor | None:
+    """[B, n * bs] validity of sealed blocks' tokens under left padding (None: no padding)."""
+    return None if pads is None else table.positions(blocks, pads.device)[None] >= pads[:, None]
 
 
 def append_attention(table: BlockTable, q, k, v) -> torch.Tensor:

@@ -46,6 +46,7 @@ class KVReader:
         self.read_ahead = gathers_ahead(devices.is_cuda)
         self.ring = GatherRing(self.read_ahead + 2)  # the decode cells' gather buffers, reused
         self.landing = GatherRing(self.read_ahead + 2, aligned=True)  # where dense's disk blocks land
+        self._kernel_takes: dict[tuple, bool] = {}  # (store dtype, arena layout) -> the kernel reads them
         self.recall: Recall | None = Recall()  # each offloaded table's last selective gather (None: off)
         self.blocks_read = [0, 0]  # over the decode cells so far: blocks attention read, blocks cached
 
@@ -74,13 +75,21 @@ class KVReader:
         land = [b for b in range(sealed) if homes[b] == Tier.DISK] if store.lands_disk() else []
         if not resident and not land:
             return sel, []
-        spec = self.arch.spec
-        q = torch.empty(1, spec.num_heads, 1, spec.head_dim)  # the shape of a query, for the kernel's check
-        k = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=store.store_dtype)
-        if not cpu_kernel.usable(q, k, k) or (resident and not cpu_kernel.usable(q, arena[0], arena[1])):
+        key = (store.store_dtype, None if arena is None else (arena.dtype, arena.stride()))
+        ok = self._kernel_takes.get(key)
+        if ok is None:  # once per store dtype and arena layout, not per layer and step
+            ok = self._kernel_takes[key] = self._kernel_usable(store.store_dtype, arena)
+        if not ok:
             return sel, []
         skip = set(resident) | set(land)
         return Selection([b for b in sel.blocks if b not in skip]), land
+
+    def _kernel_usable(self, store_dtype: torch.dtype, arena: torch.Tensor | None) -> bool:
+        """Whether the compiled kernel reads this model's queries over blocks stored so (and the arena)."""
+        spec = self.arch.spec
+        q = torch.empty(1, spec.num_heads, 1, spec.head_dim)  # the shape of a query, for the kernel's check
+        k = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=store_dtype)
+        return cpu_kernel.usable(q, k, k) and (arena is None or cpu_kernel.usable(q, arena[0], arena[1]))
 
     def splits_by_home(self, t: BlockTable) -> bool:
         """FlexGen's --cpu-cache-compute applies: CPU blocks are attended where they live."""
