@@ -40,13 +40,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="picks the keys and the excerpts")
     ap.add_argument("--keep", type=float, default=0.1,
                     help="SparPR's keep ratio, its budget's ceiling (default 0.1, the paper's tight setting)")
+    ap.add_argument("--min-keep-tokens", type=int, default=None,
+                    help="the least cached tokens SparPR's step reads (default: the engine's, 768; 0: the keep alone)")
     ap.add_argument("--percent", nargs=6, type=int, default=[100, 0, 0, 0, 100, 0],
                     help="placement, as FlexGen's --percent (default: the whole KV cache on disk)")
     ap.add_argument("--offload-dir", default=str(Path(tempfile.gettempdir()) / "flexgen-sparpr-demo"))
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args()
-    if args.tokens < 128 or not 1 <= args.batch <= 16 or args.steps < 3:
-        print("error: --tokens must be >= 128, --batch in 1..16 and --steps >= 3", file=sys.stderr)
+    if args.tokens < 128 or not 1 <= args.batch <= 16 or args.steps < 3 or (args.min_keep_tokens or 0) < 0:
+        print("error: --tokens must be >= 128, --batch in 1..16, --steps >= 3 and --min-keep-tokens >= 0",
+              file=sys.stderr)
         return 2
     with LLM("smollm2-135m", gpu_batch_size=args.batch, percent=args.percent, direct_io=True,
              offload_dir=args.offload_dir, quiet=args.quiet) as llm:
@@ -58,7 +61,10 @@ def main() -> int:
               f"(depths {' '.join(f'{d:.2f}' for d in depths)}); KV placement --percent "
               f"{' '.join(map(str, args.percent))} (disk: O_DIRECT)", flush=True)
         label = f"sparpr@{args.keep:g}"
-        runs = llm.compare([n.ids for n in needles], {label: {"kv_policy": "sparpr", "keep_ratio": args.keep}},
+        knobs = {"kv_policy": "sparpr", "keep_ratio": args.keep}
+        if args.min_keep_tokens is not None:
+            knobs["min_keep_tokens"] = args.min_keep_tokens
+        runs = llm.compare([n.ids for n in needles], {label: knobs},
                            max_new_tokens=args.steps + 1, stop=None)
         eos = llm.spec.eos_id
         tok = llm.tokenizer

@@ -57,6 +57,9 @@ def add_opt_bench_args(ap, gen_len: int) -> None:
                     help="SparPR's ceiling (default: the engine's, %(default)s)")
     ap.add_argument("--min-keep", type=float, default=sparpr["min_keep"],
                     help="SparPR's floor (default: the engine's, %(default)s)")
+    ap.add_argument("--min-keep-tokens", type=int, default=sparpr["min_keep_tokens"],
+                    help="the least cached tokens SparPR's step reads (0: the keep ratio alone, the paper's budget; "
+                         "default: the engine's, %(default)s)")
     ap.add_argument("--gamma", type=float, default=sparpr["gamma"],
                     help="SparPR's dense-fallback threshold (default: the engine's, %(default)s)")
     ap.add_argument("--block-size", type=int, default=DEFAULTS["block_size"],

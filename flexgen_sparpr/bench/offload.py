@@ -27,12 +27,13 @@ def opt_source(model: str, max_seq_len: int, seed: int, device: str = "cpu", dty
 
 def policy_knobs(args, policy: str, **extra) -> dict:
     """A run's policy knobs from the OPT offload flags: none for the reference (dense), else
-    SparPR's --keep-ratio, --min-keep and --gamma, its probe under --offload-dir, and `extra`."""
+    SparPR's --keep-ratio, --min-keep, --min-keep-tokens and --gamma, its probe under --offload-dir,
+    and `extra`."""
     from .sweep import REFERENCE
     if policy == REFERENCE:
         return {}
-    return dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, gamma=args.gamma, probe_dir=args.offload_dir,
-                **extra)
+    return dict(keep_ratio=args.keep_ratio, min_keep=args.min_keep, min_keep_tokens=args.min_keep_tokens,
+                gamma=args.gamma, probe_dir=args.offload_dir, **extra)
 
 
 def random_prompts(vocab: int, batch: int, ctx: int, seed: int) -> list[list[int]]:

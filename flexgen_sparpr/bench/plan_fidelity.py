@@ -53,7 +53,12 @@ def _fresh_ppl(folder: str, length: str, policies: str, batch: str, *more: str, 
                 "--policies", policies, "--keep", "0.1", *more, partial=partial)
 
 
-_STUDY = "sparpr,sparpr:summary=exact,sparpr:per_head=true,sparpr:summary=exact:per_head=true"
+# a study of the ratio budget alone (--min-keep-tokens 0: at 2048 the floor would read 768 tokens)
+_STUDY = ",".join(f"{c}:min_keep_tokens=0" for c in (
+    "sparpr", "sparpr:summary=exact", "sparpr:per_head=true", "sparpr:summary=exact:per_head=true"))
+_FLOORS = "sparpr:min_keep_tokens=0,sparpr:min_keep_tokens=512,sparpr,sparpr:min_keep_tokens=1024"
+# every policy at its defaults, and SparPR without the budget's token floor (the ratio alone)
+_DEFAULT_PPL = "sparpr,sparpr:min_keep_tokens=0,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv"
 
 # dense's and DKV's answers on the held-out prompts, then DKV's with its top 2 routed blocks read raw
 _EXACT2 = [f"results/fidelity/{d}/needle.json" for d in (
@@ -137,8 +142,11 @@ FIDELITY = [
     _needle("needle", "--split", "tuning", "--task", "passkey", "--keep", "0.5,0.1",
             "--policies", "flexgen-topk,h2o,quest,streaming-llm", "--batch", "2"),
     # perplexity
-    _fresh_ppl("ppl-defaults/2048", "2048", "sparpr,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv", "6"),
-    _fresh_ppl("ppl-defaults/4096", "4096", "sparpr,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv", "6"),
+    # the budget's token floor (--min-keep-tokens, default 768), chosen on the tuning split at keep 0.1
+    *[_ppl(f"ppl-min-keep-tokens/{n}", "--split", "tuning", "--lengths", str(n), "--windows", w, "--batch", b,
+           "--policies", _FLOORS, "--keep", "0.1") for n, w, b in ((2048, "12", "6"), (4096, "8", "4"))],
+    _fresh_ppl("ppl-defaults/2048", "2048", _DEFAULT_PPL, "6"),
+    _fresh_ppl("ppl-defaults/4096", "4096", _DEFAULT_PPL, "6"),
     _fresh_ppl("ppl-defaults/8000", "8000", "sparpr,quest,h2o,streaming-llm,flexgen-topk,dkv,sparpr+dkv", "4",
                partial="the published file holds 1 of its 3 batches (4 of 12 windows): rerunning resumes"),
     # the raw-KV policies alone at 8000 (no DKV prefill, an hour a batch on one thread): all 12 windows
@@ -146,7 +154,7 @@ FIDELITY = [
     *[_fresh_ppl(f"ppl-weights/{w}", "2048", "sparpr", "4", "--weight-format", w) for w in ("auto", "raw")],
     # what bounds keep 0.1 at 2k: SparPR's scores against the exact keys', one set for all KV heads
     # against each its own, per selection granularity (docs/fidelity.md, "What bounds keep 0.1")
-    *[_fresh_ppl(f"ppl-granularity/b{bs}", "2048", _STUDY + (",flexgen-topk" if bs == 16 else ""), "6",
+    *[_fresh_ppl(f"ppl-granularity/b{bs}", "2048", _STUDY + (",flexgen-topk:min_keep_tokens=0" if bs == 16 else ""), "6",
                  "--block-size", str(bs)) for bs in (16, 4, 2)],
     # quantized KV (--kv-dtype q8 / q4 on the disk tier), alone and under SparPR's selection, beside DKV
     _fresh_ppl("ppl-kv-dtype/2048", "2048", "dense+q8,dense+q4,sparpr,sparpr+q8,sparpr+q4,dkv", "6"),

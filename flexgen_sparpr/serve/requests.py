@@ -28,7 +28,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # top-N alternatives per token (0: the chosen token's only)
-    kv: dict | None = None  # {"kv_policy": ..., "keep_ratio": ...} when it differs from the server's
+    kv: dict | None = None  # {"kv_policy": ..., "keep_ratio": ..., "min_keep_tokens": ...} when not the server's
 
     def params(self, max_new: int, stop: int | None) -> Params:
         return Params(max_new, stop, self.do_sample, self.temperature if self.do_sample else 1.0, self.top_p,
@@ -180,11 +180,14 @@ def _kv(body: dict, llm) -> dict | None:
     """The per-request KV policy (extra body fields), or None when it is the server's own."""
     name = _opt(body, "kv_policy", lambda v: isinstance(v, str), "a policy name")
     ratio = _opt(body, "keep_ratio", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")
-    if name is None and ratio is None:
+    floor = _opt(body, "min_keep_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    if name is None and ratio is None and floor is None:
         return None
     own = llm.engine.kv_policy
     values = {"kv_policy": name or own.name}
     if ratio is not None:
         values["keep_ratio"] = float(ratio)
-    same_ratio = ratio is None or ratio == getattr(own, "keep_ratio", None)
-    return None if values["kv_policy"] == own.name and same_ratio else values
+    if floor is not None:
+        values["min_keep_tokens"] = int(floor)
+    same = all(v is None or v == getattr(own, k, None) for k, v in (("keep_ratio", ratio), ("min_keep_tokens", floor)))
+    return None if values["kv_policy"] == own.name and same else values

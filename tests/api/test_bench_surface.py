@@ -31,7 +31,7 @@ def test_an_llm_on_resolved_weights_is_the_llm_of_their_folder(tiny_llama_dir, t
 
 def test_policy_args_set_a_policys_fields_without_a_flag(tiny_llama_dir, tmp_path):
     src = resolve_source(str(tiny_llama_dir), "")
-    with LLM(src, kv_policy="sparpr", policy_args={"probe_dir": str(tmp_path), "keep_ratio": 0.25}, quiet=True) as llm:
+    with LLM(src, kv_policy="sparpr", policy_args={"probe_dir": str(tmp_path), "keep_ratio": 0.25, "min_keep_tokens": 0}, quiet=True) as llm:
         pol = llm.engine.kv_policy
         assert (pol.name, pol.probe_dir, pol.keep_ratio) == ("sparpr", str(tmp_path), 0.25)
 

@@ -57,9 +57,11 @@ def test_third_turn_prefills_only_its_own_tokens_and_answers_as_a_full_prefill(s
     assert again == answer
 
 
-def test_sparpr_at_its_defaults_converses_on_disk(smollm2_dir, tmp_path):
+def test_sparpr_converses_on_disk(smollm2_dir, tmp_path):
+    """At its defaults but the token floor: the conversation stays under 768 tokens, which the
+    floor would read whole."""
     with LLM("smollm2-135m", quiet=True, percent=[100, 0, 0, 0, 100, 0], kv_policy="sparpr",
-             offload_dir=str(tmp_path)) as llm:
+             min_keep_tokens=0, offload_dir=str(tmp_path)) as llm:
         s = ChatSession(llm, max_context=1024, max_tokens=24)
         prefilled, _ = _converse(s)
         assert prefilled[2] < s.context_tokens // 3

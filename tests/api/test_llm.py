@@ -109,7 +109,7 @@ def test_compare_decodes_several_policies_from_one_prefill(tiny_llama_dir, tmp_p
     prompts = [_prompt(40, 1), _prompt(33, 2)]
     with _llm(tiny_llama_dir, tmp_path, gpu_batch_size=2, **DISK) as llm:
         plain = llm.generate(prompts, N_NEW, stop=None)
-        runs = llm.compare(prompts, {"quest@0.25": {"kv_policy": "quest", "keep_ratio": 0.25, "dense_layers": 0}},
+        runs = llm.compare(prompts, {"quest@0.25": {"kv_policy": "quest", "keep_ratio": 0.25, "min_keep_tokens": 0, "dense_layers": 0}},
                            N_NEW, stop=None)
         with pytest.raises(ConfigError, match="its own codec"):
             llm.compare(prompts, {"d": {"kv_policy": "dkv", "block_size": 4, "dkv_rank": 2, "dkv_residuals": 1}}, N_NEW)

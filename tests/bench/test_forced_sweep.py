@@ -15,6 +15,7 @@ from flexgen_sparpr.weights.resolve import resolve_source
 torch.manual_seed(0)
 TEXT = torch.randint(4, 300, (2, 80)).tolist()  # two sequences of 80 ids
 P = 64
+F = ":min_keep_tokens=0"  # a policy knob: no token floor (these contexts are tens of tokens)
 
 
 def test_forced_tokens_then_greedy():
@@ -48,7 +49,8 @@ def test_teacher_forced_decode_scores_what_a_full_forward_scores(tiny_llama_dir)
 
 def test_sweep_decodes_every_config_from_one_prefill(tiny_llama_dir):
     src = resolve_source(str(tiny_llama_dir), "")
-    cfgs = configs(["sparpr", "h2o", "quest", "dkv", "sparpr+dkv"], [1.0, 0.25])
+    # the test's 56-token prompts are under the default 768-token floor: the ratio alone (F)
+    cfgs = configs([f"sparpr{F}", f"h2o{F}", f"quest{F}", "dkv", f"sparpr{F}+dkv"], [1.0, 0.25])
     seen = {}
 
     def done(cfg, res, sampler, secs):
@@ -65,9 +67,9 @@ def test_sweep_decodes_every_config_from_one_prefill(tiny_llama_dir):
         sweep.close()
     assert set(seen) == set(cfgs) and set(times["prefill_s"]) == {"raw", "dkv"}
     dense = seen[Config("dense")]
-    assert torch.allclose(seen[Config("sparpr", 1.0)], dense, atol=1e-6)  # keep 1 reads everything
-    assert torch.allclose(seen[Config("h2o", 1.0)], dense, atol=1e-6)
-    assert not torch.allclose(seen[Config("h2o", 0.25)], dense, atol=1e-3)  # a keep below 1 reads less
+    assert torch.allclose(seen[Config(f"sparpr{F}", 1.0)], dense, atol=1e-6)  # keep 1 reads everything
+    assert torch.allclose(seen[Config(f"h2o{F}", 1.0)], dense, atol=1e-6)
+    assert not torch.allclose(seen[Config(f"h2o{F}", 0.25)], dense, atol=1e-3)  # a keep below 1 reads less
     assert seen[Config("dkv")].shape == dense.shape
 
 
@@ -93,9 +95,9 @@ def test_sweep_reads_blocks_stored_in_each_kv_dtype(tiny_llama_dir, tmp_path):
     on the disk tier (one dense prefill per dtype, every policy observing it): q8 stays near the
     float32 NLLs, q4 moves further, and SparPR over q8 blocks reads its keep of them."""
     src = resolve_source(str(tiny_llama_dir), "")
-    cfgs = configs(["dense+q8", "dense+q4", "dense+float16", "sparpr+q8"], [0.25])
+    cfgs = configs(["dense+q8", "dense+q4", "dense+float16", f"sparpr{F}+q8"], [0.25])
     assert [c.family for c in cfgs] == ["raw", "kv-q8", "kv-q4", "kv-float16", "kv-q8"]
-    assert [c.label for c in cfgs] == ["dense", "dense+q8", "dense+q4", "dense+float16", "sparpr+q8@0.25"]
+    assert [c.label for c in cfgs] == ["dense", "dense+q8", "dense+q4", "dense+float16", f"sparpr{F}+q8@0.25"]
     seen = {}
 
     def done(cfg, res, sampler, secs):
@@ -115,7 +117,7 @@ def test_sweep_reads_blocks_stored_in_each_kv_dtype(tiny_llama_dir, tmp_path):
     dense = seen[Config("dense")]
     err = {k: float((seen[Config(f"dense+{k}")] - dense).abs().max()) for k in ("float16", "q8", "q4")}
     assert 0 < err["q8"] < err["q4"] and err["q8"] < 5e-2, err
-    assert not torch.allclose(seen[Config("sparpr+q8", 0.25)], seen[Config("dense+q8")], atol=1e-3)
+    assert not torch.allclose(seen[Config(f"sparpr{F}+q8", 0.25)], seen[Config("dense+q8")], atol=1e-3)
 
 
 def test_kv_dtype_compositions_are_checked():

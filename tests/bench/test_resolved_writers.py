@@ -73,7 +73,7 @@ def test_dkv_speed_records_both_engines(src):
 def test_ablations_needle_run_records_each_prefills_engine(src, tmp_path):
     from flexgen_sparpr.bench.ablations import needle_run
     args = SimpleNamespace(needle_batch=1, needle_block_size=8, offload_dir=str(tmp_path))
-    answers, confs = needle_run(src, Tok(), trials(), args, "sparpr", {"keep_ratio": 0.5, "probe_dir": str(tmp_path)})
+    answers, confs = needle_run(src, Tok(), trials(), args, "sparpr", {"keep_ratio": 0.5, "min_keep_tokens": 0, "probe_dir": str(tmp_path)})
     assert len(answers) == len(confs) == 2  # --needle-batch 1: a prefill, and an engine, per trial
     for conf in confs:
         check_resolved(conf, policy="sparpr", block_size=8)

@@ -166,6 +166,7 @@ FLAGS = [
     ("sparsity-0", ["--attn-sparsity", "0"], "--attn-sparsity"),
     ("sparsity-nan", ["--attn-sparsity", "nan"], "--attn-sparsity"),
     ("min-keep-0", ["--kv-policy", "sparpr", "--min-keep", "0"], "--min-keep"),
+    ("min-keep-tokens-neg", ["--kv-policy", "h2o", "--min-keep-tokens", "-1"], "--min-keep-tokens must be >= 0 (got -1)"),
     ("gamma-2", ["--kv-policy", "sparpr", "--gamma", "2"], "--gamma"),
     ("min-keep-above-keep", ["--kv-policy", "sparpr", "--min-keep", "0.9", "--keep-ratio", "0.2"],
      "--min-keep 0.9 is above --keep-ratio 0.2"),

@@ -147,7 +147,7 @@ def test_a_run_from_python_without_a_command_line(tiny_llama_dir, tmp_path):
     same tokens and bytes, with no argparse."""
     from flexgen_sparpr.cli.run import generate, report, run, set_up
     values = {"model": str(tiny_llama_dir), "path": "", "prompt_len": 20, "gen_len": 4, "gpu_batch_size": 2,
-              "kv_policy": "quest", "keep_ratio": 0.5, "block_size": 4, "percent": [100, 0, 0, 0, 100, 0],
+              "kv_policy": "quest", "keep_ratio": 0.5, "min_keep_tokens": 0, "block_size": 4, "percent": [100, 0, 0, 0, 100, 0],
               "offload_dir": str(tmp_path / "off"), "warmup": False, "verbose": 0, "no_log": True}
     opts, pol, eng = resolve(values)
     assert eng.kv_policy.name == "quest" and eng.kv_policy.keep_ratio == 0.5

@@ -140,7 +140,7 @@ def test_sparpr_selects_over_quantized_blocks(tiny_llama_dir, tmp_path, tiers):
     (keep 1) gives dense's tokens over the same q8 cache; at keep 0.25 it reads fewer bytes."""
     src = resolve_source(str(tiny_llama_dir), "")
     out = {}
-    for name, knobs in (("dense", {}), ("sparpr@1", {"keep_ratio": 1.0}), ("sparpr@0.25", {"keep_ratio": 0.25})):
+    for name, knobs in (("dense", {}), ("sparpr@1", {"keep_ratio": 1.0}), ("sparpr@0.25", {"keep_ratio": 0.25, "min_keep_tokens": 0})):
         kw = dict(kv_policy="sparpr", policy_args=knobs) if knobs else {}
         out[name] = run_engine(src, Policy(gpu_batch_size=2, **tiers), tmp_path / name, MIXED, block_size=4,
                                dtype="float32", kv_dtype="q8", **kw)

@@ -20,7 +20,7 @@ GEN = 6
 
 def generate(model_dir, tmp_path, *, ngb: int, overlap: bool = True, sep_layer: bool = True, device: str = "cpu"):
     costs = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, live=False)
-    pol = SparPR(keep_ratio=0.3, costs=costs)
+    pol = SparPR(keep_ratio=0.3, min_keep_tokens=0, costs=costs)
     cfg = EngineConfig(device=device, dtype="float32", block_size=8, offload_dir=str(tmp_path), direct_io=True)
     policy = Policy(gpu_batch_size=len(PROMPTS) // ngb, num_gpu_batches=ngb, cache_gpu_percent=0,
                     overlap=overlap, sep_layer=sep_layer)
@@ -105,7 +105,7 @@ def test_other_query_aware_policies_select_early_too(name, tiny_model_dir, tmp_p
     """Every policy that needs the query takes the early path with 2 GPU batches, with the same
     tokens as selecting at compute time."""
     def run(out):
-        args = {"keep_ratio": 0.3} | ({"dense_layers": 0} if name == "quest" else {})  # both layers sparse
+        args = {"keep_ratio": 0.3, "min_keep_tokens": 0} | ({"dense_layers": 0} if name == "quest" else {})  # both layers sparse
         cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(out), kv_policy=name, policy_args=args)
         policy = Policy(gpu_batch_size=1, num_gpu_batches=2, cache_gpu_percent=0)
         with Engine(resolve_source(str(tiny_model_dir), ""), policy, cfg) as eng:

@@ -100,7 +100,7 @@ def test_an_unrelated_prompt_or_another_policy_is_prefilled_whole(tiny_llama_dir
         _gen(llm, _ids(12, 10))
         assert llm.last_stats.reused_tokens == 0 and len(llm.prefix_cache) == 2
         steps = llm.batch_steps([a + [5, 6]], [llm.params(3, stop=None)], kv_policy=llm.kv_policy_for(
-            {"kv_policy": "sparpr", "keep_ratio": 0.5}))
+            {"kv_policy": "sparpr", "keep_ratio": 0.5, "min_keep_tokens": 0}))
         for _ in steps:
             pass
         assert llm.last_stats.reused_tokens == 0  # kept under dense: another policy's state is not there

@@ -29,8 +29,8 @@ def head64_llama_dir(tmp_path_factory):
 
 
 @needs_kernel
-@pytest.mark.parametrize("name, knobs", [("sparpr", {"keep_ratio": 0.3}), ("quest", {"keep_ratio": 0.3, "dense_layers": 0}),
-                                         ("streaming-llm", {"keep_ratio": 0.3})])
+@pytest.mark.parametrize("name, knobs", [("sparpr", {"keep_ratio": 0.3, "min_keep_tokens": 0}), ("quest", {"keep_ratio": 0.3, "min_keep_tokens": 0, "dense_layers": 0}),
+                                         ("streaming-llm", {"keep_ratio": 0.3, "min_keep_tokens": 0})])
 @pytest.mark.parametrize("prompts", [[list(range(3, 90))], [list(range(3, 90)), list(range(50, 110))]],
                          ids=["one-sequence", "padded-batch"])
 def test_rows_read_in_place_generate_the_gathered_tokens(name, knobs, prompts, head64_llama_dir, tmp_path,

@@ -20,7 +20,7 @@ PLACEMENTS = {"disk": dict(cache_gpu_percent=0, cache_cpu_percent=0), "cpu": dic
 
 
 def run(model_dir, tmp_path, policy: str, placement: str, recall: bool, ngb: int = 1, device: str = "cpu"):
-    knobs = {"keep_ratio": 0.2}
+    knobs = {"keep_ratio": 0.2, "min_keep_tokens": 0}
     if policy == "sparpr":
         knobs["costs"] = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, live=False)
     if policy == "quest":
@@ -64,7 +64,7 @@ def test_recall_with_two_gpu_batches_on_the_prefetch_path(tiny_model_dir, tmp_pa
 def test_a_restored_snapshot_starts_its_arenas_afresh(tiny_model_dir, tmp_path):
     """Two decodes from one snapshot give the same tokens: the arena of the first decode (whose
     later blocks the second overwrites) is not reused after the rewind."""
-    pol = make_policy("sparpr", keep_ratio=0.3, costs=CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9},
+    pol = make_policy("sparpr", keep_ratio=0.3, min_keep_tokens=0, costs=CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9},
                                                                 live=False))
     cfg = EngineConfig(device="cpu", dtype="float32", kv_dtype="float32", block_size=8, offload_dir=str(tmp_path),
                        direct_io=True)
@@ -114,7 +114,7 @@ def test_the_arenas_are_counted_where_they_live():
     from flexgen_sparpr.kv.policy import ARENA_SLACK
     from flexgen_sparpr.runtime.placement import Workload, tier_use
     from flexgen_sparpr.models.spec import opt_spec
-    sparpr = make_policy("sparpr", keep_ratio=0.1)
+    sparpr = make_policy("sparpr", keep_ratio=0.1, min_keep_tokens=0)
     assert sparpr.arena_share() == pytest.approx(ARENA_SLACK * sparpr.read_share())
     assert make_policy("dense").arena_share() == make_policy("h2o", keep_ratio=0.1).arena_share() == 0
     assert sparpr.arena_share(cold=make_policy("dkv")) == 0

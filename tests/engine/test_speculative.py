@@ -25,7 +25,7 @@ COSTS = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9}, live=False)
 
 
 def run(model_dir, out, name, speculate: bool, sep_layer: bool = True, device: str = "cpu"):
-    args = {"keep_ratio": 0.3} | ({"costs": COSTS} if name.startswith("sparpr") else {}) | \
+    args = {"keep_ratio": 0.3, "min_keep_tokens": 0} | ({"costs": COSTS} if name.startswith("sparpr") else {}) | \
         ({"dense_layers": 0} if name == "quest" else {})
     dkv = dict(cold_codec="dkv", codec_args={"rank": 1, "residuals": 3}) if name == "sparpr+dkv" else {}
     cfg = EngineConfig(device=device, dtype="float32", block_size=8, offload_dir=str(out),

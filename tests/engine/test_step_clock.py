@@ -16,7 +16,7 @@ PROMPTS = [list(range(3, 43)), list(range(50, 79))]
 def parts(model_dir, tmp_path, kv_policy: str, **policy) -> list[dict]:
     eng = Engine(resolve_source(str(model_dir), ""), Policy(gpu_batch_size=2, **policy),
                  EngineConfig(device="cpu", block_size=4, kv_policy=kv_policy, offload_dir=str(tmp_path),
-                              policy_args={"keep_ratio": 0.3} if kv_policy != "dense" else {}))
+                              policy_args={"keep_ratio": 0.3, "min_keep_tokens": 0} if kv_policy != "dense" else {}))
     try:
         res = eng.generate(PROMPTS, 6)
     finally:

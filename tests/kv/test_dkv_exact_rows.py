@@ -86,7 +86,7 @@ def test_sparpr_over_exact_cold_rows_equals_dense_at_any_keep(tiny_llama_dir, tm
     """With every row of a DKV block exact (residuals = bs), SparPR over DKV cold blocks attends
     every token exactly, selected block or not: dense's tokens even at keep 0.1, while the disk
     moves only the selected blocks."""
-    sp = {"keep_ratio": 0.1, "min_keep": 0.1, "quest_only": True, "recent_blocks": 1}
+    sp = {"keep_ratio": 0.1, "min_keep_tokens": 0, "min_keep": 0.1, "quest_only": True, "recent_blocks": 1}
     with engine(tiny_llama_dir, tmp_path, kv_policy="dense", gpu=0) as eng:
         ref = eng.generate(PROMPTS, 6).tokens
     with engine(tiny_llama_dir, tmp_path, kv_policy="sparpr", gpu=0, policy_args=sp) as eng:

@@ -15,10 +15,11 @@ from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.engine.sampling import Sampler
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies import POLICIES
-from flexgen_sparpr.kv.policies.base import gathered_positions, token_budget
+from flexgen_sparpr.kv.policies.base import BudgetPolicy, gathered_positions, token_budget
 from flexgen_sparpr.kv.policies.flexgen_topk import FlexGenTopK
 from flexgen_sparpr.kv.policies.h2o import H2O, prefill_column_sums
 from flexgen_sparpr.kv.policies.quest import Quest, block_upper_bound
+from flexgen_sparpr.kv.policies.sparpr import SparPR
 from flexgen_sparpr.kv.policies.streaming_llm import StreamingLLM
 from flexgen_sparpr.kv.policy import KVPolicy
 from flexgen_sparpr.storage.tiers import Devices, Tier
@@ -85,7 +86,7 @@ class Recorder:
         budget, missing = [], []
         for i, p in enumerate(pad.tolist()):
             n = t.length - p
-            budget.append(min(n, max(math.ceil(self.keep * n - 1e-9), pol.floor(t))) if sparse else n)
+            budget.append(min(n, max(math.ceil(self.keep * n - 1e-9), pol.budget_floor(t))) if sparse else n)
             first, last = pol.mandatory(t, budget[-1]) if sparse else (0, 0)
             need = set(range(p, p + first)) | set(range(t.length - last, t.length))
             missing.append([need - c for c in chosen[i]])
@@ -108,12 +109,12 @@ class Recorder:
 
 
 def run(model_dir, name, keep, monkeypatch=None, disk=None, sampler=None, device="cpu", kv_dtype="auto",
-        recall=True):
+        recall=True, knobs=None):
     """Generate GEN tokens for PROMPTS; returns (tokens, logits, recorder, disk->cpu bytes per step).
     recall=False: every selected block is read afresh (no arena: engine/recall.py)."""
     policy = Policy(gpu_batch_size=len(PROMPTS), cache_gpu_percent=0 if disk else 100)
     cfg = EngineConfig(device=device, dtype="float32", block_size=8, kv_policy=name, kv_dtype=kv_dtype,
-                       policy_args=policy_args(name, keep), offload_dir=str(disk or "unused"))
+                       policy_args=policy_args(name, keep) | (knobs or {}), offload_dir=str(disk or "unused"))
     eng = Engine(resolve_source(str(model_dir), ""), policy, cfg)
     rec = Recorder(eng, keep)
     if not recall:
@@ -165,6 +166,38 @@ def test_reads_within_budget_and_keep_mandatory(name, keep, model_dir, tmp_path,
             assert max(s.reads[b]) <= budget, (s.layer, s.step, b, s.reads[b], budget)
             assert not any(s.missing[b]), (s.layer, s.step, b, s.missing[b])
         assert not s.idle_blocks, (s.layer, s.step, s.idle_blocks)
+
+
+@pytest.mark.parametrize("name", [n for n in SELECTING if issubclass(POLICIES[n], BudgetPolicy)])
+def test_the_token_floor_raises_a_short_contexts_budget_alike_for_every_policy(name, model_dir, tmp_path,
+                                                                                monkeypatch):
+    """keep 0.1 of these 29-50 token contexts is 3-5 tokens; min_keep_tokens 24 makes every
+    budget at least 24 (the Recorder's budget counts it): each step reads within it, and more
+    than the ratio alone lets it."""
+    *_, floored, _ = run(model_dir, name, 0.1, monkeypatch, disk=tmp_path / "a", knobs={"min_keep_tokens": 24})
+    *_, ratio, _ = run(model_dir, name, 0.1, monkeypatch, disk=tmp_path / "b")
+    assert all(b >= 24 for s in floored.steps for b in s.budget)
+    assert any(b < 24 for s in ratio.steps for b in s.budget)  # the ratio alone: a few tokens
+    for s in floored.steps:
+        if not s.fallback:
+            assert all(max(reads) <= budget for reads, budget in zip(s.reads, s.budget)), (s.layer, s.step)
+    assert sum(map(sum, (r for s in floored.steps for r in s.reads))) > \
+        sum(map(sum, (r for s in ratio.steps for r in s.reads)))
+
+
+def test_the_default_token_floor_reads_768_tokens_until_a_tenth_is_more():
+    """The defaults: a 0.1 keep of 2048 tokens reads 768 (the floor), of 8000 tokens 800 (the ratio)."""
+    for cls in (SparPR, Quest, H2O, StreamingLLM, FlexGenTopK):
+        assert cls().min_keep_tokens == 768
+    for n, want in ((2048, 768), (8000, 800), (600, 600)):
+        t = BlockTable(name="f", batch=1, num_kv_heads=1, head_dim=4, block_size=16, max_len=8192,
+                       dtype=torch.float32, homes=[Tier.COMPUTE] * 512, devices=CPU)
+        for job in t.append(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4)):
+            job()
+        assert SparPR(keep_ratio=0.1).budgets(t) == [want]
+        assert H2O(keep_ratio=0.1, min_keep_tokens=0).budgets(t) == [min(n, -(-n // 10))]
+    with pytest.raises(ValueError, match="min_keep_tokens"):
+        SparPR(min_keep_tokens=-1)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -250,7 +283,7 @@ def test_h2o_keeps_top_accumulated_scores():
     scores re-accumulated from plain softmaxes of every prefill and decode query."""
     torch.manual_seed(2)
     b, h, hkv, d, s = 2, 4, 2, 4, 14
-    t, pol = table(batch=b, hkv=hkv, d=d), H2O(keep_ratio=0.5)
+    t, pol = table(batch=b, hkv=hkv, d=d), H2O(keep_ratio=0.5, min_keep_tokens=0)
     assert pol.split(10) == (5, 5) and pol.split(7) == (3, 4)  # 50/50, the odd token to recent
     pol.attach(t, 0)
     q, k, v = torch.randn(b, h, s, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
@@ -293,7 +326,7 @@ def test_h2o_keeps_top_accumulated_scores():
 @given(seed=st.integers(0, 2 ** 16), bs=st.integers(1, 6), nblocks=st.integers(1, 5), d=st.integers(1, 8))
 def test_quest_bound_is_at_least_every_blocks_true_max(seed, bs, nblocks, d):
     gen = torch.Generator().manual_seed(seed)
-    t, pol = table(batch=2, hkv=2, d=d, bs=bs, max_len=bs * nblocks), Quest(keep_ratio=0.5)
+    t, pol = table(batch=2, hkv=2, d=d, bs=bs, max_len=bs * nblocks), Quest(keep_ratio=0.5, min_keep_tokens=0)
     pol.attach(t, 0)
     keys = torch.randn(2, 2, bs * nblocks, d, generator=gen) * 3
     t.append(keys, torch.zeros_like(keys))
@@ -307,7 +340,7 @@ def test_quest_bound_is_at_least_every_blocks_true_max(seed, bs, nblocks, d):
 
 def test_quest_picks_blocks_by_bound_and_keeps_first_layers_dense():
     torch.manual_seed(3)
-    t, pol = table(batch=1, hkv=1, d=4, bs=4), Quest(keep_ratio=0.5)
+    t, pol = table(batch=1, hkv=1, d=4, bs=4), Quest(keep_ratio=0.5, min_keep_tokens=0)
     pol.attach(t, 0)
     keys = torch.randn(1, 1, 18, 4)
     t.append(keys, keys)
@@ -323,7 +356,7 @@ def test_quest_picks_blocks_by_bound_and_keeps_first_layers_dense():
 
 def test_flexgen_topk_keeps_top_scores_per_head():
     torch.manual_seed(4)
-    t, pol = table(batch=1, hkv=2, d=4, bs=4), FlexGenTopK(keep_ratio=0.3)
+    t, pol = table(batch=1, hkv=2, d=4, bs=4), FlexGenTopK(keep_ratio=0.3, min_keep_tokens=0)
     keys = torch.randn(1, 2, 13, 4)
     t.append(keys, keys)
     q = torch.randn(1, 2, 1, 4)  # one query head per KV head (MHA)
@@ -337,6 +370,6 @@ def test_flexgen_topk_keeps_top_scores_per_head():
 def test_streaming_needs_no_query():
     t = table(batch=1, hkv=1)
     t.append(torch.randn(1, 1, 20, 4), torch.randn(1, 1, 20, 4))
-    sel = StreamingLLM(keep_ratio=0.5, num_sinks=2).plan(t, 0)
+    sel = StreamingLLM(keep_ratio=0.5, min_keep_tokens=0, num_sinks=2).plan(t, 0)
     assert sel.blocks == [0, 3, 4]  # sinks in block 0; the window 12..19 in blocks 3, 4
     assert int(sel.mask.sum()) == 10

@@ -34,8 +34,8 @@ SPARPR_FORMS = {
 
 def make(name: str, keep: float):
     if name == "quest":
-        return Quest(keep_ratio=keep, dense_layers=0)
-    return SparPR(keep_ratio=keep, costs=fixed(), **SPARPR_FORMS[name])
+        return Quest(keep_ratio=keep, min_keep_tokens=0, dense_layers=0)
+    return SparPR(keep_ratio=keep, min_keep_tokens=0, costs=fixed(), **SPARPR_FORMS[name])
 
 
 def prefilled(pol, batch: int, pads: list[int], n: int, seed: int, hkv=2, g=2, d=8, bs=4) -> BlockTable:

@@ -169,7 +169,7 @@ def test_tokens_and_bytes_equal_block_by_block(tiny_opt_dir, tmp_path, per_block
     for spans in (True, False):
         with Engine(src, Policy(gpu_batch_size=4, cache_gpu_percent=0, cache_cpu_percent=0), cfg) as eng:
             if policy != "dense":
-                eng.set_kv_policy(make_policy(policy, keep_ratio=0.5, quest_only=True, summary_tokens=0))
+                eng.set_kv_policy(make_policy(policy, keep_ratio=0.5, min_keep_tokens=0, quest_only=True, summary_tokens=0))
             st = eng.prefill(PROMPTS, 6)
             eng.devices.counters.reset()
             if spans:

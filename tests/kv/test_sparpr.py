@@ -93,7 +93,7 @@ def test_recomputed_kv_equals_stored_kv(tiny_model_dir, tmp_path, monkeypatch):
 def test_a_prefill_summarises_its_blocks_once_per_table(tiny_opt_dir, tmp_path, monkeypatch):
     """The prefill's sealed blocks are summarised in one call per table (on_prefill, with the
     padding known), not once per block as each seals; a decode step's sealed block, once."""
-    pol, calls = SparPR(keep_ratio=0.3, costs=fixed()), []
+    pol, calls = SparPR(keep_ratio=0.3, min_keep_tokens=0, costs=fixed()), []
     real = pol.summarise
     monkeypatch.setattr(pol, "summarise", lambda t, keys, valid: calls.append(keys.shape[2]) or real(t, keys, valid))
     cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path))
@@ -113,7 +113,7 @@ def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
     checkpoints' when rebuilt); scoring the blocks moves nothing. Read afresh every step (no
     arena: tests/engine/test_recall.py covers what the arena saves)."""
     costs = CopyIsDear(disk_read_Bps=1.0, matmul_flops={"float32": 1.0}, live=False) if rebuild else fixed()
-    pol = SparPR(keep_ratio=0.3, costs=costs, fallback=False)
+    pol = SparPR(keep_ratio=0.3, min_keep_tokens=0, costs=costs, fallback=False)
     picked = []
     real_select = pol.select
     pol.select = lambda t, layer, q: picked.append((t, real_select(t, layer, q))) or picked[-1][1]
@@ -145,7 +145,7 @@ def test_scoring_reads_no_offloaded_block(tiny_opt_dir, tmp_path, rebuild):
 
 
 def test_quest_only_copies_at_the_ceiling_without_probing(tiny_llama_dir, tmp_path):
-    pol = SparPR(keep_ratio=0.5, quest_only=True)
+    pol = SparPR(keep_ratio=0.5, min_keep_tokens=0, quest_only=True)
     assert not pol.needs_checkpoints and not (pol.dynamic_budget or pol.recompute or pol.fallback)
     generate(tiny_llama_dir, tmp_path, pol)
     totals = pol.stats()["totals"]
@@ -180,7 +180,7 @@ speeds = st.floats(1e-3, 1e15)
 def test_budget_respects_floor_and_ceiling_under_any_costs(filled, disk, flops, latency, keep, floor):
     t = filled
     floor = min(floor, keep)  # a floor above the ceiling is refused (next test)
-    pol = SparPR(keep_ratio=keep, min_keep=floor, costs=fixed(disk, flops, latency), fallback=False)
+    pol = SparPR(keep_ratio=keep, min_keep_tokens=0, min_keep=floor, costs=fixed(disk, flops, latency), fallback=False)
     target, _ = pol.target_keep(t, pol.block_costs(t, hidden=8))
     assert floor <= target <= keep
     sel = pol.select(t, 0, torch.randn(2, 2, 1, 4))  # hidden 8: a checkpoint is half a KV block
@@ -193,8 +193,8 @@ def test_budget_respects_floor_and_ceiling_under_any_costs(filled, disk, flops, 
 
 def test_a_floor_above_the_ceiling_is_refused_not_clamped():
     with pytest.raises(ValueError, match="min_keep 0.5 is above --keep-ratio 0.2"):
-        SparPR(keep_ratio=0.2, min_keep=0.5)
-    assert SparPR(keep_ratio=0.2, min_keep=0.2).min_keep == 0.2
+        SparPR(keep_ratio=0.2, min_keep_tokens=0, min_keep=0.5)
+    assert SparPR(keep_ratio=0.2, min_keep_tokens=0, min_keep=0.2).min_keep == 0.2
 
 
 def test_dynamic_budget_shrinks_as_copying_gets_dearer(filled):
@@ -203,14 +203,14 @@ def test_dynamic_budget_shrinks_as_copying_gets_dearer(filled):
     t, q = filled, torch.randn(2, 2, 1, 4)
     got = []
     for disk in (1e12, 1e3, 1e-3):
-        pol = SparPR(keep_ratio=0.5, min_keep=0.1, costs=fixed(disk_Bps=disk, flops=1e9), fallback=False)
+        pol = SparPR(keep_ratio=0.5, min_keep_tokens=0, min_keep=0.1, costs=fixed(disk_Bps=disk, flops=1e9), fallback=False)
         target, rho = pol.target_keep(t, pol.block_costs(t, hidden=8))
         assert target == pytest.approx(max(0.1, 0.5 ** max(1, rho)))
         pol.select(t, 0, q)
         got.append((rho, pol.stats()["steps"][0]["effective_keep"]))
     assert got[0][0] < 1 < got[1][0] < got[2][0] == pytest.approx(2)
     assert got[0][1] > got[2][1] and got[2][1] <= 0.25 + t.bs / t.length
-    pol = SparPR(keep_ratio=0.2, min_keep=0.1, costs=fixed(disk_Bps=1e-3), fallback=False)
+    pol = SparPR(keep_ratio=0.2, min_keep_tokens=0, min_keep=0.1, costs=fixed(disk_Bps=1e-3), fallback=False)
     assert pol.target_keep(t, pol.block_costs(t, hidden=8))[0] == 0.1  # 0.2 ** 2 is below the floor
 
 
@@ -223,13 +223,13 @@ def test_checkpoints_kept_only_where_a_rebuild_can_pay(filled):
     flops = kv_rebuild_flops(t.block_shape[1], t.bs, 8, t.block_shape[2] * t.block_shape[4])
     for rebuild_x, keep in ((0.75, True), (CKPT_MARGIN * 0.99, True), (CKPT_MARGIN * 1.01, False), (10, False)):
         flop_s = rebuild_x * copy - ckpt  # rebuild = checkpoint copy + matmuls = rebuild_x * copy
-        pol = SparPR(keep_ratio=0.5, costs=fixed(disk_Bps=1e9, flops=flops / flop_s))
+        pol = SparPR(keep_ratio=0.5, min_keep_tokens=0, costs=fixed(disk_Bps=1e9, flops=flops / flop_s))
         assert pol.wants_checkpoints(t, hidden=8) == keep, rebuild_x
         assert pol.stats()["checkpoint_tables"] == {"kept": int(keep), "asked": 1}
-        always = SparPR(keep_ratio=0.5, costs=pol.costs, checkpoints="always")
+        always = SparPR(keep_ratio=0.5, min_keep_tokens=0, costs=pol.costs, checkpoints="always")
         assert always.wants_checkpoints(t, hidden=8)
         assert always.stats()["checkpoint_tables"] == {"kept": 1, "asked": 1}
-        assert not SparPR(keep_ratio=0.5, costs=pol.costs, recompute=False).wants_checkpoints(t, hidden=8)
+        assert not SparPR(keep_ratio=0.5, min_keep_tokens=0, costs=pol.costs, recompute=False).wants_checkpoints(t, hidden=8)
     with pytest.raises(ValueError, match="checkpoints"):
         SparPR(checkpoints="never")
 
@@ -238,7 +238,7 @@ def test_fallback_exactly_when_sparse_costs_more_than_gamma_dense(store):
     t = disk_table(store, "fallback")
     fill(t, 42, seed=6)
     q = torch.randn(2, 4, 1, 4)
-    base = dict(keep_ratio=0.4, costs=fixed(disk_Bps=t.store.codec.nbytes), dynamic_budget=False)  # 1 s a block
+    base = dict(keep_ratio=0.4, min_keep_tokens=0, costs=fixed(disk_Bps=t.store.codec.nbytes), dynamic_budget=False)  # 1 s a block
     sparse = SparPR(**base, fallback=False).select(t, 0, q)
     sealed = t.length // t.bs
     # no checkpoints: every block copied, for the sequences whose mask keeps one of its tokens
@@ -262,7 +262,7 @@ def test_gqa_scores_each_query_head_against_its_kv_heads_summary():
                    homes=[Tier.COMPUTE] * 8, devices=CPU)
     fill(t, 26, seed=7)  # 6 sealed blocks, 2 open tokens
     q = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(8))  # 2 query heads per KV head
-    pol = SparPR(keep_ratio=0.8, costs=fixed(), head_score="sum", summary="mean")
+    pol = SparPR(keep_ratio=0.8, min_keep_tokens=0, costs=fixed(), head_score="sum", summary="mean")
     sel = pol.select(t, 0, q)
     keys = t.gather()[0][0, 0]  # keys: [Hkv, L, D]
     score = {b: sum(float(q[0, h, 0] @ keys[h // 2, b * 4:(b + 1) * 4].mean(0)) for h in range(4)) for b in range(6)}
@@ -275,7 +275,7 @@ def test_gqa_scores_each_query_head_against_its_kv_heads_summary():
 def test_mandatory_blocks_under_left_padding(store):
     t = disk_table(store, "pads", batch=2)
     fill(t, 30, seed=9)
-    pol = SparPR(keep_ratio=0.1, costs=fixed(), fallback=False)
+    pol = SparPR(keep_ratio=0.1, min_keep_tokens=0, costs=fixed(), fallback=False)
     pol.on_prefill(t, 0, None, torch.randn(2, 2, 30, 4), torch.arange(30)[None, :] >= torch.tensor([[0], [9]]))
     sel = pol.select(t, 0, torch.randn(2, 4, 1, 4))
     assert pol.mandatory(t, 0) == (3, 6)  # sink of row 1: positions 9..11; window: block 6 + 2 open
@@ -297,7 +297,8 @@ def test_cli_passes_sparpr_flags_only_to_sparpr():
                        "--no-fallback", "--quest-only", "--percent", "100", "0", "0", "0", "100", "0",
                        "--offload-dir", "/somewhere")
     # --quest-only turns the three runtime decisions off
-    assert args == dict(keep_ratio=0.5, min_keep=0.2, gamma=0.8, recent_blocks=1, dynamic_budget=False,
+    assert args == dict(keep_ratio=0.5, min_keep_tokens=768, min_keep=0.2, gamma=0.8, recent_blocks=1,
+                        dynamic_budget=False,
                         recompute=False, fallback=False, quest_only=True, head_score="softmax", summary="lowrank",
                         summary_rank=0.5, summary_tokens=4, summaries_on="compute",
                         per_sequence=True, per_head=False, checkpoints="auto", costs=None, probe_dir="/somewhere")
@@ -309,7 +310,7 @@ def test_cli_passes_sparpr_flags_only_to_sparpr():
     for bad in ("-1", "12"):  # 12 does not divide the default block size 64
         with pytest.raises(ConfigError, match="--summary-tokens"):
             engine_args("--kv-policy", "sparpr", "--summary-tokens", bad)
-    assert engine_args("--kv-policy", "quest") == dict(keep_ratio=1.0, dense_layers=2)
+    assert engine_args("--kv-policy", "quest") == dict(keep_ratio=1.0, min_keep_tokens=768, dense_layers=2)
     with pytest.raises(ConfigError, match="--min-keep is a knob of sparpr; --kv-policy quest ignores it"):
         engine_args("--kv-policy", "quest", "--min-keep", "0.2")
     assert SparPR(**args).quest_only and not SparPR(**args).needs_checkpoints
@@ -322,7 +323,7 @@ def test_batch_reads_one_shared_block_set_with_each_sequences_best_first():
                    homes=[Tier.COMPUTE] * 16, devices=CPU)
     fill(t, 48, seed=10)  # 12 sealed blocks: sink 0, window 11, candidates 1..10
     q = torch.randn(2, 2, 1, 4, generator=torch.Generator().manual_seed(11))
-    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=False, head_score="sum", summary="mean",
+    pol = SparPR(keep_ratio=0.5, min_keep_tokens=0, costs=fixed(), per_sequence=False, head_score="sum", summary="mean",
                  summary_tokens=0)
     sel = pol.select(t, 0, q)
     keys = t.gather()[0][0]  # keys: [B, Hkv, L, D]
@@ -340,7 +341,7 @@ def test_run_writes_the_policys_step_stats_to_output_json(tmp_path, monkeypatch)
     argv = ["run", "--model", "opt-125m", "--path", "_DUMMY_", "--prompt-len", "40", "--gen-len", "4",
             "--gpu-batch-size", "2", "--warmup", "false", "--no-log", "--verbose", "0", "--block-size", "8",
             "--percent", "100", "0", "0", "0", "100", "0", "--offload-dir", str(tmp_path / "off"),
-            "--kv-policy", "sparpr", "--keep-ratio", "0.5", "--output-json", str(out)]
+            "--kv-policy", "sparpr", "--keep-ratio", "0.5", "--min-keep-tokens", "0", "--output-json", str(out)]
     assert main(argv) == 0
     stats = json.loads(out.read_text())["kv_policy_stats"]
     assert stats["config"]["keep_ratio"] == 0.5 and len(stats["steps"]) == 3  # decode steps
@@ -360,7 +361,7 @@ def test_dkv_cold_blocks_get_the_prefills_importance(tiny_llama_dir, tmp_path, m
         return real(self, kv, importance=importance)
     monkeypatch.setattr(DKVCodec, "encode", encode)
     cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path), kv_policy="sparpr",
-                       policy_args={"keep_ratio": 0.5, "costs": fixed()}, cold_codec="dkv",
+                       policy_args={"keep_ratio": 0.5, "min_keep_tokens": 0, "costs": fixed()}, cold_codec="dkv",
                        codec_args={"rank": 2, "residuals": 2, "residual_pick": "attention"})
     with Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=2, cache_gpu_percent=0), cfg) as eng:
         eng.prefill(PROMPTS, 2)

@@ -36,7 +36,7 @@ def test_host_summaries_pick_what_device_summaries_pick(device, head_score):
         picks = {}
         for home in ("compute", "cpu"):
             t = filled(device, seed)
-            pol = SparPR(keep_ratio=0.3, costs=fixed(), fallback=False, head_score=head_score, summaries_on=home,
+            pol = SparPR(keep_ratio=0.3, min_keep_tokens=0, costs=fixed(), fallback=False, head_score=head_score, summaries_on=home,
                          summary="mean")
             sel = pol.select(t, 0, q)
             picks[home] = (sel.blocks, sel.mask.cpu())
@@ -72,6 +72,6 @@ def test_engine_generates_the_same_tokens_with_host_summaries(tiny_llama_dir, tm
     for home in ("compute", "cpu"):
         cfg = EngineConfig(device=device, block_size=8, offload_dir=str(tmp_path))
         with Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=2, cache_gpu_percent=0), cfg) as eng:
-            eng.set_kv_policy(SparPR(keep_ratio=0.4, costs=fixed(), summaries_on=home, summary="mean"))
+            eng.set_kv_policy(SparPR(keep_ratio=0.4, min_keep_tokens=0, costs=fixed(), summaries_on=home, summary="mean"))
             out[home] = eng.generate(prompts, 8).tokens
     assert out["cpu"] == out["compute"]

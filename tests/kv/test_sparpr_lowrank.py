@@ -53,7 +53,7 @@ def test_summaries_take_at_most_a_32nd_of_the_kv_bytes(dtype):
     the table can hold, and the fitted basis and steps) against the raw K+V they summarise;
     resident_share (what --policy auto counts) is not below what is really held, basis aside."""
     t = table(dtype)
-    pol = SparPR(keep_ratio=0.1, costs=costs(), summary="lowrank", summary_rank=0.1875)  # issue 17's 1/32 setting
+    pol = SparPR(keep_ratio=0.1, min_keep_tokens=0, costs=costs(), summary="lowrank", summary_rank=0.1875)  # issue 17's 1/32 setting
     prefill(pol, t, 2048)
     held, kv = pol.summary_bytes(t), kv_bytes(t)
     assert 0 < held <= BOUND * kv
@@ -65,8 +65,8 @@ def test_summaries_take_at_most_a_32nd_of_the_kv_bytes(dtype):
 def test_the_bound_fails_for_summaries_that_do_not_fit():
     """The same measure catches summaries over the bound: 4-token mean keys in the cache's
     dtype (1/8), and a low-rank rank of D / 4 (1/32 of codes plus the basis)."""
-    for pol in (SparPR(keep_ratio=0.1, costs=costs(), summary="mean"),
-                SparPR(keep_ratio=0.1, costs=costs(), summary="lowrank", summary_rank=0.25)):
+    for pol in (SparPR(keep_ratio=0.1, min_keep_tokens=0, costs=costs(), summary="mean"),
+                SparPR(keep_ratio=0.1, min_keep_tokens=0, costs=costs(), summary="lowrank", summary_rank=0.25)):
         t = table()
         prefill(pol, t, 2048)
         assert pol.summary_bytes(t) > BOUND * kv_bytes(t)
@@ -128,14 +128,14 @@ def test_a_two_token_needle_the_block_mean_dilutes_is_found():
     for job in t.append(k, torch.randn(1, 1, 64, 4)):
         job()
     q = torch.tensor([1.0, 0, 0, 0]).view(1, 1, 1, 4)
-    budget = dict(keep_ratio=0.375, costs=costs(), fallback=False, summary_rank=0.5)  # sink, window, one block
+    budget = dict(keep_ratio=0.375, min_keep_tokens=0, costs=costs(), fallback=False, summary_rank=0.5)  # sink, window, one block
     assert 5 not in SparPR(**budget, summary="mean", summary_tokens=0).select(t, 0, q).blocks
     assert 5 in SparPR(**budget, summary="lowrank").select(t, 0, q).blocks
 
 
 def test_blocks_sealed_at_decode_use_the_prefills_basis():
     t = table(torch.float32, tokens=256)
-    pol = SparPR(keep_ratio=0.5, costs=costs(), summary="lowrank")
+    pol = SparPR(keep_ratio=0.5, min_keep_tokens=0, costs=costs(), summary="lowrank")
     prefill(pol, t, 128)
     basis = pol._basis[t]
     gen = torch.Generator().manual_seed(3)

@@ -46,7 +46,7 @@ def test_block_scores_equal_a_hand_computation(head_score, summary_tokens):
     t = resident(bs=8)
     fill(t, 8 * 6, seed=12)  # 6 sealed blocks, no open tokens
     q = torch.randn(2, 4, 1, 4, generator=torch.Generator().manual_seed(13))  # 2 query heads per KV head
-    pol = SparPR(keep_ratio=0.5, costs=fixed(), head_score=head_score, summary="mean", summary_tokens=summary_tokens)
+    pol = SparPR(keep_ratio=0.5, min_keep_tokens=0, costs=fixed(), head_score=head_score, summary="mean", summary_tokens=summary_tokens)
     got = block_scores(q, *pol.summaries(t, 0), head_score)  # got: [B, nb]
     run = summary_tokens or 8
     parts = hand_scores(q, t.gather()[0][0], run, head_score)
@@ -74,7 +74,7 @@ def test_a_sub_block_summary_finds_a_short_needle_that_the_block_mean_dilutes():
     for job in t.append(k, torch.randn(1, 1, 64, 4)):
         job()
     q = torch.tensor([1.0, 0, 0, 0]).view(1, 1, 1, 4)
-    budget = dict(keep_ratio=0.375, costs=fixed(), fallback=False)  # 24 tokens: sink, window, one more block
+    budget = dict(keep_ratio=0.375, min_keep_tokens=0, costs=fixed(), fallback=False)  # 24 tokens: sink, window, one more block
     assert 5 not in SparPR(**budget, summary="mean", summary_tokens=0).select(t, 0, q).blocks
     assert 5 in SparPR(**budget, summary="mean", summary_tokens=2).select(t, 0, q).blocks
 
@@ -83,7 +83,7 @@ def test_per_sequence_top_k_moves_the_union_and_masks_each_sequence_to_its_own()
     t = resident(batch=3, hkv=2, d=4, bs=4, blocks=16)
     fill(t, 48, seed=14)  # 12 sealed blocks: sink 0, window 11, candidates 1..10
     q = torch.randn(3, 4, 1, 4, generator=torch.Generator().manual_seed(15))
-    pol = SparPR(keep_ratio=0.5, costs=fixed(), per_sequence=True, head_score="softmax", summary="mean")
+    pol = SparPR(keep_ratio=0.5, min_keep_tokens=0, costs=fixed(), per_sequence=True, head_score="softmax", summary="mean")
     sel = pol.select(t, 0, q)
     budget = token_budget(0.5, 48, pol.floor(t))  # 24: sink + window + 4 more blocks
     scores = hand_scores(q, t.gather()[0][0], 4, "softmax")

@@ -33,7 +33,7 @@ def planted(seed: int = 0):
 
 
 def made(t, k, **knobs) -> SparPR:
-    pol = SparPR(keep_ratio=0.2, min_keep=0.2, costs=costs(), **knobs)
+    pol = SparPR(keep_ratio=0.2, min_keep_tokens=0, min_keep=0.2, costs=costs(), **knobs)
     pol.attach(t, 0)
     pol.on_prefill(t, 0, torch.zeros(1, 9, k.shape[2], 64), k, torch.ones(1, k.shape[2], dtype=torch.bool))
     return pol

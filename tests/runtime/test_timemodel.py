@@ -179,7 +179,7 @@ def test_trace_marks_the_reads_made_inside_the_compute(tiny_opt_dir, tmp_path):
     """SparPR with one GPU batch reads its blocks inside each layer's compute (serial_bytes =
     every decode read); dense prefetches them, and so does SparPR with two GPU batches."""
     costs = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e10}, live=False)
-    args = dict(keep_ratio=0.5, costs=costs, fallback=False)
+    args = dict(keep_ratio=0.5, min_keep_tokens=0, costs=costs, fallback=False)
     _, one, _ = _run(tiny_opt_dir, tmp_path / "1", "sparpr", args, prompt=40, gen=4)
     _, two, _ = _run(tiny_opt_dir, tmp_path / "2", "sparpr", args, prompt=40, gen=4, ngb=2)
     _, dense, _ = _run(tiny_opt_dir, tmp_path / "d", prompt=40, gen=4)
@@ -191,7 +191,7 @@ def test_trace_marks_the_reads_made_inside_the_compute(tiny_opt_dir, tmp_path):
 def test_sparpr_trace_counts_what_the_policy_read(tiny_opt_dir, tmp_path):
     costs = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e10}, matmul_latency_s={"float32": 1e-5},
                       live=False)
-    args = dict(keep_ratio=0.25, min_keep=0.1, costs=costs, fallback=False, checkpoints="always")
+    args = dict(keep_ratio=0.25, min_keep_tokens=0, min_keep=0.1, costs=costs, fallback=False, checkpoints="always")
     _, sparse, counters = _run(tiny_opt_dir, tmp_path / "s", "sparpr", args, prompt=40, gen=4)
     _, dense, _ = _run(tiny_opt_dir, tmp_path / "d", prompt=40, gen=4)
     for link in LINKS:

@@ -18,7 +18,7 @@ def run(*args):
 
 def test_tiny_run_writes_both_policies_and_the_bound(tmp_path):
     out = tmp_path / "res"
-    r = run("--contexts", "256", "--gen-len", "3", "--device", "cpu", "--out", str(out),
+    r = run("--contexts", "256", "--gen-len", "3", "--device", "cpu", "--min-keep-tokens", "0", "--out", str(out),
             "--offload-dir", str(tmp_path / "offload"))
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((out / "bench.json").read_text())

@@ -21,6 +21,7 @@ def groups() -> set[str]:
 def test_tiny_throttled_run_counts_every_byte(tmp_path):
     out, before = tmp_path / "res", groups()
     r = run_script("bench_throttled.py", "--contexts", "192", "--gen-len", "3", "--calib-context", "128",
+                   "--min-keep-tokens", "0",
                    "--no-upstream", "--read-mbps", "400", "--out", str(out), "--stem", "t",
                    "--offload-dir", str(tmp_path / "offload"))
     assert r.returncode == 0, r.stderr[-2000:]

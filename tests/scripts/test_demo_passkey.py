@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_demo_shows_dense_and_sparpr_side_by_side(smollm2_dir, tmp_path):
     off = tmp_path / "off"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "demo_passkey.py"), "--tokens", "512", "--quiet",
-                        "--batch", "2", "--steps", "4", "--keep", "0.25", "--offload-dir", str(off)],
+                        "--batch", "2", "--steps", "4", "--keep", "0.25", "--min-keep-tokens", "0",
+                        "--offload-dir", str(off)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {m[0]: (float(m[1]), float(m[3]), [float(x) for x in re.findall(r"([\d.]+)s", m[4])])

@@ -146,9 +146,9 @@ def test_per_request_kv_policy(server):
     prompt = list(range(100, 300))  # token ids: 200 tokens, 13 blocks of 16
     dense = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0})[1]
     sparse = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
-                                            "kv_policy": "sparpr", "keep_ratio": 0.25})[1]
+                                            "kv_policy": "sparpr", "keep_ratio": 0.25, "min_keep_tokens": 0})[1]
     assert dense["flexgen"]["kv_read_share"] == 1.0 and sparse["flexgen"]["kv_read_share"] < 0.6
-    assert sparse["flexgen"]["kv_policy"] == {"keep_ratio": 0.25, "kv_policy": "sparpr"}
+    assert sparse["flexgen"]["kv_policy"] == {"keep_ratio": 0.25, "kv_policy": "sparpr", "min_keep_tokens": 0}
     status, err = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "kv_policy": "dkv"})
     assert status == 400 and "dkv" in err["error"]["message"] and err["error"]["param"] == "kv_policy"  # its why
     assert server.metric("flexgen_sparpr_kv_blocks_total") > 0
@@ -189,6 +189,7 @@ def test_a_conversation_sent_again_prefills_only_its_new_turn(server, client, ch
     ({"prompt": "hi", "n": 2}, 400, "n"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "stop": 5}, 400, "stop"),
+    ({"prompt": "hi", "min_keep_tokens": -1}, 400, "min_keep_tokens"),
     ({"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ({"prompt": "hi", "kv_policy": "no-such"}, 400, "kv_policy"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),

@@ -94,7 +94,7 @@ def _run_under_double(model_dir, tmp_path, policy: str, codec: dict):
     names = list(safe_open(str(model_dir / "model.safetensors"), "pt").keys())
     src = Preloaded(resolve_source(str(model_dir), ""), names)  # safetensors cannot read under the double
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=8, offload_dir=str(tmp_path / "offload"),
-                       kv_policy=policy, policy_args={"keep_ratio": 0.3}, **codec)
+                       kv_policy=policy, policy_args={"keep_ratio": 0.3, "min_keep_tokens": 0}, **codec)
     with StreamDouble() as cuda:
         with Engine(src, Policy(gpu_batch_size=2, num_gpu_batches=2, cache_gpu_percent=0), cfg,
                     stream_api=cuda) as eng:
@@ -114,7 +114,7 @@ def test_an_offloaded_decode_has_no_race_and_no_sync_per_layer(policy, codec, ti
     assert cuda.problems == []
     src = resolve_source(str(tiny_llama_dir), "")
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=8, offload_dir=str(tmp_path / "offload"),
-                       kv_policy=policy, policy_args={"keep_ratio": 0.3}, **codec)
+                       kv_policy=policy, policy_args={"keep_ratio": 0.3, "min_keep_tokens": 0}, **codec)
     with Engine(src, Policy(gpu_batch_size=2, num_gpu_batches=2, cache_gpu_percent=0), cfg) as eng:
         assert eng.generate(PROMPTS * 2, 4).tokens == tokens
     decode = {site: n for site, n in cuda.syncs.items() if "models/layers.py" not in site}  # prefill's mask

@@ -197,7 +197,7 @@ class BlockSelectionPolicy(BlockScoringPolicy):
         the open block take); once per step and target."""
         room = view.rooms.get(target)
         if room is None:
-            floor = self.floor(table)
+            floor = self.budget_floor(table)
             budgets = [token_budget(target, n, floor) for n in view.n_valid]
             blocks = None if view.used_host is None else max(0, budgets[0] - view.used_host) // table.bs
             if len(view.rooms) >= _VIEWS:  # a live cost model moves the target a little every step
