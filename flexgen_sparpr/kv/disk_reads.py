@@ -46,7 +46,7 @@ def read_raw_disk(store, runs: list, out: torch.Tensor) -> None:
     host = read_buffer(dev, at[-1])
     reqs = [((slot, c), a) for (slot, c, _, _), a in zip(runs, at)]
     _in_shares(store, lambda share: store.disk_file.read_ranges([r for r, _ in share], host, [a for _, a in share]),
-               reqs, at[-1])
+               reqs, at[-1], batched=True)
     data = dev.host.to_compute_new(host).view(store.store_dtype)
     nb = max(b0 + c for _, c, _, b0 in runs)
     out6 = out[:, :, :, :nb * bs].unflatten(3, (nb, bs))  # out6: [planes, B, Hkv, nb, bs, D]
@@ -63,13 +63,17 @@ def read_landed(store, ranges: list, out: torch.Tensor) -> None:
     page-aligned CPU out, where they stay (attended there: TierReads.land)."""
     nbytes = sum(c for (_, c), _ in ranges) * store.disk_file.slot_bytes
     _in_shares(store, lambda share: store.disk_file.read_ranges([r for r, _ in share], out, [a for _, a in share]),
-               ranges, nbytes)
+               ranges, nbytes, batched=True)
 
 
-def _in_shares(store, read, reqs: list, nbytes: int) -> None:
-    """read(share) for the requests cut into the read depth's shares, in parallel; the bytes and
-    their time counted on the disk link (and the host link on CUDA)."""
+def _in_shares(store, read, reqs: list, nbytes: int, batched: bool = False) -> None:
+    """read(share) for the requests cut into the read depth's shares, in parallel; or, `batched`
+    (read issues a share's requests all at once) where the file reads through native AIO
+    (storage/aio.py), read(reqs) on this thread: every request in flight, no reader thread woken.
+    The bytes and their time counted on the disk link (and the host link on CUDA)."""
     dev, depth = store.devices, min(store.disk_store.read_depth, len(reqs))
+    if batched and store.disk_file.reads_in_flight():
+        depth = 1
     t0 = time.perf_counter()
     store.disk_store.map(read, [reqs[k::depth] for k in range(depth)])
     dt = time.perf_counter() - t0

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import aio
 
 ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the block size
 _MAX_IO = 1 << 30  # one syscall moves at most ~2 GiB on Linux; stay well below
@@ -40,11 +41,8 @@ def _np_bytes(t: torch.Tensor) -> memoryview:
 
 
 def aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """Uninitialised CPU tensor whose data pointer is 4096-byte aligned.
-
-    With O_DIRECT, reads into / writes from such a tensor skip the staging copy
-    when its byte size is also a multiple of 4096.
-    """
+    """Uninitialised CPU tensor whose data pointer is 4096-byte aligned (with O_DIRECT, reads into /
+    writes from it skip the staging copy when its byte size is a multiple of 4096 too)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % ALIGN
@@ -57,8 +55,7 @@ class _Staging(threading.local):
     def get(self, n: int) -> torch.Tensor:
         buf = getattr(self, "buf", None)
         if buf is None or buf.numel() < n:
-            # anonymous mmap is page aligned; the tensor view keeps it alive. Made outside
-            # inference mode, or a later write outside it would be refused.
+            # anonymous mmap: page aligned, kept alive by the view; outside inference mode (writes there)
             with torch.inference_mode(False):
                 self.buf = torch.from_numpy(np.frombuffer(mmap.mmap(-1, round_up(n)), dtype=np.uint8))
         return self.buf[:n]
@@ -170,11 +167,8 @@ class DiskFile:
             self.bytes_written += n
 
     def read(self, slot: int, out: torch.Tensor) -> torch.Tensor:
-        """Fill contiguous `out` with the bytes written to `slot`; returns `out`.
-
-        `out` must have exactly the byte size that was written. A CPU `out` is
-        filled directly; any other device goes through a CPU bounce buffer.
-        """
+        """Fill contiguous `out` (exactly the byte size written) with the bytes written to `slot`;
+        returns `out`. A CPU `out` is filled directly; any other device through a CPU bounce buffer."""
         if not out.is_contiguous():
             raise ValueError("DiskFile.read needs a contiguous output tensor")
         n = out.nbytes
@@ -211,27 +205,34 @@ class DiskFile:
             return out
         return self._read_into(off, out)
 
+    def reads_in_flight(self) -> bool:  # read_ranges issues its requests all at once (O_DIRECT, native AIO)
+        return self.direct_mode == "o_direct" and aio.available()
+
     def read_ranges(self, ranges: list[tuple[int, int]], out: torch.Tensor, at: list[int]) -> int:
         """Slot ranges (first, count) of a packed file into contiguous page-aligned CPU `out`, range k
-        at byte at[k] (with O_DIRECT: multiples of 4096): one request each, checked once for all (a decode step issues thousands of
-        small ones: per-request Python is what they cost). Returns the bytes read."""
+        at byte at[k] (with O_DIRECT: multiples of 4096), checked once for all (a decode step issues
+        thousands of small ones: per-request Python is what they cost); with O_DIRECT all in flight
+        at once where native AIO is here (storage/aio.py), else one request each. Returns the bytes read."""
         direct = self.direct_mode == "o_direct"
         if not (out.is_cpu and out.is_contiguous() and (_is_aligned(out) or not direct)) or not self.is_packed:
             raise ValueError("DiskFile.read_ranges needs a packed file and a contiguous CPU tensor (page-aligned "
                              "for O_DIRECT)")
-        sb, fd, mv, total = self.slot_bytes, self._fd, _np_bytes(out), 0
+        sb, fd, mv = self.slot_bytes, self._fd, _np_bytes(out)
         if fd < 0:
             raise ValueError(f"{self.path} is closed")
-        if self.direct_mode == "fadvise":  # the page cache dropped first: the bytes come from the disk
-            for first, count in ranges:
-                self._drop_cache(first * sb, count * sb)
         for (first, count), pos in zip(ranges, at):
             if count < 1 or first < 0 or first + count > self.num_slots or pos + count * sb > len(mv):
                 raise IndexError(f"slots [{first}, {first + count}) or byte {pos} out of range")
-            n = count * sb
-            if os.preadv(fd, [mv[pos:pos + n]], first * sb) != n:  # short (a signal, a huge range): finish it
-                _pio(os.preadv, fd, mv[pos:pos + n], first * sb)
-            total += n
+            if self.direct_mode == "fadvise":  # the page cache dropped first: the bytes come from the disk
+                self._drop_cache(first * sb, count * sb)
+        reqs = [(first * sb, pos, count * sb) for (first, count), pos in zip(ranges, at)]
+        rest = [(off, pos, n, 0) for off, pos, n in reqs]
+        if direct and len(reqs) > 1 and aio.available():
+            short = aio.read_many(fd, [(out.data_ptr() + pos, n, off) for off, pos, n in reqs])
+            rest = [(*reqs[i], got) for i, got in short]  # the short ones (rare) finish below
+        for off, pos, n, got in rest:  # _pio: a short read (a signal, a huge range) is finished
+            _pio(os.preadv, fd, mv[pos + got:pos + n], off + got)
+        total = sum(n for _, _, n in reqs)
         with self._lock:
             self.bytes_read += total
         return total
