@@ -46,6 +46,7 @@ class _Context:
 
     def __init__(self, libc, calls):
         self.libc, (self.setup, self.destroy, self.getevents, self.submit) = libc, calls
+        self.pid = os.getpid()  # a forked child cannot use its parent's context: it makes its own
         self.ctx = ctypes.c_ulong(0)
         if libc.syscall(self.setup, _EVENTS, ctypes.byref(self.ctx)) != 0:
             raise OSError(ctypes.get_errno(), "io_setup")
@@ -90,7 +91,8 @@ class _Context:
 
     def __del__(self):
         try:
-            self.libc.syscall(self.destroy, self.ctx)
+            if self.pid == os.getpid():
+                self.libc.syscall(self.destroy, self.ctx)
         except Exception:  # interpreter shutdown: the kernel frees it with the process
             pass
 
@@ -109,7 +111,7 @@ def _context() -> _Context | None:
     global _LIBC
     if _CALLS is None or _local.failed:
         return None
-    if _local.ctx is None:
+    if _local.ctx is None or _local.ctx.pid != os.getpid():
         try:
             _LIBC = _LIBC or ctypes.CDLL(None, use_errno=True)
             _local.ctx = _Context(_LIBC, _CALLS)

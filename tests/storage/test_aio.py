@@ -115,3 +115,16 @@ def test_read_ranges_gives_the_same_bytes_through_aio_or_one_read_at_a_time(nati
             p.unlink()
         d.rmdir()
     assert disk.aio is aio
+
+
+@needs_aio
+def test_a_forked_child_reads_through_a_context_of_its_own(direct_file):
+    fd, data = direct_file
+    out = aligned_empty((8192,), torch.uint8)
+    assert aio.read_many(fd, [(out.data_ptr(), 4096, 0), (out.data_ptr() + 4096, 4096, 4096)]) == []  # the parent's
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its reads are right
+        ok = aio.read_many(fd, [(out.data_ptr(), 4096, 8192), (out.data_ptr() + 4096, 4096, 12288)]) == [] and \
+            bytes(out.numpy()) == data[8192:16384]
+        os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
