@@ -81,8 +81,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         die(f"--gpu-batches must be >= 1 and divide --batch (got {args.gpu_batches} for batch {args.batch})")
     if args.gen_len < 2:
         die(f"--gen-len must be >= 2 (decode excludes the prefill's token; got {args.gen_len})")
-    if args.min_keep_tokens < 0:
-        die(f"--min-keep-tokens must be >= 0 (got {args.min_keep_tokens})")
     for flag in ("keep_ratio", "min_keep", "gamma"):
         if not 0 < getattr(args, flag) <= 1:
             die(f"--{flag.replace('_', '-')} must be in (0, 1] (got {getattr(args, flag)})")

@@ -74,8 +74,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         die("--there-cache-percent must be three percents summing to 100")
     if min(args.gen_lens) < 2 or args.batch < 1 or args.calib_context < args.block_size:
         die("--gen-len(s) must be >= 2, --batch >= 1, --calib-context >= --block-size")
-    if args.min_keep_tokens < 0:
-        die(f"--min-keep-tokens must be >= 0 (got {args.min_keep_tokens})")
     if not 0 < args.keep_ratio <= 1 or not 0 < args.min_keep <= 1 or not 0 < args.gamma <= 1:
         die("--keep-ratio, --min-keep and --gamma must be in (0, 1]")
     return args

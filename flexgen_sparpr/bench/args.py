@@ -2,6 +2,7 @@
 context check, the OPT offload flags and the fidelity scripts' split flags."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ..config.flags import DEFAULTS
@@ -23,6 +24,17 @@ def int_list(text: str) -> list[int]:
     if not vals or any(v < 1 for v in vals):
         raise ValueError(text)
     return vals
+
+
+def tokens_at_least_0(text: str) -> int:
+    """argparse type: a token count >= 0 (a refused value: one line, exit 2, as any bad flag)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (got {text!r})")
+    return n
 
 
 def float_list(text: str) -> list[float]:
@@ -57,7 +69,7 @@ def add_opt_bench_args(ap, gen_len: int) -> None:
                     help="SparPR's ceiling (default: the engine's, %(default)s)")
     ap.add_argument("--min-keep", type=float, default=sparpr["min_keep"],
                     help="SparPR's floor (default: the engine's, %(default)s)")
-    ap.add_argument("--min-keep-tokens", type=int, default=sparpr["min_keep_tokens"],
+    ap.add_argument("--min-keep-tokens", type=tokens_at_least_0, default=sparpr["min_keep_tokens"],
                     help="the least cached tokens SparPR's step reads (0: the keep ratio alone, the paper's budget; "
                          "default: the engine's, %(default)s)")
     ap.add_argument("--gamma", type=float, default=sparpr["gamma"],

@@ -63,11 +63,12 @@ class _Context:
             c.aio_buf, c.aio_nbytes, c.aio_offset = addr, n, off
         sent = 0
         while sent < len(reqs):  # io_submit may take fewer than asked (EAGAIN: the queue is full)
-            r = self.libc.syscall(self.submit, self.ctx, len(reqs) - sent, ctypes.byref(self.ptrs, sent * ctypes.sizeof(ctypes.c_void_p)))
+            first = ctypes.byref(self.ptrs, sent * ctypes.sizeof(ctypes.c_void_p))
+            r = self.libc.syscall(self.submit, self.ctx, len(reqs) - sent, first)
             if r < 0:
                 e = ctypes.get_errno()
                 if e == errno.EAGAIN and sent:
-                    break  # reap what is in flight first, then the caller's next round sends the rest
+                    break  # reap what is in flight; the unsent come back as short, for the caller to read
                 raise OSError(e, "io_submit")
             sent += r
         got, short = 0, []

@@ -227,7 +227,7 @@ class DiskFile:
                 self._drop_cache(first * sb, count * sb)
         reqs = [(first * sb, pos, count * sb) for (first, count), pos in zip(ranges, at)]
         rest = [(off, pos, n, 0) for off, pos, n in reqs]
-        if direct and len(reqs) > 1 and aio.available():
+        if len(reqs) > 1 and self.reads_in_flight():
             short = aio.read_many(fd, [(out.data_ptr() + pos, n, off) for off, pos, n in reqs])
             rest = [(*reqs[i], got) for i, got in short]  # the short ones (rare) finish below
         for off, pos, n, got in rest:  # _pio: a short read (a signal, a huge range) is finished

@@ -44,6 +44,7 @@ def test_tiny_run_writes_both_policies_and_the_bound(tmp_path):
     (["--contexts", "abc"], "--contexts"),
     (["--gen-len", "1"], "--gen-len"),
     (["--keep-ratio", "0"], "--keep-ratio"),
+    (["--min-keep-tokens", "-1"], "--min-keep-tokens: must be a whole number >= 0"),
     (["--model", "llama-7b"], "--model"),
     (["--batch", "four"], "--batch"),  # argparse's own check: one line too, not the usage
     (["--device", "tpu"], "--device"),
