@@ -29,6 +29,24 @@ from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
 from .step_clock import StepClock
 
 
+class Landing:
+    """A gather whose disk blocks are still landing (KVReader._land_later), answered like a Future:
+    result() waits for the reads and gives the Fetched with its landed blocks."""
+
+    def __init__(self, fetched: Fetched, land: list[int], view: torch.Tensor, reads):
+        self._fetched, self._land, self._view, self._reads = fetched, land, view, reads
+
+    def done(self) -> bool:
+        return self._reads is None
+
+    def result(self, timeout=None) -> Fetched:
+        if self._reads is not None:
+            reads, self._reads = self._reads, None
+            reads.wait()
+            self._fetched.landed = (self._land, self._view)
+        return self._fetched
+
+
 class KVReader:
     """The cells' KV reads for one engine. Inputs: the KV policy (swappable between runs), the
     model's maths (`arch`: query and K/V projections), the I/O pool, the devices and dtype, and
@@ -110,7 +128,26 @@ class KVReader:
             return Done(None)
         if sel.guess:
             return self.io.submit(self._gather_guess, t, sel)
+        if land and self.io.overlap and not self.devices.streams.active:
+            later = self._land_later(t, sel, land)
+            if later is not None:
+                return later
         return self.io.submit(self._gather, t, sel, False, land)
+
+    def _land_later(self, t: BlockTable, sel: Selection, land: list[int]) -> "Landing | None":
+        """resident_split's gather with its disk blocks' reads put in flight from this thread (native
+        AIO on an O_DIRECT file), the rest (the open block) gathered now: the disk reads while the
+        cells before compute, with no reader thread to take the GIL or a core from them (one had
+        cost a dense step with half its KV on disk 40 % more compute). None where reads cannot be
+        in flight (then the I/O pool's `_gather`)."""
+        if not t.store.disk_file.reads_in_flight():
+            return None
+        buf = self.landing.take((t.store.landing_bytes(len(land)),), torch.uint8, self.devices.compute)
+        later = t.store.land_later(land, buf)
+        if later is None:
+            return None
+        return Landing(gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring), list(land),
+                       *later)
 
     def _gather(self, t: BlockTable, sel, on_compute: bool = True, land: list[int] = ()) -> Fetched:
         """A copy of part of an offloaded cache by a policy that keeps arenas (`arena_share`: a

@@ -66,6 +66,29 @@ def read_landed(store, ranges: list, out: torch.Tensor) -> None:
                ranges, nbytes, batched=True)
 
 
+class LandingReads:
+    """read_landed's reads put in flight from the calling thread (`landed_later`); wait() blocks
+    until they are in out and counts them on the disk link (their bytes and requests, not their
+    time: the compute that ran meanwhile is not the disk's)."""
+
+    def __init__(self, store, pending, nbytes: int, requests: int):
+        self._store, self._pending, self._nbytes, self._requests = store, pending, nbytes, requests
+
+    def wait(self) -> None:
+        self._pending.wait()
+        self._store.devices.counters.add("disk", "cpu", self._nbytes, requests=self._requests)
+
+
+def landed_later(store, ranges: list, out: torch.Tensor) -> LandingReads | None:
+    """read_landed, returning at once with its reads in flight (native AIO on an O_DIRECT file: the
+    disk works while this thread computes, and no reader thread takes the GIL or a core from it);
+    None where the reads cannot be in flight (then read_landed)."""
+    pending = store.disk_file.read_ranges([r for r, _ in ranges], out, [a for _, a in ranges], later=True)
+    if pending is None:
+        return None
+    return LandingReads(store, pending, sum(c for (_, c), _ in ranges) * store.disk_file.slot_bytes, len(ranges))
+
+
 def _in_shares(store, read, reqs: list, nbytes: int, batched: bool = False) -> None:
     """read(share) for the requests cut into the read depth's shares, in parallel; or, `batched`
     (read issues a share's requests all at once) where the file reads through native AIO

@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from ..storage.tiers import Tier
-from .disk_reads import read_disk, read_landed, read_raw_disk
+from .disk_reads import LandingReads, landed_later, read_disk, read_landed, read_raw_disk
 
 BIG_RUN = 8  # blocks: a disk run this long is copied out by its reader; shorter ones together, by index
 
@@ -93,9 +93,19 @@ class TierReads:
         one request per run of adjacent slots (per sequence when the file is sequence-major).
         Returns the blocks as a view of out, [B, n, planes, Hkv, bs, D] in store_dtype (strided:
         block-major in a whole-block file, sequence-major in a sequence-major one)."""
-        planes, b_all, h, bs, d = self.block_shape
+        read_landed(self, self._landing_ranges(blocks), out)
+        return self._landed_view(len(blocks), out)
+
+    def land_later(self, blocks: list[int], out: torch.Tensor) -> tuple[torch.Tensor, LandingReads] | None:
+        """`land` with its reads left in flight (disk_reads.py `landed_later`): (the view, valid once
+        the returned reads' wait() is back, the reads), or None where they cannot be in flight."""
+        reads = landed_later(self, self._landing_ranges(blocks), out)
+        return None if reads is None else (self._landed_view(len(blocks), out), reads)
+
+    def _landing_ranges(self, blocks: list[int]) -> list:
+        """land's requests: ((first slot, slots), byte offset in out) per run of adjacent slots."""
         n, piece = len(blocks), self._disk.slot_bytes
-        groups = b_all if self._seq_disk else 1  # the file's units: one sequence's share of a block, or a block
+        groups = self.block_shape[1] if self._seq_disk else 1  # the file's units: a sequence's share of a block, or a block
         runs, i = [], 0  # (first slot, slots, first block)
         while i < n:
             j = i + 1
@@ -103,8 +113,10 @@ class TierReads:
                 j += 1
             runs.append((self.slots[blocks[i]], j - i, i))
             i = j
-        ranges = [((r * self._n_disk + s, c), (r * n + i) * piece) for r in range(groups) for s, c, i in runs]
-        read_landed(self, ranges, out)
+        return [((r * self._n_disk + s, c), (r * n + i) * piece) for r in range(groups) for s, c, i in runs]
+
+    def _landed_view(self, n: int, out: torch.Tensor) -> torch.Tensor:
+        planes, b_all, h, bs, d = self.block_shape
         data = out.view(self.store_dtype)
         if self._seq_disk:  # data: [B, n, planes, Hkv, bs, D]
             return data.view(b_all, n, planes, h, bs, d)

@@ -57,6 +57,10 @@ class _Context:
     def read(self, fd: int, reqs: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
         """Up to _EVENTS (address, nbytes, offset) reads, all in flight; returns the (index, bytes
         read) of those that came back short (an error raises)."""
+        return self.reap(reqs, self.submit_reads(fd, reqs))
+
+    def submit_reads(self, fd: int, reqs: list[tuple[int, int, int]]) -> int:
+        """Put up to _EVENTS reads in flight; returns how many the kernel took (the first ones)."""
         for i, (addr, n, off) in enumerate(reqs):
             c = self.cbs[i]
             c.aio_data, c.aio_lio_opcode, c.aio_fildes = i, _PREAD, fd
@@ -71,6 +75,11 @@ class _Context:
                     break  # reap what is in flight; the unsent come back as short, for the caller to read
                 raise OSError(e, "io_submit")
             sent += r
+        return sent
+
+    def reap(self, reqs: list[tuple[int, int, int]], sent: int) -> list[tuple[int, int]]:
+        """Wait for the first `sent` of reqs (submit_reads'); the (index, bytes read) of the short
+        ones and of those never sent (an error raises, once all are reaped)."""
         got, short = 0, []
         while got < sent:
             r = self.libc.syscall(self.getevents, self.ctx, sent - got, sent - got,
@@ -137,3 +146,72 @@ def read_many(fd: int, reqs: list[tuple[int, int, int]]) -> list[tuple[int, int]
     for k in range(0, len(reqs), _EVENTS):
         short += [(k + i, n) for i, n in ctx.read(fd, reqs[k:k + _EVENTS])]
     return short
+
+
+class InFlight:
+    """Reads put in flight by `submit` on an AIO context of their own, reaped by `wait` (from any
+    thread). Holds `keep` (what the reads land in) until they are reaped; dropped unreaped (an
+    error between submit and wait), it reaps them first, so no read lands in freed memory."""
+
+    def __init__(self, ctx: _Context, reqs: list, sent: int, keep):
+        self._ctx, self._reqs, self._sent, self._keep = ctx, reqs, sent, keep
+
+    def wait(self) -> list[tuple[int, int]]:
+        """Block until every read is back: the (index, bytes read) of the short ones and of any the
+        kernel did not take, for the caller to finish; OSError for a failed read."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            raise RuntimeError("these reads were reaped already")
+        try:
+            short = ctx.reap(self._reqs, self._sent)
+        except OSError as e:
+            if e.strerror != "io_getevents":  # a failed read: every request was reaped
+                self._keep = None
+                with _idle_lock:
+                    _idle.append(ctx)
+            else:  # reads may still be landing: their memory and context are never freed
+                _lost.append((ctx, self._keep))
+            raise
+        self._keep = None
+        with _idle_lock:
+            _idle.append(ctx)
+        return short
+
+    def __del__(self):
+        if getattr(self, "_ctx", None) is not None and self._ctx.pid == os.getpid():
+            try:
+                self.wait()
+            except Exception:  # an unreaped read that failed: nothing is waiting for it
+                pass
+
+
+_idle: list[_Context] = []  # contexts free for `submit` (a context per batch in flight)
+_idle_lock = threading.Lock()
+_lost: list = []  # (context, memory) of reads that could not be reaped (io_getevents failed)
+
+
+def submit(fd: int, reqs: list[tuple[int, int, int]], keep=None) -> InFlight | None:
+    """Put up to 256 (address, nbytes, offset) reads of fd in flight and return at once; InFlight.wait
+    reaps them (more than 256: the rest come back from wait as unsent). keep: the object owning the
+    memory the reads land in, held until they are reaped. None where no context can be had (native
+    AIO missing, or the kernel's aio-max-nr reached): then read another way."""
+    global _LIBC
+    if _CALLS is None or _local.failed:
+        return None
+    with _idle_lock:
+        while _idle and _idle[-1].pid != os.getpid():  # a forked child: its parent's contexts are not its own
+            _idle.pop()
+        ctx = _idle.pop() if _idle else None
+    if ctx is None:
+        try:
+            _LIBC = _LIBC or ctypes.CDLL(None, use_errno=True)
+            ctx = _Context(_LIBC, _CALLS)
+        except (OSError, AttributeError):
+            return None
+    try:
+        sent = ctx.submit_reads(fd, reqs[:_EVENTS])
+    except BaseException:
+        with _idle_lock:
+            _idle.append(ctx)
+        raise
+    return InFlight(ctx, reqs, sent, keep)

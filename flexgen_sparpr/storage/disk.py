@@ -8,60 +8,16 @@ The directory of one run and its readers: storage/disk_store.py.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import aio
+from .aligned import ALIGN, aligned_empty, byte_view, is_aligned, np_bytes, round_up, staging  # noqa: F401 (re-exported)
 
-ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the block size
 _MAX_IO = 1 << 30  # one syscall moves at most ~2 GiB on Linux; stay well below
-
-
-def round_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-def _is_aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % ALIGN == 0 and t.nbytes % ALIGN == 0
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """Flat uint8 view [nbytes] of a contiguous tensor (any dtype, any device)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _np_bytes(t: torch.Tensor) -> memoryview:
-    """Writable memoryview over the bytes of a contiguous CPU tensor."""
-    return memoryview(_byte_view(t).numpy())
-
-
-def aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """Uninitialised CPU tensor whose data pointer is 4096-byte aligned (with O_DIRECT, reads into /
-    writes from it skip the staging copy when its byte size is a multiple of 4096 too)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % ALIGN
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
-
-
-class _Staging(threading.local):
-    """Per-thread page-aligned bounce buffer, grown on demand."""
-
-    def get(self, n: int) -> torch.Tensor:
-        buf = getattr(self, "buf", None)
-        if buf is None or buf.numel() < n:
-            # anonymous mmap: page aligned, kept alive by the view; outside inference mode (writes there)
-            with torch.inference_mode(False):
-                self.buf = torch.from_numpy(np.frombuffer(mmap.mmap(-1, round_up(n)), dtype=np.uint8))
-        return self.buf[:n]
-
-
-_staging = _Staging()
 
 
 def _pio(fn, fd: int, mv: memoryview, off: int) -> None:
@@ -120,7 +76,7 @@ class DiskFile:
             fd = -1
             try:
                 fd = os.open(self.path, flags | o_direct)
-                os.preadv(fd, [memoryview(_staging.get(ALIGN).numpy())], 0)
+                os.preadv(fd, [memoryview(staging.get(ALIGN).numpy())], 0)
             except OSError as e:
                 if fd >= 0:
                     os.close(fd)
@@ -153,14 +109,14 @@ class DiskFile:
         n = t.nbytes
         off = self._check(slot, n)
         if n:
-            if self.direct_mode == "o_direct" and not (t.is_cpu and _is_aligned(t)):
-                buf = _staging.get(round_up(n))
-                buf[:n].copy_(_byte_view(t))  # CUDA: device-to-host straight into the bounce buffer
+            if self.direct_mode == "o_direct" and not (t.is_cpu and is_aligned(t)):
+                buf = staging.get(round_up(n))
+                buf[:n].copy_(byte_view(t))  # CUDA: device-to-host straight into the bounce buffer
                 buf[n:].zero_()
                 _pio(os.pwritev, self._fd, memoryview(buf.numpy()), off)
             else:
                 src = t if t.is_cpu else t.cpu()
-                _pio(os.pwritev, self._fd, _np_bytes(src), off)
+                _pio(os.pwritev, self._fd, np_bytes(src), off)
                 self._drop_cache(off, n)
         self._lens[slot] = n
         with self._lock:
@@ -199,25 +155,29 @@ class DiskFile:
             raise ValueError(f"slot {short[0]} holds {self._lens[short[0]]} bytes, not a whole {self.slot_bytes}")
         if count > 1 and not self.is_packed:  # one request over the padded slots
             stride = self.slot_stride
-            buf = _staging.get(count * stride)
+            buf = staging.get(count * stride)
             self._read_into(off, buf)
-            _byte_view(out).view(count, self.slot_bytes).copy_(buf.view(count, stride)[:, :self.slot_bytes])
+            byte_view(out).view(count, self.slot_bytes).copy_(buf.view(count, stride)[:, :self.slot_bytes])
             return out
         return self._read_into(off, out)
 
     def reads_in_flight(self) -> bool:  # read_ranges issues its requests all at once (O_DIRECT, native AIO)
         return self.direct_mode == "o_direct" and aio.available()
 
-    def read_ranges(self, ranges: list[tuple[int, int]], out: torch.Tensor, at: list[int]) -> int:
+    def read_ranges(self, ranges: list[tuple[int, int]], out: torch.Tensor, at: list[int],
+                    later: bool = False) -> "int | PendingRead | None":
         """Slot ranges (first, count) of a packed file into contiguous page-aligned CPU `out`, range k
         at byte at[k] (with O_DIRECT: multiples of 4096), checked once for all (a decode step issues
         thousands of small ones: per-request Python is what they cost); with O_DIRECT all in flight
-        at once where native AIO is here (storage/aio.py), else one request each. Returns the bytes read."""
+        at once where native AIO is here (storage/aio.py), else one request each. Returns the bytes
+        read; or, `later`, at once with a PendingRead (the reads in flight, from this thread: no
+        reader thread) whose wait() finishes them, or None where they cannot be in flight (then
+        read them without `later`)."""
         direct = self.direct_mode == "o_direct"
-        if not (out.is_cpu and out.is_contiguous() and (_is_aligned(out) or not direct)) or not self.is_packed:
+        if not (out.is_cpu and out.is_contiguous() and (is_aligned(out) or not direct)) or not self.is_packed:
             raise ValueError("DiskFile.read_ranges needs a packed file and a contiguous CPU tensor (page-aligned "
                              "for O_DIRECT)")
-        sb, fd, mv = self.slot_bytes, self._fd, _np_bytes(out)
+        sb, fd, mv = self.slot_bytes, self._fd, np_bytes(out)
         if fd < 0:
             raise ValueError(f"{self.path} is closed")
         for (first, count), pos in zip(ranges, at):
@@ -226,12 +186,20 @@ class DiskFile:
             if self.direct_mode == "fadvise":  # the page cache dropped first: the bytes come from the disk
                 self._drop_cache(first * sb, count * sb)
         reqs = [(first * sb, pos, count * sb) for (first, count), pos in zip(ranges, at)]
-        rest = [(off, pos, n, 0) for off, pos, n in reqs]
+        aio_reqs = [(out.data_ptr() + pos, n, off) for off, pos, n in reqs]
+        if later:
+            flight = aio.submit(fd, aio_reqs, keep=out) if self.reads_in_flight() else None
+            return None if flight is None else PendingRead(self, reqs, mv, flight)
         if len(reqs) > 1 and self.reads_in_flight():
-            short = aio.read_many(fd, [(out.data_ptr() + pos, n, off) for off, pos, n in reqs])
-            rest = [(*reqs[i], got) for i, got in short]  # the short ones (rare) finish below
-        for off, pos, n, got in rest:  # _pio: a short read (a signal, a huge range) is finished
-            _pio(os.preadv, fd, mv[pos + got:pos + n], off + got)
+            return self._finish(reqs, mv, aio.read_many(fd, aio_reqs))
+        return self._finish(reqs, mv, [(i, 0) for i in range(len(reqs))])
+
+    def _finish(self, reqs: list[tuple[int, int, int]], mv: memoryview, short: list[tuple[int, int]]) -> int:
+        """The short (index, bytes read) of reqs (offset, byte in mv, bytes) read to their end by
+        positional reads (_pio: a signal, a huge range); returns (and counts) the bytes of reqs."""
+        for i, got in short:
+            off, pos, n = reqs[i]
+            _pio(os.preadv, self._fd, mv[pos + got:pos + n], off + got)
         total = sum(n for _, _, n in reqs)
         with self._lock:
             self.bytes_read += total
@@ -247,9 +215,9 @@ class DiskFile:
         if start < 0 or start + n > self._lens[slot]:
             raise ValueError(f"bytes [{start}, {start + n}) are outside slot {slot}'s {self._lens[slot]}")
         if self.direct_mode == "o_direct" and start % ALIGN:
-            buf, skip = _staging.get(round_up(start % ALIGN + n)), start % ALIGN
+            buf, skip = staging.get(round_up(start % ALIGN + n)), start % ALIGN
             _pio(os.preadv, self._fd, memoryview(buf.numpy()), off - skip)
-            _byte_view(out).copy_(buf[skip:skip + n])
+            byte_view(out).copy_(buf[skip:skip + n])
             with self._lock:
                 self.bytes_read += buf.numel()
             return out
@@ -259,12 +227,12 @@ class DiskFile:
         n = out.nbytes
         if n:
             self._drop_cache(off, n)
-            if out.is_cpu and (self.direct_mode != "o_direct" or _is_aligned(out)):
-                _pio(os.preadv, self._fd, _np_bytes(out), off)
+            if out.is_cpu and (self.direct_mode != "o_direct" or is_aligned(out)):
+                _pio(os.preadv, self._fd, np_bytes(out), off)
             else:
-                buf = _staging.get(round_up(n))
+                buf = staging.get(round_up(n))
                 _pio(os.preadv, self._fd, memoryview(buf.numpy()), off)
-                _byte_view(out).copy_(buf[:n])
+                byte_view(out).copy_(buf[:n])
         with self._lock:
             self.bytes_read += n
         return out
@@ -298,3 +266,14 @@ class DiskFile:
 
     def __repr__(self) -> str:
         return f"DiskFile({str(self.path)!r}, {self.num_slots}x{self.slot_bytes}B, {self.direct_mode})"
+
+
+class PendingRead:
+    """DiskFile.read_ranges(later=True)'s reads in flight: wait() finishes them (the short ones by
+    positional reads) and returns the bytes read."""
+
+    def __init__(self, file: DiskFile, reqs: list, mv: memoryview, flight: aio.InFlight):
+        self._file, self._reqs, self._mv, self._flight = file, reqs, mv, flight
+
+    def wait(self) -> int:
+        return self._file._finish(self._reqs, self._mv, self._flight.wait())

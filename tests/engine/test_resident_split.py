@@ -14,7 +14,7 @@ from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.models import cpu_kernel, layers
-from flexgen_sparpr.storage.disk import aligned_empty
+from flexgen_sparpr.storage.disk import DiskFile, aligned_empty
 from flexgen_sparpr.storage.disk_store import DiskStore
 from flexgen_sparpr.storage.tiers import Devices, Tier
 from flexgen_sparpr.weights.resolve import resolve_source
@@ -106,3 +106,32 @@ def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkey
     assert parts and min(parts) == 3  # with the gathered rest, in one call
     assert moved > 0  # and the others read from disk
     assert float((got - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
+
+
+def test_disk_blocks_read_in_flight_from_the_compute_thread_give_the_reader_threads_logits(llama64_dir, tmp_path,
+                                                                                         monkeypatch):
+    """With O_DIRECT and native AIO, the compute thread puts the disk blocks' reads in flight itself
+    (KVReader._land_later: no I/O-pool task reads them, engine/cell.py Landing) and waits for them
+    at the cell; the logits equal those of the same engine reading them on the I/O pool."""
+    src = resolve_source(str(llama64_dir), "")
+    ref_tokens, _ = hf_greedy(llama64_dir, LONG)
+    landings = []
+    real = cell.KVReader._land_later
+    monkeypatch.setattr(cell.KVReader, "_land_later", lambda self, *a: landings.append(real(self, *a)) or landings[-1])
+
+    with DiskFile(tmp_path / "probe.bin", 1, 4096, direct=True) as f:
+        if not f.reads_in_flight():
+            pytest.skip("no O_DIRECT here (or no native AIO): the disk blocks are read by the I/O pool")
+
+    def run(tag):
+        eng = Engine(src, Policy(gpu_batch_size=2, **HALF),
+                     EngineConfig(block_size=4, dtype="float32", kv_dtype="float32", offload_dir=str(tmp_path / tag),
+                                  direct_io=True))
+        try:
+            return forced_logits(eng, LONG, ref_tokens)
+        finally:
+            eng.close()
+    in_flight = run("aio")
+    assert landings and all(isinstance(x, cell.Landing) for x in landings)
+    monkeypatch.setattr(cell.KVReader, "_land_later", lambda self, *a: None)  # the I/O pool reads them
+    torch.testing.assert_close(in_flight, run("pool"), rtol=0, atol=0)

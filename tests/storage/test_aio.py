@@ -128,3 +128,62 @@ def test_a_forked_child_reads_through_a_context_of_its_own(direct_file):
             bytes(out.numpy()) == data[8192:16384]
         os._exit(0 if ok else 1)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+@needs_aio
+def test_batches_in_flight_at_once_are_each_reaped_by_their_own_wait(direct_file):
+    """submit returns with the reads in flight; three batches at once, waited in another order
+    (one from another thread), each holding exactly its own bytes; past 256 requests the rest come
+    back from wait as unsent."""
+    fd, data = direct_file
+    outs = [aligned_empty((300 * 4096,), torch.uint8) for _ in range(3)]
+    sizes = (3, 300, 1)
+    flights = [aio.submit(fd, [(o.data_ptr() + i * 4096, 4096, ((k * 7 + i) % 256) * 4096) for i in range(n)], keep=o)
+               for k, (o, n) in enumerate(zip(outs, sizes))]
+    assert all(f is not None for f in flights)
+    assert flights[2].wait() == []
+    assert flights[1].wait() == [(i, 0) for i in range(256, 300)]  # not sent: the caller's to read
+    got = []
+    th = threading.Thread(target=lambda: got.append(flights[0].wait()))
+    th.start()
+    th.join()
+    assert got == [[]]
+    for k, (o, n) in enumerate(zip(outs, sizes)):
+        for i in range(min(n, 256)):
+            p = (k * 7 + i) % 256
+            assert bytes(o[i * 4096:(i + 1) * 4096].numpy()) == data[p * 4096:(p + 1) * 4096]
+    with pytest.raises(RuntimeError):
+        flights[0].wait()  # reaped once only
+
+
+@needs_aio
+def test_reads_dropped_unreaped_are_reaped_before_their_memory_goes(direct_file):
+    fd, data = direct_file
+    out = aligned_empty((2 * 4096,), torch.uint8)
+    f = aio.submit(fd, [(out.data_ptr(), 4096, 0), (out.data_ptr() + 4096, 4096, 4096)], keep=out)
+    ctx = f._ctx
+    del f  # an error between submit and wait: __del__ waits them out and frees the context for the next
+    assert ctx in aio._idle
+    assert bytes(out.numpy()) == data[:8192]
+
+
+def test_read_ranges_later_waits_for_the_same_bytes_or_says_none_without_o_direct(tmp_path):
+    d = Path(tempfile.mkdtemp(prefix="fgsp-aio-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    files = [DiskFile(d / "k.bin", num_slots=8, slot_bytes=4096 * 2, direct=True, packed=True),
+             DiskFile(tmp_path / "b.bin", num_slots=8, slot_bytes=4096 * 2, direct=False, packed=True)]
+    try:
+        for f in files:
+            slots = [torch.randint(0, 255, (8192,), dtype=torch.uint8) for _ in range(8)]
+            for s, t in enumerate(slots):
+                f.write(s, t)
+            out = aligned_empty((3 * 8192,), torch.uint8)
+            pending = f.read_ranges([(5, 1), (1, 2)], out, [0, 8192], later=True)
+            if not f.reads_in_flight():  # buffered (or no native AIO): nothing can be in flight
+                assert pending is None
+                continue
+            assert pending.wait() == 3 * 8192
+            assert torch.equal(out, torch.cat([slots[5], slots[1], slots[2]]))
+    finally:
+        for f in files:
+            f.close()
+        d.rmdir()
