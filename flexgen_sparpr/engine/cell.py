@@ -128,28 +128,25 @@ class KVReader:
             return Done(None)
         if sel.guess:
             return self.io.submit(self._gather_guess, t, sel)
-        if land and self.io.overlap and not self.devices.streams.active:
-            later = self._land_later(t, sel, land)
-            if later is not None:
-                return later
+        if land and self.io.overlap and not self.devices.streams.active and t.store.disk_file.reads_in_flight():
+            return self._land_later(t, sel, land)
         return self.io.submit(self._gather, t, sel, False, land)
 
-    def _land_later(self, t: BlockTable, sel: Selection, land: list[int]) -> "Landing | None":
+    def _land_later(self, t: BlockTable, sel: Selection, land: list[int]) -> "Landing | Future":
         """resident_split's gather with its disk blocks' reads put in flight from this thread (native
         AIO on an O_DIRECT file), the rest (the open block) gathered now: the disk reads while the
         cells before compute, with no reader thread to take the GIL or a core from them (one had
-        cost a dense step with half its KV on disk 40 % more compute). None where reads cannot be
-        in flight (then the I/O pool's `_gather`)."""
-        if not t.store.disk_file.reads_in_flight():
-            return None
+        cost a dense step with half its KV on disk 40 % more compute). Where no AIO context can be
+        had, the I/O pool's `_gather` reads them into the same landing buffer."""
         buf = self.landing.take((t.store.landing_bytes(len(land)),), torch.uint8, self.devices.compute)
         later = t.store.land_later(land, buf)
         if later is None:
-            return None
+            return self.io.submit(self._gather, t, sel, False, land, buf)
         return Landing(gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring), list(land),
                        *later)
 
-    def _gather(self, t: BlockTable, sel, on_compute: bool = True, land: list[int] = ()) -> Fetched:
+    def _gather(self, t: BlockTable, sel, on_compute: bool = True, land: list[int] = (),
+                buf: torch.Tensor | None = None) -> Fetched:
         """A copy of part of an offloaded cache by a policy that keeps arenas (`arena_share`: a
         selective one that does not observe attention's reads in gather order) goes through the
         recall (only what the table's arena lacks is read; engine/recall.py); the rest, through
@@ -161,7 +158,8 @@ class KVReader:
             return self.recall.gather(t, sel, self.dtype, self.devices.compute)
         fetched = gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring)
         if land:  # the disk blocks read into the landing ring's next buffer, attended there
-            buf = self.landing.take((t.store.landing_bytes(len(land)),), torch.uint8, self.devices.compute)
+            if buf is None:  # the landing ring's next buffer, unless the caller took it
+                buf = self.landing.take((t.store.landing_bytes(len(land)),), torch.uint8, self.devices.compute)
             fetched.landed = (list(land), t.store.land(land, buf))
         return fetched
 
