@@ -138,7 +138,7 @@ class KVReader:
         cells before compute, with no reader thread to take the GIL or a core from them (one had
         cost a dense step with half its KV on disk 40 % more compute). Where no AIO context can be
         had, the I/O pool's `_gather` reads them into the same landing buffer."""
-        buf = self.landing.take((t.store.landing_bytes(len(land)),), torch.uint8, self.devices.compute)
+        buf = self._landing_buffer(t, land)
         later = t.store.land_later(land, buf)
         if later is None:
             return self.io.submit(self._gather, t, sel, False, land, buf)
@@ -158,10 +158,13 @@ class KVReader:
             return self.recall.gather(t, sel, self.dtype, self.devices.compute)
         fetched = gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring)
         if land:  # the disk blocks read into the landing ring's next buffer, attended there
-            if buf is None:  # the landing ring's next buffer, unless the caller took it
-                buf = self.landing.take((t.store.landing_bytes(len(land)),), torch.uint8, self.devices.compute)
+            buf = self._landing_buffer(t, land) if buf is None else buf  # unless the caller took it
             fetched.landed = (list(land), t.store.land(land, buf))
         return fetched
+
+    def _landing_buffer(self, t: BlockTable, land: list[int]) -> torch.Tensor:
+        """The landing ring's next buffer, sized for t's disk blocks `land`."""
+        return self.landing.take((t.store.landing_bytes(len(land)),), torch.uint8, self.devices.compute)
 
     def gather_dtype(self, t: BlockTable) -> torch.dtype:
         """The dtype a gather from table t lands in: for a policy that reads every block (dense), the

@@ -61,9 +61,8 @@ def read_raw_disk(store, runs: list, out: torch.Tensor) -> None:
 def read_landed(store, ranges: list, out: torch.Tensor) -> None:
     """Raw disk runs ((first slot, slots), byte offset in out) of a TierStore's packed file read into
     page-aligned CPU out, where they stay (attended there: TierReads.land)."""
-    nbytes = sum(c for (_, c), _ in ranges) * store.disk_file.slot_bytes
     _in_shares(store, lambda share: store.disk_file.read_ranges([r for r, _ in share], out, [a for _, a in share]),
-               ranges, nbytes, batched=True)
+               ranges, _ranges_bytes(store, ranges), batched=True)
 
 
 class LandingReads:
@@ -86,7 +85,12 @@ def landed_later(store, ranges: list, out: torch.Tensor) -> LandingReads | None:
     pending = store.disk_file.read_ranges([r for r, _ in ranges], out, [a for _, a in ranges], later=True)
     if pending is None:
         return None
-    return LandingReads(store, pending, sum(c for (_, c), _ in ranges) * store.disk_file.slot_bytes, len(ranges))
+    return LandingReads(store, pending, _ranges_bytes(store, ranges), len(ranges))
+
+
+def _ranges_bytes(store, ranges: list) -> int:
+    """The bytes of raw disk runs ((first slot, slots), byte offset)."""
+    return sum(c for (_, c), _ in ranges) * store.disk_file.slot_bytes
 
 
 def _in_shares(store, read, reqs: list, nbytes: int, batched: bool = False) -> None:

@@ -118,17 +118,22 @@ _CALLS = _SYSCALLS.get(platform.machine()) if sys.platform.startswith("linux") e
 
 
 def _context() -> _Context | None:
-    global _LIBC
     if _CALLS is None or _local.failed:
         return None
     if _local.ctx is None or _local.ctx.pid != os.getpid():
-        try:
-            _LIBC = _LIBC or ctypes.CDLL(None, use_errno=True)
-            _local.ctx = _Context(_LIBC, _CALLS)
-        except (OSError, AttributeError):  # no syscall(), or io_setup refused (ENOSYS, EAGAIN: aio-max-nr)
-            _local.failed = True
-            return None
+        _local.ctx = _new_context()
+        _local.failed = _local.ctx is None
     return _local.ctx
+
+
+def _new_context() -> _Context | None:
+    """A fresh AIO context, or None: no syscall(), or io_setup refused (ENOSYS, EAGAIN: aio-max-nr)."""
+    global _LIBC
+    try:
+        _LIBC = _LIBC or ctypes.CDLL(None, use_errno=True)
+        return _Context(_LIBC, _CALLS)
+    except (OSError, AttributeError):
+        return None
 
 
 def available() -> bool:
@@ -163,19 +168,17 @@ class InFlight:
         if ctx is None:
             raise RuntimeError("these reads were reaped already")
         try:
-            short = ctx.reap(self._reqs, self._sent)
+            return ctx.reap(self._reqs, self._sent)
         except OSError as e:
-            if e.strerror != "io_getevents":  # a failed read: every request was reaped
-                self._keep = None
+            if e.strerror == "io_getevents":  # reads may still be landing: their memory and context are never freed
+                _lost.append((ctx, self._keep))
+                ctx = None
+            raise
+        finally:
+            self._keep = None
+            if ctx is not None:  # every request reaped (a failed read too): the context serves the next batch
                 with _idle_lock:
                     _idle.append(ctx)
-            else:  # reads may still be landing: their memory and context are never freed
-                _lost.append((ctx, self._keep))
-            raise
-        self._keep = None
-        with _idle_lock:
-            _idle.append(ctx)
-        return short
 
     def __del__(self):
         if getattr(self, "_ctx", None) is not None and self._ctx.pid == os.getpid():
@@ -195,19 +198,14 @@ def submit(fd: int, reqs: list[tuple[int, int, int]], keep=None) -> InFlight | N
     reaps them (more than 256: the rest come back from wait as unsent). keep: the object owning the
     memory the reads land in, held until they are reaped. None where no context can be had (native
     AIO missing, or the kernel's aio-max-nr reached): then read another way."""
-    global _LIBC
     if _CALLS is None or _local.failed:
         return None
     with _idle_lock:
         while _idle and _idle[-1].pid != os.getpid():  # a forked child: its parent's contexts are not its own
             _idle.pop()
         ctx = _idle.pop() if _idle else None
-    if ctx is None:
-        try:
-            _LIBC = _LIBC or ctypes.CDLL(None, use_errno=True)
-            ctx = _Context(_LIBC, _CALLS)
-        except (OSError, AttributeError):
-            return None
+    if ctx is None and (ctx := _new_context()) is None:
+        return None
     try:
         sent = ctx.submit_reads(fd, reqs[:_EVENTS])
     except BaseException:
