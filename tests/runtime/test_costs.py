@@ -154,6 +154,19 @@ def test_weight_format_timings_are_cached_beside_the_probe_and_refreshed_on_dema
     assert kept["disk"] == first["disk"] and set(kept["weight_format_s"]) == {"1", "6"}
 
 
+def test_weight_format_probe_keeps_each_formats_best_round(monkeypatch):
+    """A burst of other work during one round (int4's first here) must not decide the format: the
+    rounds interleave the formats, and each keeps its fastest."""
+    monkeypatch.setattr(probe_mod, "WEIGHT_PROBE_ROUNDS", 3)
+    slow = iter([1.0, 0.2, 0.05, 0.2, 0.05, 0.2])  # round by round: int4, raw; int4's first round slow
+
+    def timed(fn, device):
+        return next(slow) * len(probe_mod.WEIGHT_PROBE_SHAPES) * probe_mod.WEIGHT_PROBE_LAYERS
+    monkeypatch.setattr(probe_mod, "_timed", timed)
+    t = probe_mod.measure_weight_formats(1, formats=("int4", "raw"))
+    assert t == pytest.approx({"int4": 0.05, "raw": 0.2})
+
+
 def test_measured_weight_formats_time_every_kernel_this_torch_has():
     t = probe_mod.measure_weight_formats(1)
     assert set(t) <= {"raw", "bfloat16", "int8", "int4"} and {"raw", "bfloat16"} <= set(t)
