@@ -110,6 +110,18 @@ def _pin_device(request, monkeypatch):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+@pytest.fixture(autouse=True)
+def _pin_sparse_steps(request, monkeypatch):
+    """SparPR's measured step fallback gives an offloaded cache's steps to dense by the wall clock
+    (kv/policies/sparpr_steps.py), so a test of the sparse path would depend on the machine's
+    speed: SparPR's steps stay sparse in every test not marked `step_fallback` (those test the
+    fallback itself: tests/kv/test_sparpr_steps.py)."""
+    if not request.node.get_closest_marker("step_fallback"):
+        from flexgen_sparpr.kv.policies.sparpr_steps import StepModes
+        monkeypatch.setattr(StepModes, "dense", lambda self, length: False)
+    yield
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """One line saying how the cuda-marked tests went (skipped here when there is no GPU)."""
     counts: dict[str, int] = {}

@@ -164,7 +164,8 @@ def parser(doc: str) -> OneLineParser:
     ap.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES, default=["auto"],
                     help="--kv-dtype of the disk cells, each its own cell (q8 / q4: quantized blocks; the resident "
                          "cells keep the compute dtype and run once)")
-    ap.add_argument("--steps", type=int, default=8, help="decode steps each policy runs (median taken)")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps each policy runs (median taken; 24: past "
+                    "SparPR's first measured choice of sparse or dense steps, made by step 9 at the latest)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offload-dir", default=str(Path(tempfile.gettempdir()) / "flexgen-sparpr-bench-step"))
     ap.add_argument("--out", default=str(REPO / "results" / "step"))

@@ -165,6 +165,7 @@ class Engine:
             raise ConfigError(f"the cache holds {st.plen + st.max_new - 1} tokens: it is full")
         length = st.plen + i - 1  # tokens cached before this step's input
         self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
+        self.kv_policy.after_step(length, st.step_times[-1])  # SparPR times its sparse and dense steps
         return st.tokens[-1]
 
     def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None, bar=None) -> None:

@@ -33,6 +33,7 @@ class Selection:
     # blocks / seqs still name the union (what the statistics count). None: the union layout.
     rows: torch.Tensor | None = None
     nseq: list[int] | None = None  # [n sealed picked blocks] sequences reading each, on the host (None: not counted)
+    dense: bool = False  # every block, read as a dense step reads them (SparPR's measured step fallback)
 
     @staticmethod
     def all(table: BlockTable) -> "Selection":
@@ -159,6 +160,9 @@ class KVPolicy:
     def select(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         """What to read for query q: [B, H, 1, D] (called only when plan returned None)."""
         return Selection.all(table)
+
+    def after_step(self, length: int, seconds: float) -> None:
+        """A decode step at this context length (tokens cached before its input) took `seconds`."""
 
     def speculate(self, table: BlockTable, layer: int, q: torch.Tensor) -> Selection:
         """`select` for a guessed query (the engine's speculative prefetch): the same choice,

@@ -102,7 +102,8 @@ class Recorder:
         nbytes = sum(t.checkpoints.store.codec_of(Tier.DISK).nbytes if i in rebuilt else t.store.read_bytes(i, readers[i]) for i in disk)
         if getattr(pol, "scans_keys", False):  # reads every block once more, whole, to rank keys
             nbytes += sum(t.store.codec_of(Tier.DISK).nbytes for i in range(sealed) if t.homes[i] == Tier.DISK)
-        fallback = fetched is not None and fetched.sel.mask is None and blocks == list(range(t.num_blocks))
+        fallback = fetched is not None and (fetched.sel.dense or  # a step given to dense (SparPR's step fallback)
+                                            fetched.sel.mask is None and blocks == list(range(t.num_blocks)))
         self.steps.append(Step(self.step, layer, see.sum(-1).tolist(), budget, missing, chosen,
                                nbytes, sorted(set(blocks) - used), fallback and sparse))
         return fetched

@@ -299,7 +299,8 @@ def test_cli_passes_sparpr_flags_only_to_sparpr():
     # --quest-only turns the three runtime decisions off
     assert args == dict(keep_ratio=0.5, min_keep_tokens=768, min_keep=0.2, gamma=0.8, recent_blocks=1,
                         dynamic_budget=False,
-                        recompute=False, fallback=False, quest_only=True, head_score="softmax", summary="lowrank",
+                        recompute=False, fallback=False, step_fallback=False, quest_only=True, head_score="softmax",
+                        summary="lowrank",
                         summary_rank=0.5, summary_tokens=4, summaries_on="compute",
                         per_sequence=True, per_head=False, checkpoints="auto", costs=None, probe_dir="/somewhere")
     assert engine_args("--kv-policy", "sparpr", "--checkpoints", "always")["checkpoints"] == "always"

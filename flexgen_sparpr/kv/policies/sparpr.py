@@ -23,6 +23,7 @@ from .sparpr_lowrank import KeyBasis, encode, fit_basis, kernel_scores, lowrank_
 from .sparpr_mean import summary_scores
 from .sparpr_plan import CostPlan
 from .sparpr_stats import StepStats
+from .sparpr_steps import StepModes
 
 
 HEAD_SCORES = ("sum", "softmax")
@@ -80,6 +81,9 @@ class SparPR(CostPlan, BlockSelectionPolicy):
     dynamic_budget: bool = knob(True, "ablation: always keep --keep-ratio (no cost-driven budget)")
     recompute: bool = knob(True, "ablation: copy every selected block (no checkpoint recompute)")
     fallback: bool = knob(True, "ablation: never fall back to dense")
+    step_fallback: bool = knob(True, "ablation: no measured step fallback (by default, with blocks offloaded, "
+                               "sparse and dense decode steps are timed and whole steps run dense while sparse "
+                               "ones cost more than gamma x dense ones)")
     quest_only: bool = knob(False, "ablation: query-aware selection alone, copy only (no dynamic budget, "
                             "recompute or fallback)")
     head_score: str = knob("softmax", "how the query heads' q . summary add up to a block's score (block_scores)",
@@ -124,11 +128,14 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         if self.per_head and (not self.per_sequence or self.summary == "mean" or self.head_score != "softmax"):
             raise KnobError("per_head", "needs each sequence's own pick and the lowrank or exact summary's softmax")
         at_least(self, "recent_blocks", 0)
-        if self.quest_only:  # the selection stage alone: the three runtime decisions are off
+        if self.quest_only:  # the selection stage alone: the runtime decisions are off
             self.dynamic_budget = self.recompute = self.fallback = False
+        if not self.fallback:  # --no-fallback: never dense, per layer or per step
+            self.step_fallback = False
         self.needs_checkpoints = self.recompute
         self._init_plan()
         self.step_stats = StepStats()
+        self.step_modes = StepModes(self.gamma)
         self._basis: weakref.WeakKeyDictionary[BlockTable, KeyBasis] = weakref.WeakKeyDictionary()
         self._packed: weakref.WeakKeyDictionary[BlockTable, PackedCodes] = weakref.WeakKeyDictionary()
 
@@ -229,10 +236,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
             raise ValueError(f"summary_tokens {self.summary_tokens} does not divide the block size {table.bs}")
         return table.bs // self.summary_tokens
 
-    # --- the step ---
-    def plan(self, table: BlockTable, layer: int) -> Selection | None:
-        return None  # the selection needs the query
-
+    # --- the step (plan: sparpr_plan.py) ---
     def own_blocks(self, table: BlockTable, counts: torch.Tensor) -> torch.Tensor:
         """[B, nb]: each sequence's sink block (the first holding a valid token) and the recent ones."""
         sealed = counts.shape[1]
@@ -286,4 +290,5 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         return {"policy": self.name, "config": config,
                 "costs": self.costs.to_dict() if self.costs is not None else None,
                 "checkpoint_tables": {"kept": self.ckpt_tables[0], "asked": self.ckpt_tables[1]},
+                "step_fallback": self.step_modes.report(),
                 **self.step_stats.report()}

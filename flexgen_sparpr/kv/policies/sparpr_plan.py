@@ -103,6 +103,24 @@ class CostPlan:
             return self.keep_ratio, 0.0
         return self.target_keep(table, self.block_costs(table, self.hidden_of(table, q)))
 
+    # --- whole steps read densely while they are measured faster (sparpr_steps.py) ---
+    def plan(self, table: BlockTable, layer: int) -> Selection | None:
+        """Every block, read as dense reads them, on a step the measured fallback gives to dense;
+        else None (the selection needs the query)."""
+        if not self.step_fallback or self.is_dense_layer(layer) or \
+                not self.offloaded(table, table.length // table.bs) or not self.step_modes.dense(table.length):
+            return None
+        view = self.step_view(table)
+        self.step_stats.add(table, blocks_selected=table.num_blocks, copied=sum(self.offloaded(table, view.sealed).values()),
+                            rebuilt=0, spans=1, n_valid=view.n_valid, tokens_read=sum(view.n_valid), target=1.0,
+                            rho=math.nan, sparse_s=math.nan, dense_s=math.nan, fell_back=True, est_bytes={})
+        return dataclasses.replace(Selection.all(table), dense=True)
+
+    def after_step(self, length: int, seconds: float) -> None:
+        if self.step_fallback:  # with a sparse step's dense cost by the model: the least a dense step costs
+            last = self.step_stats.steps[-1] if self.step_stats.steps else None
+            self.step_modes.record(length, seconds, last["est_dense_s"] if last and last["context"] == length else None)
+
     # --- the plan for the chosen blocks ---
     def finish(self, table: BlockTable, layer: int, sel: Selection, pick: torch.Tensor, view: StepView,
                target: float, rho: float, q: torch.Tensor) -> Selection:
