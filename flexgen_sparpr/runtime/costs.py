@@ -87,6 +87,16 @@ class CostModel:
         """Seconds to copy nbytes home -> compute (KV blocks: codec.nbytes already counts K and V)."""
         return nbytes / self.bandwidth(tier, devices)
 
+    def least_copy_s(self, nbytes: int, tier: Tier, devices: Devices) -> float:
+        """The least copying nbytes home -> compute can cost: copy_s at the faster of the live and
+        the probed disk bandwidth (the engine's timed reads include a selection's small scattered
+        ones, slower than a whole-cache read's long runs)."""
+        if tier != Tier.DISK:
+            return self.copy_s(nbytes, tier, devices)
+        disk = max(self.disk_Bps(devices), self.disk_read_Bps)
+        h2d = self.h2d_Bps if devices.is_cuda and self.h2d_Bps else None
+        return nbytes / (serial(disk, h2d) if h2d else disk)
+
     def flop_s(self, flops: float, dtype: torch.dtype) -> float:
         name = dtype_name(dtype)
         if name not in self.matmul_flops:

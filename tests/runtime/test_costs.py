@@ -106,6 +106,19 @@ def test_live_bandwidth_comes_from_the_engines_own_reads():
     assert cm.bandwidth(Tier.DISK, dev) == 1e9
 
 
+def test_the_least_copy_takes_the_faster_of_the_live_and_probed_disk_bandwidth():
+    """A selection's small scattered reads time the live link below what a dense step's long runs
+    reach: the floor of a dense step (SparPR's measured step fallback) must not rise with them."""
+    dev = Devices(torch.device("cpu"))
+    cm = CostModel(disk_read_Bps=1e9, matmul_flops={"float32": 1e9})
+    dev.counters.add("disk", "cpu", 1000, 1e-5)  # live 1e8: slow small reads
+    assert cm.copy_s(1e6, Tier.DISK, dev) == pytest.approx(1e-2)
+    assert cm.least_copy_s(1e6, Tier.DISK, dev) == pytest.approx(1e-3)  # the probe's 1e9
+    dev.counters.add("disk", "cpu", 10 ** 9, 0.25)  # live now ~4e9: faster than the probe
+    assert cm.least_copy_s(1e6, Tier.DISK, dev) == pytest.approx(cm.copy_s(1e6, Tier.DISK, dev))
+    assert cm.least_copy_s(1e6, Tier.COMPUTE, dev) == 0
+
+
 def test_probe_cache_round_trips(tmp_path, monkeypatch):
     cache, disk = tmp_path / "cache", tmp_path / "offload"
     first = probe_mod.probe(torch.device("cpu"), [torch.float32], disk, cache_dir=cache)

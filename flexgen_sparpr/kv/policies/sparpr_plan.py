@@ -117,9 +117,9 @@ class CostPlan:
         return dataclasses.replace(Selection.all(table), dense=True)
 
     def after_step(self, length: int, seconds: float) -> None:
-        if self.step_fallback:  # with a sparse step's dense cost by the model: the least a dense step costs
+        if self.step_fallback:  # with a sparse step's floor: the least its offloaded blocks' reads cost
             last = self.step_stats.steps[-1] if self.step_stats.steps else None
-            self.step_modes.record(length, seconds, last["est_dense_s"] if last and last["context"] == length else None)
+            self.step_modes.record(length, seconds, last["dense_floor_s"] if last and last["context"] == length else None)
 
     # --- the plan for the chosen blocks ---
     def finish(self, table: BlockTable, layer: int, sel: Selection, pick: torch.Tensor, view: StepView,
@@ -127,6 +127,7 @@ class CostPlan:
         sealed, b = view.sealed, table.block_shape[1]
         per_seq = pick if pick.dim() == 2 else pick.any(dim=1)  # per_seq: [B, nb]
         rebuild, nspans, sparse_s, dense_s, fell_back, est, moved = [], None, math.nan, math.nan, False, {}, 0
+        floor_s = math.nan
         if not self.quest_only and self.offloaded(table, sealed):
             costs = self.block_costs(table, self.hidden_of(table, q))
             chosen = [i for i in sel.blocks if i < sealed]
@@ -144,7 +145,9 @@ class CostPlan:
             spans = merge_spans(chosen, homes)
             nspans = len(spans)
             rebuild, sparse_s = plan_recovery(spans, copy, rec, self.cost_model(table).span_overhead_s(table.dtype))
-            dense_s = sum(n * costs[t][0] for t, n in self.offloaded(table, sealed).items())
+            off, cm = self.offloaded(table, sealed), self.cost_model(table)
+            dense_s = sum(n * costs[t][0] for t, n in off.items())
+            floor_s = sum(n * cm.least_copy_s(store.codec_of(t).nbytes, t, table.devices) for t, n in off.items())
             if self.fallback and should_fall_back(sparse_s, dense_s, self.gamma):
                 sel, rebuild, fell_back = Selection.all(table), [], True
                 moved = sum(self.offloaded(table, sealed).values())
@@ -156,7 +159,7 @@ class CostPlan:
         self.step_stats.add(table, blocks_selected=len(sel.blocks), copied=moved - len(rebuild),
                             rebuilt=len(rebuild), spans=nspans,
                             n_valid=view.n_valid, tokens_read=read, target=target, rho=rho, sparse_s=sparse_s,
-                            dense_s=dense_s, fell_back=fell_back, est_bytes=est, picked=picked)
+                            dense_s=dense_s, fell_back=fell_back, est_bytes=est, picked=picked, dense_floor_s=floor_s)
         sel = dataclasses.replace(sel, recompute=tuple(rebuild))
         # DKV cold blocks left out are still attended on their exact rows, held on compute (nothing moves)
         return sel if fell_back else with_exact_rows(table, sel, view.valid)

@@ -18,7 +18,8 @@ class StepStats:
     (a step = one context length; estimated bytes per link from the selection and homes)."""
 
     KEYS = ("calls", "blocks_total", "blocks_selected", "blocks_copied", "blocks_recomputed", "spans",
-            "fallbacks", "tokens_read", "tokens_valid", "keep_target_sum", "est_sparse_s", "est_dense_s")
+            "fallbacks", "tokens_read", "tokens_valid", "keep_target_sum", "est_sparse_s", "est_dense_s",
+            "dense_floor_s")
 
     def __init__(self):
         self.steps: list[dict] = []
@@ -26,11 +27,13 @@ class StepStats:
 
     def add(self, table: BlockTable, *, blocks_selected: int, copied: int, rebuilt: int, spans, n_valid: list[int],
             tokens_read, target: float, rho: float, sparse_s: float, dense_s: float, fell_back: bool,
-            est_bytes: dict[str, int], picked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+            est_bytes: dict[str, int], picked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            dense_floor_s: float = math.nan) -> None:
         """One layer's selection. spans and tokens_read may be device tensors: they are summed
         there and read at report time (no sync per step). picked (pick [B, nb] bool, counts [B, nb],
         open tokens []): count spans and tokens read from it instead, all of a step's layers at once
-        when the step ends (a few tensor calls a step, not a layer)."""
+        when the step ends (a few tensor calls a step, not a layer). dense_floor_s: the least reading
+        every offloaded block could cost (CostModel.least_copy_s; the measured step fallback's floor)."""
         if not self.steps or self.steps[-1]["context"] != table.length or \
                 picked is not None and self._picked and self._picked[0][0].shape != picked[0].shape:
             self._count_picked()
@@ -45,7 +48,8 @@ class StepStats:
                      ("blocks_copied", copied), ("blocks_recomputed", rebuilt), ("spans", spans),
                      ("fallbacks", int(fell_back)), ("tokens_read", tokens_read), ("tokens_valid", sum(n_valid)),
                      ("keep_target_sum", target), ("est_sparse_s", sparse_s if math.isfinite(sparse_s) else 0.0),
-                     ("est_dense_s", dense_s if math.isfinite(dense_s) else 0.0)):
+                     ("est_dense_s", dense_s if math.isfinite(dense_s) else 0.0),
+                     ("dense_floor_s", dense_floor_s if math.isfinite(dense_floor_s) else 0.0)):
             s[k] += v
         for link, n in est_bytes.items():
             s["est_bytes"][link] = s["est_bytes"].get(link, 0) + n

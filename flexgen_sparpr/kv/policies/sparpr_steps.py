@@ -9,8 +9,8 @@ SparPR was 1.6x slower than dense. So the policy times both kinds of step and ru
 
 - a run starts sparse: SETTLE steps untimed (warm-up), SAMPLES timed;
 - where the median sparse step is already below gamma x the least a dense step could cost (its
-  offloaded blocks' bytes over the link's measured bandwidth, the per-layer rule's dense cost
-  summed over the step), sparse is chosen without timing dense; else SETTLE + SAMPLES dense steps
+  offloaded blocks' bytes over the faster of the probed and the live disk bandwidth, summed over
+  the step: CostModel.least_copy_s), sparse is chosen without timing dense; else SETTLE + SAMPLES dense steps
   are timed and the mode whose median step is lower runs, with gamma's preference for dense
   (dense while the sparse median is above gamma x the dense one), the chosen mode's timings kept
   fresh;
