@@ -84,7 +84,7 @@ class KVReader:
         cost more than the reads: the resident half, 369 MB of copies a step at 8000 tokens, batch 4;
         the disk blocks, a permuting copy of every byte read, on the two cores the matmuls use. Else
         (sel, [])."""
-        if sel is None or not (self.policy.reads_all or sel.dense) or self.policy.observes or self.sparsity < 1 or \
+        if sel is None or not self.reads_whole(sel) or self.policy.observes or self.sparsity < 1 or \
                 self.devices.is_cuda or t.store.resident or len(sel.blocks) != t.num_blocks:
             return sel, []
         store, sealed, homes = t.store, t.sealed, t.homes
@@ -101,6 +101,11 @@ class KVReader:
             return sel, []
         skip = set(resident) | set(land)
         return Selection([b for b in sel.blocks if b not in skip], dense=sel.dense), land
+
+    def reads_whole(self, sel: Selection) -> bool:
+        """Whether this selection reads every block as a dense step does: the policy always does, or
+        this step was given to dense (SparPR's measured step fallback, `Selection.dense`)."""
+        return self.policy.reads_all or sel.dense
 
     def _kernel_usable(self, store_dtype: torch.dtype, arena: torch.Tensor | None) -> bool:
         """Whether the compiled kernel reads this model's queries over blocks stored so (and the arena)."""
@@ -196,7 +201,7 @@ class KVReader:
             return split_by_home(t, q, k, v, pads), t.append(k, v)
         fetched = self.read(t, layer, q, fetched, w, pads)
         landed = fetched.landed if fetched is not None else None
-        split = fetched is not None and fetched.rows is None and (self.policy.reads_all or fetched.sel.dense) and \
+        split = fetched is not None and fetched.rows is None and self.reads_whole(fetched.sel) and \
             len(fetched.sel.blocks) < t.num_blocks  # resident_split's: the rest attended where it is
         read = set(fetched.sel.blocks) | set(landed[0] if landed else ()) if split else ()
         resident = [b for b in range(t.num_blocks) if b not in read] if split else []
@@ -234,7 +239,7 @@ class KVReader:
         if fetched is not None and fetched.hidden is not None:
             with clock.timed("rebuild"):
                 rebuild_kv(fetched, self.arch, w, pads)
-        whole = fetched is None or self.policy.reads_all or fetched.sel.dense
+        whole = fetched is None or self.reads_whole(fetched.sel)
         self.blocks_read[0] += t.num_blocks if whole else len(fetched.sel.blocks)
         self.blocks_read[1] += t.num_blocks
         return fetched

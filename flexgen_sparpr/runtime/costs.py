@@ -73,14 +73,16 @@ class CostModel:
         seen = devices.counters.bandwidth("disk", "cpu") if self.live else None
         return seen if seen else self.disk_read_Bps
 
-    def bandwidth(self, tier: Tier, devices: Devices) -> float:
-        """Bytes/s from a block's home tier to the compute device (inf: no link is crossed)."""
+    def bandwidth(self, tier: Tier, devices: Devices, fastest: bool = False) -> float:
+        """Bytes/s from a block's home tier to the compute device (inf: no link is crossed); fastest:
+        the disk at the faster of the live and the probed bandwidth."""
         if tier == Tier.COMPUTE:
             return math.inf
         h2d = self.h2d_Bps if devices.is_cuda and self.h2d_Bps else None
         if tier == Tier.CPU:  # only reachable on CUDA: on a CPU-only machine 'cpu' is compute
             return h2d or math.inf
-        return serial(self.disk_Bps(devices), h2d) if h2d else self.disk_Bps(devices)
+        disk = max(self.disk_Bps(devices), self.disk_read_Bps) if fastest else self.disk_Bps(devices)
+        return serial(disk, h2d) if h2d else disk
 
     # --- per block ---
     def copy_s(self, nbytes: int, tier: Tier, devices: Devices) -> float:
@@ -91,11 +93,7 @@ class CostModel:
         """The least copying nbytes home -> compute can cost: copy_s at the faster of the live and
         the probed disk bandwidth (the engine's timed reads include a selection's small scattered
         ones, slower than a whole-cache read's long runs)."""
-        if tier != Tier.DISK:
-            return self.copy_s(nbytes, tier, devices)
-        disk = max(self.disk_Bps(devices), self.disk_read_Bps)
-        h2d = self.h2d_Bps if devices.is_cuda and self.h2d_Bps else None
-        return nbytes / (serial(disk, h2d) if h2d else disk)
+        return nbytes / self.bandwidth(tier, devices, fastest=True)
 
     def flop_s(self, flops: float, dtype: torch.dtype) -> float:
         name = dtype_name(dtype)

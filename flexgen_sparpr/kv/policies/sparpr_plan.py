@@ -107,11 +107,11 @@ class CostPlan:
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
         """Every block, read as dense reads them, on a step the measured fallback gives to dense;
         else None (the selection needs the query)."""
-        if not self.step_fallback or self.is_dense_layer(layer) or \
-                not self.offloaded(table, table.length // table.bs) or not self.step_modes.dense(table.length):
+        off = self.offloaded(table, table.length // table.bs) if self.step_fallback else None
+        if not off or self.is_dense_layer(layer) or not self.step_modes.dense(table.length):
             return None
         view = self.step_view(table)
-        self.step_stats.add(table, blocks_selected=table.num_blocks, copied=sum(self.offloaded(table, view.sealed).values()),
+        self.step_stats.add(table, blocks_selected=table.num_blocks, copied=sum(off.values()),
                             rebuilt=0, spans=1, n_valid=view.n_valid, tokens_read=sum(view.n_valid), target=1.0,
                             rho=math.nan, sparse_s=math.nan, dense_s=math.nan, fell_back=True, est_bytes={})
         return dataclasses.replace(Selection.all(table), dense=True)
@@ -150,7 +150,7 @@ class CostPlan:
             floor_s = sum(n * cm.least_copy_s(store.codec_of(t).nbytes, t, table.devices) for t, n in off.items())
             if self.fallback and should_fall_back(sparse_s, dense_s, self.gamma):
                 sel, rebuild, fell_back = Selection.all(table), [], True
-                moved = sum(self.offloaded(table, sealed).values())
+                moved = sum(off.values())
             else:
                 est = self._est_bytes(table, chosen, rebuild, nseq)
         # nothing offloaded: spans of adjacent chosen blocks and tokens read, counted on the device per step

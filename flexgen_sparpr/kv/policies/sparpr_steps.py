@@ -1,4 +1,4 @@
-"""SparPR's measured step fallback (`--step-fallback`): whole decode steps of an offloaded cache read
+"""SparPR's measured step fallback (on by default; `--no-step-fallback` turns it off): whole decode steps of an offloaded cache read
 it as the dense policy does while sparse steps, timed, cost more than gamma x dense steps, timed too.
 
 The per-layer fallback (sparpr_plan.py) weighs the bytes a sparse and a dense layer would move. It
