@@ -11,7 +11,8 @@ std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<t
                                                   std::vector<c10::optional<torch::Tensor>> masks,
                                                   std::vector<c10::optional<torch::Tensor>> rows);  // decode_kernel.cpp
 bool simd();  // decode_kernel.cpp
-torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optional<torch::Tensor> bias, int64_t bs);  // lowrank_kernel.cpp
+torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor codes, c10::optional<torch::Tensor> bias,
+                             int64_t bs);  // lowrank_kernel.cpp
 
 std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::Tensor> own, int64_t k, int64_t bs,
                                      int64_t length);  // select_kernel.cpp

@@ -1,8 +1,12 @@
 // SparPR's low-rank block scores on a CPU with AVX-512 (kv/policies/sparpr_lowrank.py, head_score
-// "softmax"): per sequence, KV head and query head, q . k~ of every sealed token from its 4-bit codes
-// (two a byte, tokens innermost), the softmax over the tokens, and each block's share of it, summed
-// over the heads: one call a layer where torch takes about fifteen. Float32 throughout (the torch path
-// multiplies in bfloat16).
+// "softmax"): per sequence, KV head and query head, the query's coordinates in the KV head's basis,
+// q . k~ of every sealed token from its 4-bit codes (two a byte, tokens innermost), the softmax over
+// the tokens, and each block's share of it, summed over the heads: one call a layer where torch takes
+// about fifteen. Float32 throughout (the torch path multiplies in bfloat16).
+// The softmax is taken a block at a time (each block's max and its sum of e^(x - max), then one pass
+// over the blocks), so a work item's logits stay in a buffer the size of L1 and the codes are read once:
+// a layer's codes come from the shared cache after the layer's weights went through (at 8000 tokens
+// the call took twice as long in place as alone with a buffer of every logit).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,7 +21,8 @@ namespace {
 
 constexpr float kLow = -1e30f;  // a padded token's logit: finite, as -ffast-math's vector exp needs
 constexpr int kMaxG = 8;
-constexpr int64_t kChunk = 512;  // tokens a thread's work item scores (a multiple of 16)
+constexpr int64_t kChunk = 512;  // tokens a thread's work item scores, at least (whole blocks)
+constexpr int64_t kAheadBytes = 512;  // how far ahead of the tokens scored each code row is prefetched
 
 // e^x, 16 lanes (x <= 0 here: a logit less the row's max): 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2,
 // e^r by its Taylor series to r^7 (relative error under 2e-7); below -87 it is 0 as float32's exp gives
@@ -38,23 +43,25 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LE_OQ), e, _mm512_setzero_ps());
 }
 
-// logits [G, T] of one (sequence, KV head): qs [G, r] (r = 2 half), codes [half, T] with row stride cs.
+// logits [G, T] of one (sequence, KV head), less a constant per query head (8 times its coordinates' sum:
+// the codes' offset, which the softmax over the tokens does not see): qs [G, r] (r = 2 half) as pairs
+// (qe, qo - 16 qe) of each byte's even and odd direction, so that qe lo + qo hi = qe v + (qo - 16 qe) hi
+// with v the byte (two conversions a byte); codes [half, T] with row stride cs.
 // G is a template argument so that the G sums stay in registers (a runtime G spilled them: 2x slower)
 template <int G>
 void logits_g(const float* qs, int half, const uint8_t* codes, int64_t cs, int64_t T, const float* bias,
               float* out, int64_t os) {
   int64_t t0 = 0;
-  const __m512i low4 = _mm512_set1_epi32(15);
-  const __m512 eight = _mm512_set1_ps(8.f);
   for (; t0 + 16 <= T; t0 += 16) {
+    if (t0 % 64 == 0)  // the r / 2 rows are strided streams too short for the hardware's prefetcher
+      for (int i = 0; i < half; ++i) _mm_prefetch(reinterpret_cast<const char*>(codes + i * cs + t0 + kAheadBytes), _MM_HINT_T0);
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int i = 0; i < half; ++i) {
       const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + i * cs + t0)));
-      const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, low4)), eight);
-      const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), eight);
+      const __m512 v = _mm512_cvtepi32_ps(x), hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
       for (int g = 0; g < G; ++g) {
-        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * 2 * half + 2 * i]), lo, acc[g]);
+        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * 2 * half + 2 * i]), v, acc[g]);
         acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * 2 * half + 2 * i + 1]), hi, acc[g]);
       }
     }
@@ -69,7 +76,7 @@ void logits_g(const float* qs, int half, const uint8_t* codes, int64_t cs, int64
       float s = 0.f;
       for (int i = 0; i < half; ++i) {
         const int c = codes[i * cs + t];
-        s += qs[g * 2 * half + 2 * i] * ((c & 15) - 8) + qs[g * 2 * half + 2 * i + 1] * ((c >> 4) - 8);
+        s += qs[g * 2 * half + 2 * i] * c + qs[g * 2 * half + 2 * i + 1] * (c >> 4);
       }
       out[g * os + t] = bias ? s + std::max(bias[t], kLow) : s;
     }
@@ -91,22 +98,44 @@ void logits(const float* qs, int G, int half, const uint8_t* codes, int64_t cs, 
   }
 }
 
+// x [n] -> (its max m, sum of e^(x - m)), 16 lanes at a time (the compiler's exp over this loop ran
+// scalar, ten times the logits' cost)
+inline void block_stats(const float* x, int64_t n, float* m_out, float* s_out) {
+  __m512 vm = _mm512_set1_ps(kLow);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+  if (t < n) vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, x + t));
+  const float m = _mm512_reduce_max_ps(vm);
+  const __m512 vt = _mm512_set1_ps(m);
+  __m512 vs = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), vt)));
+  if (t < n) vs = _mm512_mask_add_ps(vs, tail, vs, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(vt, tail, x + t), vt)));
+  *m_out = m;
+  *s_out = _mm512_reduce_add_ps(vs);
+}
+
 }  // namespace
 #endif
 
-// qs: [B, Hkv, G, r] float32 contiguous (each query head's coordinates, scaled by the steps and 1 / sqrt(D));
-// codes: [B, Hkv, r / 2, T] uint8, tokens contiguous (even direction low nibble, odd high; code - 8 steps);
-// bias: [B, T] float32 contiguous, 0 or -inf (left padding), or None; bs: tokens a block (T = nb bs).
+// q: [B, Hkv, G, D] float32 contiguous (each KV head's query heads); basis: [Hkv, D, r] float32 contiguous
+// (the directions, scaled by the steps and 1 / sqrt(D)); codes: [B, Hkv, r / 2, T] uint8, tokens contiguous
+// (even direction low nibble, odd high; code - 8 steps); bias: [B, T] float32 contiguous, 0 or -inf (left
+// padding), or None; bs: tokens a block (T = nb bs).
 // Returns [B, nb] float32: each block's share of each query head's softmax over the T tokens, summed over
 // the query heads.
-torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optional<torch::Tensor> bias, int64_t bs) {
+torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor codes, c10::optional<torch::Tensor> bias,
+                             int64_t bs) {
 #if defined(__AVX512F__)
-  TORCH_CHECK(qs.scalar_type() == torch::kFloat32 && qs.is_contiguous() && qs.dim() == 4 && qs.size(2) <= kMaxG,
-              "qs: contiguous float32 [B, Hkv, G <= 8, r]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4 && q.size(2) <= kMaxG,
+              "q: contiguous float32 [B, Hkv, G <= 8, D]");
+  TORCH_CHECK(basis.scalar_type() == torch::kFloat32 && basis.is_contiguous() && basis.dim() == 3 &&
+                  basis.size(0) == q.size(1) && basis.size(1) == q.size(3),
+              "basis: contiguous float32 [Hkv, D, r]");
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.dim() == 4 && codes.stride(3) == 1 &&
-                  codes.size(0) == qs.size(0) && codes.size(1) == qs.size(1) && 2 * codes.size(2) == qs.size(3),
+                  codes.size(0) == q.size(0) && codes.size(1) == q.size(1) && 2 * codes.size(2) == basis.size(2),
               "codes: uint8 [B, Hkv, r / 2, T], T contiguous");
-  const int64_t B = qs.size(0), H = qs.size(1), G = qs.size(2), half = codes.size(2), T = codes.size(3);
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), half = codes.size(2), T = codes.size(3);
   const int64_t r = 2 * half;
   TORCH_CHECK(bs >= 1 && T % bs == 0, "T a whole number of blocks");
   const float* bp = nullptr;
@@ -117,69 +146,58 @@ torch::Tensor lowrank_scores(torch::Tensor qs, torch::Tensor codes, c10::optiona
     bp = bias->data_ptr<float>();
   }
   const int64_t nb = T / bs, BH = B * H;
-  const float* qp = qs.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  // the logits, in chunks of tokens over the threads (a batch of one has only Hkv sequences x heads)
-  auto lgt = torch::empty({BH, G, T}, qs.options());
-  float* lg = lgt.data_ptr<float>();
-  const int64_t nc = (T + kChunk - 1) / kChunk;
-  at::parallel_for(0, BH * nc, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t bh = i / nc, t0 = (i % nc) * kChunk, n = std::min(kChunk, T - t0), b = bh / H, h = bh % H;
-      logits(qp + bh * G * r, G, half, cp + b * codes.stride(0) + h * codes.stride(1) + t0, codes.stride(2), n,
-             bp ? bp + b * T + t0 : nullptr, lg + bh * G * T + t0, T);
-    }
-  });
-  // each (sequence, KV head, query head)'s softmax over the tokens, summed by block (16 lanes at a time:
-  // the compiler's exp over this loop ran scalar, ten times the logits' cost)
-  auto mass = torch::empty({BH, G, nb}, qs.options());
-  float* mp = mass.data_ptr<float>();
-  at::parallel_for(0, BH * G, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      float* x = lg + row * T;
-      float* out = mp + row * nb;
-      const int64_t T16 = T / 16 * 16;
-      __m512 vtop = _mm512_set1_ps(kLow);
-      for (int64_t t = 0; t < T16; t += 16) vtop = _mm512_max_ps(vtop, _mm512_loadu_ps(x + t));
-      float top = _mm512_reduce_max_ps(vtop);
-      for (int64_t t = T16; t < T; ++t) top = std::max(top, x[t]);
-      const __m512 vt = _mm512_set1_ps(top);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t t = 0; t < T16; t += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), vt));
-        _mm512_storeu_ps(x + t, e);
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      float sum = _mm512_reduce_add_ps(vsum);
-      for (int64_t t = T16; t < T; ++t) {
-        x[t] = std::exp(x[t] - top);
-        sum += x[t];
-      }
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      for (int64_t k = 0; k < nb; ++k) {
-        const float* xb = x + k * bs;
-        float s = 0.f;
-        int64_t t = 0;
-        if (bs % 16 == 0) {
-          __m512 a = _mm512_setzero_ps();
-          for (; t < bs; t += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(xb + t));
-          s = _mm512_reduce_add_ps(a);
-        }
-        for (; t < bs; ++t) s += xb[t];
-        out[k] = s * inv;
-      }
-    }
-  });
-  // summed over the query heads in their order, then over the KV heads
-  auto partial = torch::empty({B, H, nb}, qs.options());
-  float* pp = partial.data_ptr<float>();
+  if (nb == 0) return torch::zeros({B, 0}, q.options());  // nothing sealed yet
+  // the query heads' coordinates, qs [B, Hkv, G, r] as logits_g's pairs: a few thousand products
+  std::vector<float> qsv(BH * G * r, 0.f);
+  const float* qp = q.data_ptr<float>();
+  const float* up = basis.data_ptr<float>();
   for (int64_t bh = 0; bh < BH; ++bh)
-    for (int64_t k = 0; k < nb; ++k) {
-      float s = mp[bh * G * nb + k];
-      for (int64_t g = 1; g < G; ++g) s += mp[(bh * G + g) * nb + k];
-      pp[bh * nb + k] = s;
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = qsv.data() + (bh * G + g) * r;
+      const float* x = qp + (bh * G + g) * D;
+      const float* u = up + (bh % H) * D * r;
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = 0; j < r; ++j) o[j] += x[d] * u[d * r + j];
+      for (int64_t j = 0; j < r; j += 2) o[j + 1] -= 16.f * o[j];  // (qe, qo - 16 qe): logits_g's pairs
     }
-  return partial.sum(1);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  // per (sequence, KV head, query head) and block: the block's max logit and its sum of e^(logit - max)
+  std::vector<float> bmax(BH * G * nb), bsum(BH * G * nb);
+  const int64_t per = std::max<int64_t>(1, kChunk / bs), nc = (nb + per - 1) / per;  // blocks a work item
+  at::parallel_for(0, BH * nc, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buf;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bh = i / nc, k0 = (i % nc) * per, kn = std::min(per, nb - k0), b = bh / H, h = bh % H;
+      const int64_t t0 = k0 * bs, n = kn * bs;
+      if (static_cast<int64_t>(buf.size()) < G * n) buf.resize(G * n);
+      logits(qsv.data() + bh * G * r, G, half, cp + b * codes.stride(0) + h * codes.stride(1) + t0, codes.stride(2), n,
+             bp ? bp + b * T + t0 : nullptr, buf.data(), n);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t k = 0; k < kn; ++k) {
+          const int64_t at = (bh * G + g) * nb + k0 + k;
+          block_stats(buf.data() + g * n + k * bs, bs, &bmax[at], &bsum[at]);
+        }
+    }
+  });
+  // each head's softmax from its blocks' (max, sum), summed over the query heads, then over the KV heads
+  auto out = torch::zeros({B, nb}, q.options());
+  float* op = out.data_ptr<float>();
+  std::vector<float> e(nb);
+  for (int64_t row = 0; row < BH * G; ++row) {
+    const float* m = bmax.data() + row * nb;
+    const float* s = bsum.data() + row * nb;
+    const float top = *std::max_element(m, m + nb);
+    float z = 0.f;
+    for (int64_t k = 0; k < nb; ++k) {
+      const float x = m[k] - top;
+      e[k] = x <= -87.f ? 0.f : s[k] * std::exp(x);
+      z += e[k];
+    }
+    const float inv = z > 0.f ? 1.f / z : 0.f;
+    float* o = op + (row / (H * G)) * nb;
+    for (int64_t k = 0; k < nb; ++k) o[k] += e[k] * inv;
+  }
+  return out;
 #else
   TORCH_CHECK(false, "built without AVX-512");
 #endif

@@ -128,9 +128,8 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     hkv, t = codes.shape[1], codes.shape[3]
     half = codes.shape[2]
     qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
-    if compiled:  # one compiled call (models/lowrank_kernel.cpp), float32 throughout
-        qs = torch.matmul(qg, basis.plain_basis()).contiguous()  # qs: [B, Hkv, G, r]
-        score = compiled_kernel().lowrank_scores(qs, codes, pad_bias, bs)  # score: [B, nb]
+    if compiled:  # one compiled call (models/lowrank_kernel.cpp), the query's coordinates too, float32 throughout
+        score = compiled_kernel().lowrank_scores(qg.contiguous(), basis.plain_basis(), codes, pad_bias, bs)  # score: [B, nb]
         return score if live is None else score.masked_fill(~live, -math.inf)
     if packed is not None:  # the kernel reads the packed codes as c - 8: no offset to take off
         logit = packed.logits(torch.matmul(qg, basis.plain_basis()), t)  # logit: [B, Hkv, G, T] bfloat16
