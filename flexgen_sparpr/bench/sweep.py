@@ -138,6 +138,11 @@ def new_policy(cfg: Config, codec_args: dict | None = None) -> KVPolicy:
     """A fresh policy for cfg; codec_args: the knobs of a policy with a codec (e.g. DKV's)."""
     name, _ = cfg.parts
     args = dict(codec_args or {}) if name in policies.codec_names() else {}
+    if any(k.name == "step_fallback" for k in knobs(POLICIES[name])):
+        # fidelity of the selection itself: no step is timed and given to dense (a dense step reads
+        # every block exactly), so every step is sparse, the worst case of the defaults; a config
+        # may ask for it ("sparpr:step_fallback=true")
+        args["step_fallback"] = False
     args.update(cfg.knobs)
     if cfg.budgeted:
         args["keep_ratio"] = cfg.keep

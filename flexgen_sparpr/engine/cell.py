@@ -125,6 +125,8 @@ class KVReader:
         if self.in_place(t):
             return Done(None)
         sel, land = self.resident_split(t, self.policy.plan(t, layer))
+        if sel is not None and self.reads_rows(t, sel):  # a planned read of a resident cache: in place
+            return Done(self._in_place(t, sel))
         if sel is None:
             with self.clock.timed("select"):  # the early query's projection counts here too
                 sel = early_selection(self.policy, self.arch, t, layer, kind, ahead, self.io, self.devices,
@@ -226,8 +228,7 @@ class KVReader:
                 with clock.timed("select"):
                     sel = self.policy.select(t, layer, q)
             if self.reads_rows(t, sel, q):
-                fetched = Fetched(None, None, sel, rows=sel.rows if sel.rows is not None else
-                                  t.positions(sel.blocks)[None])  # rows: [1|B, T]
+                fetched = self._in_place(t, sel)
             else:
                 with self.devices.counters.tag("serial"), clock.timed("read"):  # inside the cell: nothing hides it
                     fetched = self._gather(t, sel, land=land)
@@ -244,14 +245,22 @@ class KVReader:
         self.blocks_read[1] += t.num_blocks
         return fetched
 
-    def reads_rows(self, t: BlockTable, sel: Selection, q: torch.Tensor) -> bool:
+    def reads_rows(self, t: BlockTable, sel: Selection, q: torch.Tensor | None = None) -> bool:
         """A selection from a resident cache is attended where it lies, by its rows (no gather): on
         the compiled CPU kernel, with nothing to rebuild, no policy looking at what was read, and no
-        --attn-sparsity."""
+        --attn-sparsity. q: the cell's query (None: one of the compute dtype, for a planned read)."""
         if not t.store.resident or sel.recompute or sel.guess or self.policy.observes or self.sparsity < 1:
             return False
         arena = t.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
+        if q is None:
+            spec = self.arch.spec
+            q = torch.empty(1, spec.num_heads, 1, spec.head_dim, dtype=self.dtype)  # a query's shape and dtype
         return cpu_kernel.usable(q, arena[0], arena[1])
+
+    @staticmethod
+    def _in_place(t: BlockTable, sel: Selection) -> Fetched:
+        """sel read where it lies in a resident cache: its rows [1|B, T], nothing copied."""
+        return Fetched(None, None, sel, rows=sel.rows if sel.rows is not None else t.positions(sel.blocks)[None])
 
     def add_token(self, t: BlockTable, fetched: Fetched | None, k: torch.Tensor, v: torch.Tensor):
         """The step's new token k, v: [B, Hkv, 1, D] joins the table and what attention reads:
@@ -266,6 +275,9 @@ class KVReader:
             return kv, pos, None, jobs
         if fetched.rows is not None:  # read in place: the arena after the append, the new token's row added
             jobs = t.append(k, v)
+            if fetched.sel.dense:  # every row (SparPR's step given to dense): the arena as the dense policy reads it
+                fetched.rows = None
+                return t.store.resident_view(t.length), torch.arange(t.length, device=k.device), None, jobs
             new = fetched.rows.new_full((fetched.rows.shape[0], 1), t.length - 1)
             fetched.rows = torch.cat([fetched.rows, new], dim=1)  # rows: [1|B, T+1]
             pos = fetched.rows[0] if fetched.rows.shape[0] == 1 else fetched.rows

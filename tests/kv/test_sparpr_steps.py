@@ -112,20 +112,17 @@ class _Always:
         return {}
 
 
-@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the dense read of a split cache goes through the compiled "
-                    "CPU kernel, which is not built on this machine")
-def test_a_dense_step_of_sparpr_reads_and_attends_as_the_dense_policy(llama64_dir, tmp_path, monkeypatch):  # noqa: F811
-    """Half the KV on disk: SparPR's steps given to dense read the resident blocks in place and the disk
-    ones where they land (the dense policy's path), with the dense policy's logits exactly."""
-    src = resolve_source(str(llama64_dir), "")
-    ref_tokens, _ = hf_greedy(llama64_dir, LONG)
-    splits = []
-    real = cell.with_resident_blocks
-    monkeypatch.setattr(cell, "with_resident_blocks", lambda t, resident, *a: splits.append(len(resident)) or
-                        real(t, resident, *a))
+def steps_against_dense(model_dir, tmp_path, percents: dict, runs: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Teacher-forced logits of the dense policy, of SparPR with every step given to dense and with
+    every step sparse (keep 0.1), the cache placed by `percents` (Policy's); and the dense-step
+    SparPR's statistics (after asserting it was asked). runs[-1]: the run going on ("dense",
+    "sparpr", "sparse")."""
+    src = resolve_source(str(model_dir), "")
+    ref_tokens, _ = hf_greedy(model_dir, LONG)
 
     def logits(tag, policy=None):
-        eng = Engine(src, Policy(gpu_batch_size=2, **HALF),
+        runs.append(tag)
+        eng = Engine(src, Policy(gpu_batch_size=2, **percents),
                      EngineConfig(block_size=4, dtype="float32", kv_dtype="float32", offload_dir=str(tmp_path / tag)))
         try:
             if policy is not None:
@@ -133,29 +130,43 @@ def test_a_dense_step_of_sparpr_reads_and_attends_as_the_dense_policy(llama64_di
             return forced_logits(eng, LONG, ref_tokens)
         finally:
             eng.close()
-    dense = logits("dense")
-    splits.clear()
-    pol = make_policy("sparpr", keep_ratio=0.1, min_keep_tokens=0)
-    pol.step_modes = _Always(True)
-    got = logits("sparpr", pol)
-    assert pol.step_modes.asked and splits and min(splits) > 0  # asked, and read as dense reads
+    out = [logits("dense")]
+    for tag, dense in (("sparpr", True), ("sparse", False)):
+        pol = make_policy("sparpr", keep_ratio=0.1, min_keep_tokens=0)
+        pol.step_modes = _Always(dense)
+        out.append(logits(tag, pol))
+        if dense:
+            assert pol.step_modes.asked
+            stats = pol.stats()
+    return (*out, stats)
+
+
+@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="the dense read of a split cache goes through the compiled "
+                    "CPU kernel, which is not built on this machine")
+def test_a_dense_step_of_sparpr_reads_and_attends_as_the_dense_policy(llama64_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Half the KV on disk: SparPR's steps given to dense read the resident blocks in place and the disk
+    ones where they land (the dense policy's path), with the dense policy's logits exactly."""
+    runs, splits = [], []
+    real = cell.with_resident_blocks
+    monkeypatch.setattr(cell, "with_resident_blocks", lambda t, resident, *a: runs[-1] == "sparpr" and
+                        splits.append(len(resident)) or real(t, resident, *a))
+    dense, got, sparse, stats = steps_against_dense(llama64_dir, tmp_path, HALF, runs)
+    assert splits and min(splits) > 0  # read as dense reads
     torch.testing.assert_close(got, dense, rtol=0, atol=0)
-    assert pol.stats()["totals"]["effective_keep"] == 1.0
-    sparse = make_policy("sparpr", keep_ratio=0.1, min_keep_tokens=0)
-    sparse.step_modes = _Always(False)
-    assert not torch.equal(logits("sparse", sparse), dense)  # the sparse steps read less (the test can fail)
+    assert stats["totals"]["effective_keep"] == 1.0
+    assert not torch.equal(sparse, dense)  # the sparse steps read less (the test can fail)
 
 
-def test_a_resident_cache_never_asks(llama64_dir, tmp_path):  # noqa: F811
-    """Nothing offloaded, nothing to weigh: the step modes are never asked."""
-    src = resolve_source(str(llama64_dir), "")
-    ref_tokens, _ = hf_greedy(llama64_dir, LONG)
-    pol = make_policy("sparpr", keep_ratio=0.1, min_keep_tokens=0)
-    pol.step_modes = _Always(True)
-    eng = Engine(src, Policy(gpu_batch_size=2), EngineConfig(block_size=4, dtype="float32", offload_dir=str(tmp_path)))
-    try:
-        eng.set_kv_policy(pol)
-        forced_logits(eng, LONG, ref_tokens)
-    finally:
-        eng.close()
-    assert pol.step_modes.asked == []
+@pytest.mark.skipif(cpu_kernel.kernel() is None, reason="a resident cache is read in place by the compiled CPU "
+                    "kernel, which is not built on this machine")
+def test_a_dense_step_of_a_resident_cache_reads_it_in_place_as_dense(llama64_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Nothing offloaded: SparPR's steps given to dense copy nothing (no gather, prefetched or not)
+    and give the dense policy's logits exactly; its sparse steps differ (the test can fail)."""
+    runs, gathers = [], []
+    real = cell.gather_selection
+    monkeypatch.setattr(cell, "gather_selection", lambda *a, **k: gathers.append(runs[-1]) or real(*a, **k))
+    dense, got, sparse, stats = steps_against_dense(llama64_dir, tmp_path, {}, runs)
+    assert "sparpr" not in gathers
+    torch.testing.assert_close(got, dense, rtol=0, atol=0)
+    assert stats["totals"]["effective_keep"] == 1.0
+    assert not torch.equal(sparse, dense)

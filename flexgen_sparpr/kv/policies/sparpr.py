@@ -81,9 +81,9 @@ class SparPR(CostPlan, BlockSelectionPolicy):
     dynamic_budget: bool = knob(True, "ablation: always keep --keep-ratio (no cost-driven budget)")
     recompute: bool = knob(True, "ablation: copy every selected block (no checkpoint recompute)")
     fallback: bool = knob(True, "ablation: never fall back to dense")
-    step_fallback: bool = knob(True, "ablation: no measured step fallback (by default, with blocks offloaded, "
-                               "sparse and dense decode steps are timed and whole steps run dense while sparse "
-                               "ones cost more than gamma x dense ones)")
+    step_fallback: bool = knob(True, "ablation: no measured step fallback (by default sparse and dense decode "
+                               "steps are timed and whole steps run dense while sparse ones cost more than "
+                               "gamma x dense ones)")
     quest_only: bool = knob(False, "ablation: query-aware selection alone, copy only (no dynamic budget, "
                             "recompute or fallback)")
     head_score: str = knob("softmax", "how the query heads' q . summary add up to a block's score (block_scores)",

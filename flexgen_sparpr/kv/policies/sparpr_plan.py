@@ -107,14 +107,14 @@ class CostPlan:
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
         """Every block, read as dense reads them, on a step the measured fallback gives to dense;
         else None (the selection needs the query)."""
-        off = self.offloaded(table, table.length // table.bs) if self.step_fallback else None
-        if not off or self.is_dense_layer(layer) or not self.step_modes.dense(table.length):
+        if not self.step_fallback or self.is_dense_layer(layer) or not self.step_modes.dense(table.length):
             return None
-        view = self.step_view(table)
+        off = self.offloaded(table, table.length // table.bs)
+        n_valid = [table.length - p for p in self.host_pads(table)]
         self.step_stats.add(table, blocks_selected=table.num_blocks, copied=sum(off.values()),
-                            rebuilt=0, spans=1, n_valid=view.n_valid, tokens_read=sum(view.n_valid), target=1.0,
+                            rebuilt=0, spans=1, n_valid=n_valid, tokens_read=sum(n_valid), target=1.0,
                             rho=math.nan, sparse_s=math.nan, dense_s=math.nan, fell_back=True, est_bytes={})
-        return dataclasses.replace(Selection.all(table), dense=True)
+        return Selection(list(range(table.num_blocks)), dense=True)  # Selection.all's blocks, read as dense reads them
 
     def after_step(self, length: int, seconds: float) -> None:
         if self.step_fallback:  # with a sparse step's floor: the least its offloaded blocks' reads cost
