@@ -69,9 +69,10 @@ class KVReader:
         self.blocks_read = [0, 0]  # over the decode cells so far: blocks attention read, blocks cached
 
     def in_place(self, t: BlockTable) -> bool:
-        """Caches attended without a gather: resident and read whole, attended by the policy, or
-        split by home (--cpu-cache-compute on CUDA)."""
-        return (t.store.resident and self.policy.reads_all) or self.policy.attends or \
+        """Caches attended without a gather: resident and read whole (always, or this step:
+        `KVPolicy.reads_step_whole`), attended by the policy, or split by home (--cpu-cache-compute
+        on CUDA)."""
+        return (t.store.resident and (self.policy.reads_all or self.policy.reads_step_whole(t))) or self.policy.attends or \
             (self.cpu_cache_compute and self.devices.is_cuda)
 
     def resident_split(self, t: BlockTable, sel: Selection | None) -> tuple[Selection | None, list[int]]:
@@ -254,7 +255,7 @@ class KVReader:
         arena = t.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
         if q is None:
             spec = self.arch.spec
-            q = torch.empty(1, spec.num_heads, 1, spec.head_dim, dtype=self.dtype)  # a query's shape and dtype
+            q = torch.empty(1, spec.num_heads, 0, spec.head_dim, dtype=self.dtype)  # a query's heads and dtype
         return cpu_kernel.usable(q, arena[0], arena[1])
 
     @staticmethod
@@ -275,9 +276,6 @@ class KVReader:
             return kv, pos, None, jobs
         if fetched.rows is not None:  # read in place: the arena after the append, the new token's row added
             jobs = t.append(k, v)
-            if fetched.sel.dense:  # every row (SparPR's step given to dense): the arena as the dense policy reads it
-                fetched.rows = None
-                return t.store.resident_view(t.length), torch.arange(t.length, device=k.device), None, jobs
             new = fetched.rows.new_full((fetched.rows.shape[0], 1), t.length - 1)
             fetched.rows = torch.cat([fetched.rows, new], dim=1)  # rows: [1|B, T+1]
             pos = fetched.rows[0] if fetched.rows.shape[0] == 1 else fetched.rows

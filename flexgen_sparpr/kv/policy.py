@@ -161,6 +161,12 @@ class KVPolicy:
         """What to read for query q: [B, H, 1, D] (called only when plan returned None)."""
         return Selection.all(table)
 
+    def reads_step_whole(self, table: BlockTable) -> bool:
+        """Whether this decode step reads the table whole, as the dense policy does (a policy that
+        gives some steps to dense: SparPR's measured step fallback); a resident cache is then
+        attended where it lies, with no plan or selection asked."""
+        return False
+
     def after_step(self, length: int, seconds: float) -> None:
         """A decode step at this context length (tokens cached before its input) took `seconds`."""
 

@@ -35,6 +35,7 @@ class CostPlan:
         self.ckpt_tables = [0, 0]  # auto: tables that kept checkpoints, tables asked
         # per table: cumulative count of blocks homed on each tier ({tier: [count of the first n]})
         self._home_counts: weakref.WeakKeyDictionary[BlockTable, dict] = weakref.WeakKeyDictionary()
+        self._whole_noted: weakref.WeakKeyDictionary[BlockTable, int] = weakref.WeakKeyDictionary()  # its last whole step
 
     # --- costs ---
     def cost_model(self, table: BlockTable) -> CostModel:
@@ -107,14 +108,23 @@ class CostPlan:
     def plan(self, table: BlockTable, layer: int) -> Selection | None:
         """Every block, read as dense reads them, on a step the measured fallback gives to dense;
         else None (the selection needs the query)."""
-        if not self.step_fallback or self.is_dense_layer(layer) or not self.step_modes.dense(table.length):
+        if not self.reads_step_whole(table) or self.is_dense_layer(layer):
             return None
-        off = self.offloaded(table, table.length // table.bs)
-        n_valid = [table.length - p for p in self.host_pads(table)]
-        self.step_stats.add(table, blocks_selected=table.num_blocks, copied=sum(off.values()),
-                            rebuilt=0, spans=1, n_valid=n_valid, tokens_read=sum(n_valid), target=1.0,
-                            rho=math.nan, sparse_s=math.nan, dense_s=math.nan, fell_back=True, est_bytes={})
         return Selection(list(range(table.num_blocks)), dense=True)  # Selection.all's blocks, read as dense reads them
+
+    def reads_step_whole(self, table: BlockTable) -> bool:
+        """Whether the measured fallback gave this step to dense (a resident cache then asks no plan:
+        engine/cell.py `in_place`); the step's statistics for the table are noted on its first ask."""
+        if not self.step_fallback or not self.step_modes.dense(table.length):
+            return False
+        if self._whole_noted.get(table) != table.length:
+            self._whole_noted[table] = table.length
+            off = self.offloaded(table, table.length // table.bs)
+            n_valid = [table.length - p for p in self.host_pads(table)]
+            self.step_stats.add(table, blocks_selected=table.num_blocks, copied=sum(off.values()), rebuilt=0, spans=1,
+                                n_valid=n_valid, tokens_read=sum(n_valid), target=1.0, rho=math.nan,
+                                sparse_s=math.nan, dense_s=math.nan, fell_back=True, est_bytes={})
+        return True
 
     def after_step(self, length: int, seconds: float) -> None:
         if self.step_fallback:  # with a sparse step's floor: the least its offloaded blocks' reads cost
