@@ -94,11 +94,7 @@ class KVReader:
         land = [b for b in range(sealed) if homes[b] == Tier.DISK] if store.lands_disk() else []
         if not resident and not land:
             return sel, []
-        key = (store.store_dtype, None if arena is None else (arena.dtype, arena.stride()))
-        ok = self._kernel_takes.get(key)
-        if ok is None:  # once per store dtype and arena layout, not per layer and step
-            ok = self._kernel_takes[key] = self._kernel_usable(store.store_dtype, arena)
-        if not ok:
+        if not self._kernel_takes_blocks(store.store_dtype, arena):
             return sel, []
         skip = set(resident) | set(land)
         return Selection([b for b in sel.blocks if b not in skip], dense=sel.dense), land
@@ -108,12 +104,18 @@ class KVReader:
         this step was given to dense (SparPR's measured step fallback, `Selection.dense`)."""
         return self.policy.reads_all or sel.dense
 
-    def _kernel_usable(self, store_dtype: torch.dtype, arena: torch.Tensor | None) -> bool:
-        """Whether the compiled kernel reads this model's queries over blocks stored so (and the arena)."""
-        spec = self.arch.spec
-        q = torch.empty(1, spec.num_heads, 1, spec.head_dim)  # the shape of a query, for the kernel's check
-        k = torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=store_dtype)
-        return cpu_kernel.usable(q, k, k) and (arena is None or cpu_kernel.usable(q, arena[0], arena[1]))
+    def _kernel_takes_blocks(self, store_dtype: torch.dtype | None, arena: torch.Tensor | None) -> bool:
+        """Whether the compiled kernel reads this model's queries over blocks stored so (None: not
+        asked) and the arena (None: none); once per store dtype and arena layout, not per layer and step."""
+        key = (store_dtype, None if arena is None else (arena.dtype, arena.stride()))
+        ok = self._kernel_takes.get(key)
+        if ok is None:
+            spec = self.arch.spec
+            q = torch.empty(1, spec.num_heads, 1, spec.head_dim)  # the shape of a query, for the kernel's check
+            k = None if store_dtype is None else torch.empty(1, spec.num_kv_heads, 1, spec.head_dim, dtype=store_dtype)
+            ok = self._kernel_takes[key] = (k is None or cpu_kernel.usable(q, k, k)) and \
+                (arena is None or cpu_kernel.usable(q, arena[0], arena[1]))
+        return ok
 
     def splits_by_home(self, t: BlockTable) -> bool:
         """FlexGen's --cpu-cache-compute applies: CPU blocks are attended where they live."""
@@ -253,10 +255,7 @@ class KVReader:
         if not t.store.resident or sel.recompute or sel.guess or self.policy.observes or self.sparsity < 1:
             return False
         arena = t.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
-        if q is None:
-            spec = self.arch.spec
-            q = torch.empty(1, spec.num_heads, 0, spec.head_dim, dtype=self.dtype)  # a query's heads and dtype
-        return cpu_kernel.usable(q, arena[0], arena[1])
+        return self._kernel_takes_blocks(None, arena) if q is None else cpu_kernel.usable(q, arena[0], arena[1])
 
     @staticmethod
     def _in_place(t: BlockTable, sel: Selection) -> Fetched:

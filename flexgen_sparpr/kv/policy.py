@@ -36,8 +36,8 @@ class Selection:
     dense: bool = False  # every block, read as a dense step reads them (SparPR's measured step fallback)
 
     @staticmethod
-    def all(table: BlockTable) -> "Selection":
-        return Selection(list(range(table.num_blocks)))
+    def all(table: BlockTable, dense: bool = False) -> "Selection":
+        return Selection(list(range(table.num_blocks)), dense=dense)
 
 
 ARENA_SLACK = 1.25  # an offloaded table's arena holds this x its largest selection (engine/recall.py)

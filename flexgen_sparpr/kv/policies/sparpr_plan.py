@@ -110,7 +110,7 @@ class CostPlan:
         else None (the selection needs the query)."""
         if not self.reads_step_whole(table) or self.is_dense_layer(layer):
             return None
-        return Selection(list(range(table.num_blocks)), dense=True)  # Selection.all's blocks, read as dense reads them
+        return Selection.all(table, dense=True)
 
     def reads_step_whole(self, table: BlockTable) -> bool:
         """Whether the measured fallback gave this step to dense (a resident cache then asks no plan:
