@@ -26,8 +26,43 @@ def rss_bytes() -> int:
 
 
 def lifetime_peak_rss_bytes() -> int:
-    """The whole process lifetime's peak RSS (ru_maxrss is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The whole process lifetime's peak RSS: ru_maxrss (KiB on Linux), or the high-water mark a
+    reset (reset_rss_high_water) cleared where that was higher."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _peak_before_resets)
+
+
+_peak_before_resets = 0  # the largest high-water mark a reset cleared
+
+
+def rss_high_water_bytes() -> int | None:
+    """The kernel's exact peak of this process's RSS since it started or the last reset (Linux's
+    VmHWM: it is raised before any page leaves the resident set, so no peak is missed); None where
+    /proc does not tell."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_rss_high_water() -> bool:
+    """Start the kernel's RSS high-water mark again from the RSS now (/proc/self/clear_refs "5",
+    Linux 4.0+), its old value kept for lifetime_peak_rss_bytes; False where it cannot be reset
+    (another OS, a read-only /proc)."""
+    global _peak_before_resets
+    mark = rss_high_water_bytes()
+    if mark is None:
+        return False
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    _peak_before_resets = max(_peak_before_resets, mark)
+    return True
 
 
 def available_memory_bytes() -> int:
