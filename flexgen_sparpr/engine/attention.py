@@ -46,16 +46,17 @@ def decode_attention_step(q, kv, pos, mask, pads, *, sparsity: float = 1.0, rows
     return decode_attention(q, kv[0], kv[1], valid, rows)
 
 
-def with_resident_blocks(table: BlockTable, resident: list[int], q, kv, pos, mask, pads,
+def with_resident_blocks(table: BlockTable, resident: list[int], q, rest: list, pads,
                          landed: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
     """A whole-cache read split by where the blocks live (engine/cell.py `resident_split`): the
     resident sealed blocks attended in place in the compute arena, the disk blocks where they landed
     (landed: their ids and [B, n, planes, Hkv, bs, D] as read), both by the compiled kernel reading
-    their rows, and the gathered rest kv: [2, B, Hkv, T+1, D] (the new token last; pos: [T+1]; mask:
-    None or [B, Hkv, T]), as decode_attention_step would: one softmax, one kernel call over the parts
-    (merged by log-sum-exp where the rest is not the kernel's). q: [B, H, 1, D]. Returns o: [B, H, 1, D]."""
+    their rows, and the rest: (k, v: [B, Hkv, T, D], valid: [B, T], [B, Hkv, T] or None) parts
+    (`gathered_rest` or `open_block_parts`), as decode_attention_step would: one softmax, one kernel
+    call over the parts (merged by log-sum-exp where the rest is not the kernel's). q: [B, H, 1, D].
+    Returns o: [B, H, 1, D]."""
     bs, dev = table.bs, q.device
-    parts = [(kv[0], kv[1], step_valid(pos, mask, pads), None)]  # the gathered rest, the new token last
+    parts = [(k, v, valid, None) for k, v, valid in rest]
     if resident:
         arena = table.store.resident_arena()  # arena: [2, B, Hkv, cap, D]
         slots = [table.store.slots[b] for b in resident]
@@ -67,10 +68,27 @@ def with_resident_blocks(table: BlockTable, resident: list[int], q, kv, pos, mas
     if landed:
         k, v, rows = blockwise_kv(landed[1])
         parts.append((k, v, _blocks_valid(table, landed[0], pads), rows))
-    if kernel_usable(q, kv[0], kv[1]):  # one kernel call over every part
+    if all(kernel_usable(q, k, v) for k, v, _ in rest):  # one kernel call over every part
         return kernel_decode_parts(q, parts)
-    return merge_attention([attention_with_lse(q, kv[0], kv[1], parts[0][2])] +
-                           [kernel_decode(q, *p) for p in parts[1:]]).to(q.dtype)
+    return merge_attention([attention_with_lse(q, k, v, valid) for k, v, valid in rest] +
+                           [kernel_decode(q, *p) for p in parts[len(rest):]]).to(q.dtype)
+
+
+def gathered_rest(kv, pos, mask, pads) -> list:
+    """with_resident_blocks' rest as gathered: kv: [2, B, Hkv, T+1, D], the new token last (pos: [T+1];
+    mask: None or [B, Hkv, T])."""
+    return [(kv[0], kv[1], step_valid(pos, mask, pads))]
+
+
+def open_block_parts(table: BlockTable, k, v, pads) -> list:
+    """with_resident_blocks' rest read where it is, before the step's new token k, v: [B, Hkv, 1, D]
+    is appended: the open block's tokens in its buffer or arena slot (no gather) and the new token."""
+    new = torch.stack([k, v])  # new: [2, B, Hkv, 1, D], one row stride for the kernel
+    b, n = table.sealed, table.length - table.sealed * table.bs
+    if not n:
+        return [(new[0], new[1], None)]
+    kv = table.store.view(b, n, table.sealed)  # kv: [2, B, Hkv, n, D]
+    return [(kv[0], kv[1], _blocks_valid(table, [b], pads)), (new[0], new[1], None)]
 
 
 def blockwise_kv(blocks: torch.Tensor):

@@ -21,11 +21,12 @@ from ..kv.policy import KVPolicy, Selection
 from ..models import cpu_kernel
 from ..runtime.hardware import gathers_ahead
 from ..storage.tiers import Devices, Tier
-from .attention import decode_attention_step, split_by_home, with_resident_blocks
+from .attention import decode_attention_step, gathered_rest, open_block_parts, split_by_home, with_resident_blocks
 from .io import Done, IOPool
 from .prefetch import Ahead, early_selection
 from .recall import Recall
 from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
+from .split_plan import SplitPlans
 from .step_clock import StepClock
 
 
@@ -64,6 +65,7 @@ class KVReader:
         self.read_ahead = gathers_ahead(devices.is_cuda)
         self.ring = GatherRing(self.read_ahead + 2)  # the decode cells' gather buffers, reused
         self.landing = GatherRing(self.read_ahead + 2, aligned=True)  # where dense's disk blocks land
+        self.splits = SplitPlans()  # each offloaded table's resident / landing / rest blocks
         self._kernel_takes: dict[tuple, bool] = {}  # (store dtype, arena layout) -> the kernel reads them
         self.recall: Recall | None = Recall()  # each offloaded table's last selective gather (None: off)
         self.blocks_read = [0, 0]  # over the decode cells so far: blocks attention read, blocks cached
@@ -88,16 +90,13 @@ class KVReader:
         if sel is None or not self.reads_whole(sel) or self.policy.observes or self.sparsity < 1 or \
                 self.devices.is_cuda or t.store.resident or len(sel.blocks) != t.num_blocks:
             return sel, []
-        store, sealed, homes = t.store, t.sealed, t.homes
-        resident = [] if Tier.COMPUTE in store.coded else [b for b in range(sealed) if homes[b] == Tier.COMPUTE]
-        arena = store.resident_arena() if resident else None  # arena: [2, B, Hkv, cap, D]
-        land = [b for b in range(sealed) if homes[b] == Tier.DISK] if store.lands_disk() else []
-        if not resident and not land:
+        plan = self.splits.of(t)
+        if not plan.resident and not plan.land:
             return sel, []
-        if not self._kernel_takes_blocks(store.store_dtype, arena):
+        arena = t.store.resident_arena() if plan.resident else None  # arena: [2, B, Hkv, cap, D]
+        if not self._kernel_takes_blocks(t.store.store_dtype, arena):
             return sel, []
-        skip = set(resident) | set(land)
-        return Selection([b for b in sel.blocks if b not in skip], dense=sel.dense), land
+        return Selection(plan.rest, dense=sel.dense), plan.land
 
     def reads_whole(self, sel: Selection) -> bool:
         """Whether this selection reads every block as a dense step does: the policy always does, or
@@ -152,8 +151,7 @@ class KVReader:
         later = t.store.land_later(land, buf)
         if later is None:
             return self.io.submit(self._gather, t, sel, False, land, buf)
-        return Landing(gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring), list(land),
-                       *later)
+        return Landing(self._rest(t, sel), list(land), *later)
 
     def _gather(self, t: BlockTable, sel, on_compute: bool = True, land: list[int] = (),
                 buf: torch.Tensor | None = None) -> Fetched:
@@ -166,11 +164,20 @@ class KVReader:
                 (on_compute or not self.devices.streams.active) and \
                 Recall.applies(t, sel) and len(sel.blocks) < t.num_blocks:
             return self.recall.gather(t, sel, self.dtype, self.devices.compute)
-        fetched = gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring)
+        fetched = self._rest(t, sel)
         if land:  # the disk blocks read into the landing ring's next buffer, attended there
             buf = self._landing_buffer(t, land) if buf is None else buf  # unless the caller took it
             fetched.landed = (list(land), t.store.land(land, buf))
         return fetched
+
+    def _rest(self, t: BlockTable, sel: Selection) -> Fetched:
+        """sel gathered; or, where it is what resident_split leaves of a whole read and holds no
+        sealed block (the open block at most), nothing: attention reads the open block where it is
+        filled (attention.py `open_block_parts`), as copying it had cost 80 us a layer."""
+        if self.reads_whole(sel) and all(b >= t.sealed for b in sel.blocks) and sel.mask is None and \
+                sel.rows is None and not sel.recompute and len(sel.blocks) < t.num_blocks:
+            return Fetched(None, None, sel, open_in_place=True)
+        return gather_selection(t, sel, self.gather_dtype(t), self.devices.compute, self.ring)
 
     def _landing_buffer(self, t: BlockTable, land: list[int]) -> torch.Tensor:
         """The landing ring's next buffer, sized for t's disk blocks `land`."""
@@ -208,12 +215,13 @@ class KVReader:
         landed = fetched.landed if fetched is not None else None
         split = fetched is not None and fetched.rows is None and self.reads_whole(fetched.sel) and \
             len(fetched.sel.blocks) < t.num_blocks  # resident_split's: the rest attended where it is
-        read = set(fetched.sel.blocks) | set(landed[0] if landed else ()) if split else ()
-        resident = [b for b in range(t.num_blocks) if b not in read] if split else []
+        resident = self.splits.of(t).resident if split else []  # the rest is fetched.sel, the disk blocks landed
+        if fetched is not None and fetched.open_in_place:  # attended before the append, which may reuse its buffer
+            return with_resident_blocks(t, resident, q, open_block_parts(t, k, v, pads), pads, landed), t.append(k, v)
         kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
         rows = fetched.rows if fetched is not None else None  # read in place: the rows attended
         if resident or landed:
-            return with_resident_blocks(t, resident, q, kv, pos, mask, pads, landed), jobs
+            return with_resident_blocks(t, resident, q, gathered_rest(kv, pos, mask, pads), pads, landed), jobs
         o = decode_attention_step(q, kv, pos, mask, pads, sparsity=self.sparsity, rows=rows)
         if self.policy.observes:
             self.policy.observe(t, layer, q, kv.to(q.dtype), pos, fetched.sel if fetched else Selection.all(t))

@@ -29,6 +29,8 @@ class Fetched:
     # raw disk blocks attended where they landed (engine/cell.py `resident_split`): their ids (ascending)
     # and the blocks as read, [B, n, planes, Hkv, bs, D] (TierReads.land); kv holds the rest
     landed: tuple[list[int], torch.Tensor] | None = None
+    # the rest of a split read is the open block at most (KVReader._rest): read where it is filled, kv and pos None
+    open_in_place: bool = False
 
 
 def _offsets(t: BlockTable, blocks: list[int]) -> dict[int, int]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexgen_sparpr.engine import attention, cell
-from flexgen_sparpr.engine.attention import decode_attention_step, with_resident_blocks
+from flexgen_sparpr.engine.attention import decode_attention_step, gathered_rest, open_block_parts, with_resident_blocks
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
@@ -49,8 +49,33 @@ def test_split_attention_equals_attending_everything_gathered(tmp_path, homes, r
     full, pos = t.gather()  # every block gathered, then the new token
     ref = decode_attention_step(q, torch.cat([full, new], 3), torch.cat([pos, pos.new_tensor([21])]), None, pads)
     rest, rpos = t.gather([x for x in range(6) if x not in resident])
-    got = with_resident_blocks(t, resident, q, torch.cat([rest, new], 3), torch.cat([rpos, rpos.new_tensor([21])]),
-                               None, pads)
+    got = with_resident_blocks(t, resident, q, gathered_rest(torch.cat([rest, new], 3),
+                                                            torch.cat([rpos, rpos.new_tensor([21])]), None, pads), pads)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    store.close()
+
+
+@pytest.mark.parametrize("length", [21, 20], ids=["open-block", "no-open-block"])
+def test_open_block_read_where_it_is_filled_equals_it_gathered(tmp_path, length):
+    """The rest of a split read is the open block at most (every sealed block resident or landed):
+    read in its buffer or arena slot with the new token as parts of their own (open_block_parts,
+    no gather), before the append; what attending every block gathered gives, with left padding."""
+    store = DiskStore(tmp_path / "o", direct=False)
+    homes = [C, D, D, C, D, C]  # the open block (5) homed on compute: filled in its arena slot
+    t = BlockTable(name="t", batch=2, num_kv_heads=2, head_dim=64, block_size=4, max_len=24, dtype=torch.float32,
+                   homes=homes, devices=Devices(torch.device("cpu")), disk=store, store_dtype=torch.float16)
+    k, v = torch.randn(2, 2, 2, length, 64).unbind(0)
+    for job in t.append(k, v):
+        job()
+    q, new = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 2, 1, 64)  # new: [2, B, Hkv, 1, D]
+    pads = torch.tensor([0, 5])
+    full, pos = t.gather()
+    ref = decode_attention_step(q, torch.cat([full, new], 3), torch.cat([pos, pos.new_tensor([length])]), None, pads)
+    disk = [1, 2, 4]
+    landed = t.store.land(disk, aligned_empty((t.store.landing_bytes(3),), torch.uint8))
+    rest = open_block_parts(t, new[0], new[1], pads)
+    assert len(rest) == (2 if length % 4 else 1)  # the open block's tokens, then the new token
+    got = with_resident_blocks(t, [0, 3], q, rest, pads, (disk, landed))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     store.close()
 
@@ -77,15 +102,17 @@ def test_disk_blocks_attended_where_they_land_equal_attending_them_gathered(tmp_
     assert landed.shape == (batch, 3, 2, 2, 4, 64)
     torch.testing.assert_close(landed.permute(2, 0, 3, 1, 4, 5).flatten(3, 4).float(), t.gather(disk)[0], rtol=0, atol=0)
     rest, rpos = t.gather([0, 3, 5])  # the resident blocks and the open one gathered
-    got = with_resident_blocks(t, [], q, torch.cat([rest, new], 3), torch.cat([rpos, rpos.new_tensor([21])]),
-                               None, pads, (disk, landed))
+    got = with_resident_blocks(t, [], q, gathered_rest(torch.cat([rest, new], 3),
+                                                      torch.cat([rpos, rpos.new_tensor([21])]), None, pads),
+                               pads, (disk, landed))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     store.close()
 
 
 def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkeypatch):
     """Half the KV resident, half on disk: the resident blocks attended in place, the disk ones
-    where they land, in one kernel call with the gathered rest; HF's logits."""
+    where they land, in one kernel call with the open block where it is filled and the new token,
+    nothing gathered; HF's logits."""
     calls = []
     monkeypatch.setattr(cell, "with_resident_blocks",
                         lambda t, resident, *a: calls.append((len(resident), len(a[-1][0]))) or
@@ -93,6 +120,8 @@ def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkey
     parts = []
     monkeypatch.setattr(attention, "kernel_decode_parts", lambda q, p: parts.append(len(p)) or
                         layers.kernel_decode_parts(q, p))
+    gathers = []
+    monkeypatch.setattr(cell, "gather_selection", lambda *a, **k: gathers.append(1))
     src = resolve_source(str(llama64_dir), "")
     ref_tokens, ref_logits = hf_greedy(llama64_dir, LONG)
     eng = Engine(src, Policy(gpu_batch_size=2, **HALF),
@@ -104,7 +133,8 @@ def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkey
         eng.close()
     assert calls and min(n for _, n in calls) > 0  # the disk blocks were attended where they landed
     assert min(r for r, _ in calls) > 0  # the resident ones in place
-    assert parts and min(parts) == 3  # with the gathered rest, in one call
+    assert parts and min(parts) >= 3 and max(parts) == 4  # with the open block's tokens and the new one, in one call
+    assert not gathers  # nothing gathered
     assert moved > 0  # and the others read from disk
     assert float((got - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
 
