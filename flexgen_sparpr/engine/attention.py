@@ -52,7 +52,7 @@ def with_resident_blocks(table: BlockTable, resident: list[int], q, rest: list, 
     resident sealed blocks attended in place in the compute arena, the disk blocks where they landed
     (landed: their ids and [B, n, planes, Hkv, bs, D] as read), both by the compiled kernel reading
     their rows, and the rest: (k, v: [B, Hkv, T, D], valid: [B, T], [B, Hkv, T] or None) parts
-    (`gathered_rest` or `open_block_parts`), as decode_attention_step would: one softmax, one kernel
+    (`gathered_rest` or `open_block_part`), as decode_attention_step would: one softmax, one kernel
     call over the parts (merged by log-sum-exp where the rest is not the kernel's). q: [B, H, 1, D].
     Returns o: [B, H, 1, D]."""
     bs, dev = table.bs, q.device
@@ -80,15 +80,15 @@ def gathered_rest(kv, pos, mask, pads) -> list:
     return [(kv[0], kv[1], step_valid(pos, mask, pads))]
 
 
-def open_block_parts(table: BlockTable, k, v, pads) -> list:
-    """with_resident_blocks' rest read where it is, before the step's new token k, v: [B, Hkv, 1, D]
-    is appended: the open block's tokens in its buffer or arena slot (no gather) and the new token."""
-    new = torch.stack([k, v])  # new: [2, B, Hkv, 1, D], one row stride for the kernel
-    b, n = table.sealed, table.length - table.sealed * table.bs
-    if not n:
-        return [(new[0], new[1], None)]
-    kv = table.store.view(b, n, table.sealed)  # kv: [2, B, Hkv, n, D]
-    return [(kv[0], kv[1], _blocks_valid(table, [b], pads)), (new[0], new[1], None)]
+def open_block_part(table: BlockTable, block: int, rows: int, pads) -> list:
+    """with_resident_blocks' rest read where it is filled, once the step's new token is appended:
+    the first `rows` tokens of `block` (the open block before the append, the new token last) in
+    its buffer or arena slot, nothing gathered. Read before the next append reuses the buffer."""
+    kv = table.store.writable(block)[:, :, :, :rows]  # kv: [2, B, Hkv, rows, D]
+    first = block * table.bs
+    valid = None if pads is None else \
+        torch.arange(first, first + rows, device=pads.device)[None, :] >= pads[:, None]  # valid: [B, rows]
+    return [(kv[0], kv[1], valid)]
 
 
 def blockwise_kv(blocks: torch.Tensor):

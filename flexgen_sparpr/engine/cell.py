@@ -21,7 +21,7 @@ from ..kv.policy import KVPolicy, Selection
 from ..models import cpu_kernel
 from ..runtime.hardware import gathers_ahead
 from ..storage.tiers import Devices, Tier
-from .attention import decode_attention_step, gathered_rest, open_block_parts, split_by_home, with_resident_blocks
+from .attention import decode_attention_step, gathered_rest, open_block_part, split_by_home, with_resident_blocks
 from .io import Done, IOPool
 from .prefetch import Ahead, early_selection
 from .recall import Recall
@@ -173,7 +173,7 @@ class KVReader:
     def _rest(self, t: BlockTable, sel: Selection) -> Fetched:
         """sel gathered; or, where it is what resident_split leaves of a whole read and holds no
         sealed block (the open block at most), nothing: attention reads the open block where it is
-        filled (attention.py `open_block_parts`), as copying it had cost 80 us a layer."""
+        filled (attention.py `open_block_part`), as copying it had cost 80 us a layer."""
         if self.reads_whole(sel) and all(b >= t.sealed for b in sel.blocks) and sel.mask is None and \
                 sel.rows is None and not sel.recompute and len(sel.blocks) < t.num_blocks:
             return Fetched(None, None, sel, open_in_place=True)
@@ -216,8 +216,10 @@ class KVReader:
         split = fetched is not None and fetched.rows is None and self.reads_whole(fetched.sel) and \
             len(fetched.sel.blocks) < t.num_blocks  # resident_split's: the rest attended where it is
         resident = self.splits.of(t).resident if split else []  # the rest is fetched.sel, the disk blocks landed
-        if fetched is not None and fetched.open_in_place:  # attended before the append, which may reuse its buffer
-            return with_resident_blocks(t, resident, q, open_block_parts(t, k, v, pads), pads, landed), t.append(k, v)
+        if fetched is not None and fetched.open_in_place:  # the new token appended to the open block, read there
+            b, n = t.sealed, t.length - t.sealed * t.bs
+            jobs = t.append(k, v)
+            return with_resident_blocks(t, resident, q, open_block_part(t, b, n + 1, pads), pads, landed), jobs
         kv, pos, mask, jobs = self.add_token(t, fetched, k, v)
         rows = fetched.rows if fetched is not None else None  # read in place: the rows attended
         if resident or landed:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexgen_sparpr.engine import attention, cell
-from flexgen_sparpr.engine.attention import decode_attention_step, gathered_rest, open_block_parts, with_resident_blocks
+from flexgen_sparpr.engine.attention import decode_attention_step, gathered_rest, open_block_part, with_resident_blocks
 from flexgen_sparpr.engine.config import EngineConfig, Policy
 from flexgen_sparpr.engine.executor import Engine
 from flexgen_sparpr.kv.block_table import BlockTable
@@ -55,13 +55,15 @@ def test_split_attention_equals_attending_everything_gathered(tmp_path, homes, r
     store.close()
 
 
-@pytest.mark.parametrize("length", [21, 20], ids=["open-block", "no-open-block"])
-def test_open_block_read_where_it_is_filled_equals_it_gathered(tmp_path, length):
+@pytest.mark.parametrize("length", [21, 20, 23], ids=["open-block", "no-open-block", "seals-a-disk-block"])
+@pytest.mark.parametrize("open_home", [C, D], ids=["open-on-compute", "open-on-disk"])
+def test_open_block_read_where_it_is_filled_equals_it_gathered(tmp_path, length, open_home):
     """The rest of a split read is the open block at most (every sealed block resident or landed):
-    read in its buffer or arena slot with the new token as parts of their own (open_block_parts,
-    no gather), before the append; what attending every block gathered gives, with left padding."""
+    the new token appended to it, then read in its arena slot or the open buffer (open_block_part,
+    no gather), also when the append seals it (its store job then holds a copy); what attending
+    every block gathered gives, with left padding."""
     store = DiskStore(tmp_path / "o", direct=False)
-    homes = [C, D, D, C, D, C]  # the open block (5) homed on compute: filled in its arena slot
+    homes = [C, D, D, C, D, open_home]
     t = BlockTable(name="t", batch=2, num_kv_heads=2, head_dim=64, block_size=4, max_len=24, dtype=torch.float32,
                    homes=homes, devices=Devices(torch.device("cpu")), disk=store, store_dtype=torch.float16)
     k, v = torch.randn(2, 2, 2, length, 64).unbind(0)
@@ -73,10 +75,13 @@ def test_open_block_read_where_it_is_filled_equals_it_gathered(tmp_path, length)
     ref = decode_attention_step(q, torch.cat([full, new], 3), torch.cat([pos, pos.new_tensor([length])]), None, pads)
     disk = [1, 2, 4]
     landed = t.store.land(disk, aligned_empty((t.store.landing_bytes(3),), torch.uint8))
-    rest = open_block_parts(t, new[0], new[1], pads)
-    assert len(rest) == (2 if length % 4 else 1)  # the open block's tokens, then the new token
-    got = with_resident_blocks(t, [0, 3], q, rest, pads, (disk, landed))
+    b, n = t.sealed, t.length - t.sealed * 4
+    jobs = t.append(new[0], new[1])
+    assert bool(jobs) == (length == 23 and open_home == D)  # sealed to disk: a job, on a copy
+    got = with_resident_blocks(t, [0, 3], q, open_block_part(t, b, n + 1, pads), pads, (disk, landed))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for job in jobs:
+        job()
     store.close()
 
 
@@ -133,7 +138,7 @@ def test_half_resident_cache_splits_and_matches_hf(llama64_dir, tmp_path, monkey
         eng.close()
     assert calls and min(n for _, n in calls) > 0  # the disk blocks were attended where they landed
     assert min(r for r, _ in calls) > 0  # the resident ones in place
-    assert parts and min(parts) >= 3 and max(parts) == 4  # with the open block's tokens and the new one, in one call
+    assert parts and min(parts) == 3  # with the open block where it is filled (the new token in it), in one call
     assert not gathers  # nothing gathered
     assert moved > 0  # and the others read from disk
     assert float((got - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5
