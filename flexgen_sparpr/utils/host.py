@@ -38,10 +38,15 @@ def rss_high_water_bytes() -> int | None:
     """The kernel's exact peak of this process's RSS since it started or the last reset (Linux's
     VmHWM: it is raised before any page leaves the resident set, so no peak is missed); None where
     /proc does not tell."""
+    return _proc_kib("/proc/self/status", "VmHWM:")
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    """The bytes of a "key: N kB" line of a /proc file; None where it cannot be read."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -69,14 +74,8 @@ def available_memory_bytes() -> int:
     """Host memory available to new allocations without swapping (MemAvailable)."""
     if psutil is not None:
         return int(psutil.virtual_memory().available)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * _PAGE
+    got = _proc_kib("/proc/meminfo", "MemAvailable:")
+    return got if got is not None else os.sysconf("SC_AVPHYS_PAGES") * _PAGE
 
 
 def cpu_count() -> int:
