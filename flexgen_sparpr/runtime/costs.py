@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from ..storage.tiers import Devices, Tier
+from ..utils.host import disk_key
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -51,7 +52,7 @@ class CostModel:
 
     @classmethod
     def from_probe(cls, probe: dict, disk_dir: str | Path) -> "CostModel":
-        disk = probe["disk"][str(Path(disk_dir).expanduser().resolve())]
+        disk = probe["disk"][disk_key(disk_dir)]
         return cls(disk_read_Bps=disk["read_Bps"], h2d_Bps=probe.get("h2d_Bps"),
                    matmul_flops=dict(probe["matmul_flops"]), matmul_latency_s=dict(probe["matmul_latency_s"]))
 

@@ -1,11 +1,11 @@
 """A short start-up probe of the machine's speeds, cached per machine.
 
-Measures host <-> device copy bandwidth (CUDA only), the O_DIRECT read bandwidth of a folder
-(storage/disk_store.py `disk_bandwidth`), per dtype the matmul FLOP/s and one small matmul's
-latency on the compute device, and on the CPU how fast each weight format multiplies (the choice
-of --weight-format auto). The answers are cached in
-`default_cache_dir()/probe-<hostname>-<device>.json` and extended when a new dtype or folder
-is asked for; `refresh=True` measures again.
+Measures host <-> device copy bandwidth (CUDA only), the O_DIRECT read bandwidth of the disk a
+folder lies on (storage/disk_store.py `disk_bandwidth`; one entry per file system, whatever the
+folder: utils/host.py `disk_key`), per dtype the matmul FLOP/s and one small matmul's latency on
+the compute device, and on the CPU how fast each weight format multiplies (the choice of
+--weight-format auto). The answers are cached in `default_cache_dir()/probe-<hostname>-<device>.json`
+and extended when a new dtype or disk is asked for; `refresh=True` measures again.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 from ..storage.disk_store import disk_bandwidth
 from ..utils.files import write_json_atomic
+from ..utils.host import disk_key
 from ..utils.paths import default_cache_dir
 from .costs import dtype_name
 
@@ -110,14 +111,18 @@ def probe(device: torch.device, dtypes: list[torch.dtype], disk_dir: str | Path,
     if device.type == "cuda" and data["h2d_Bps"] is None:
         data["h2d_Bps"], data["d2h_Bps"] = measure_copy(device)
         changed = True
-    key = str(Path(disk_dir).expanduser().resolve())
+    if any(k.startswith("/") for k in data["disk"]):  # an older file's entries, one per folder
+        data["disk"] = {k: v for k, v in data["disk"].items() if not k.startswith("/")}
+        changed = True
+    folder = Path(disk_dir).expanduser().resolve()
+    key = disk_key(folder)
     if key not in data["disk"]:
         # out of inference mode: storage/disk.py keeps a per-thread staging buffer, and one made
         # as an inference tensor would refuse later writes outside inference mode
         with torch.inference_mode(False):
-            bw = disk_bandwidth(Path(key), nbytes=DISK_BYTES, direct=True, chunk_bytes=4 << 20)
+            bw = disk_bandwidth(folder, nbytes=DISK_BYTES, direct=True, chunk_bytes=4 << 20)
         data["disk"][key] = {"read_Bps": bw["read_GBps"] * 1e9, "write_Bps": bw["write_GBps"] * 1e9,
-                             "mode": bw["mode"]}
+                             "mode": bw["mode"], "measured_in": str(folder)}
         changed = True
     for dt in dtypes:
         if dtype_name(dt) not in data["matmul_flops"]:
@@ -128,6 +133,11 @@ def probe(device: torch.device, dtypes: list[torch.dtype], disk_dir: str | Path,
         data["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         save(path, data)
     return data
+
+
+def disk_entry(data: dict, disk_dir: str | Path) -> dict:
+    """The probe's figures for the disk `disk_dir` lies on (read_Bps, write_Bps, mode, measured_in)."""
+    return data["disk"][disk_key(disk_dir)]
 
 
 WEIGHT_PROBE_SHAPES = ((1024, 1024), (4096, 1024), (1024, 4096))  # a decoder layer's kinds of matrix

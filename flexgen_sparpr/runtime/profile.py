@@ -19,7 +19,7 @@ from ..storage.disk_store import disk_bandwidth
 from ..utils.host import available_memory_bytes, cpu_count
 from .costs import dtype_name
 from .hardware import Hardware
-from .probe import _timed, measure_copy, measure_matmul, probe
+from .probe import _timed, disk_entry, measure_copy, measure_matmul, probe
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QUICK = {"copy_bytes": 16 << 20, "disk_bytes": 32 << 20, "membw_bytes": 32 << 20}
@@ -112,7 +112,7 @@ def hardware_from_probe(device: torch.device, dtype: torch.dtype, offload_dir: s
     folder = Path(offload_dir).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     data = probe(device, [dtype], folder)
-    disk = data["disk"][str(folder.resolve())]
+    disk = disk_entry(data, folder)
     is_cuda = device.type == "cuda"
     compute_mem, cpu_mem = free_memory(device)
     flops = dict(data["matmul_flops"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+from pathlib import Path
 
 try:
     import psutil
@@ -81,3 +82,33 @@ def available_memory_bytes() -> int:
 def cpu_count() -> int:
     """Logical cores."""
     return (psutil.cpu_count(logical=True) if psutil is not None else None) or os.cpu_count() or 1
+
+
+def blkio_read_limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup/blkio") -> str:
+    """The read caps the kernel puts on this process's disk reads: its cgroup v1 blkio group's
+    `blkio.throttle.read_bps_device` lines ('MAJ:MIN BYTES', joined by '; '), or '' where there are
+    none (the root group, cgroup v2, no blkio hierarchy). A bandwidth measured under a cap is the
+    cap's, not the disk's (bench/throttle.py sets them)."""
+    try:
+        groups = [line.split(":", 2)[2].strip() for line in Path(proc_cgroup).read_text().splitlines()
+                  if line.split(":", 2)[1:2] == ["blkio"]]
+        if not groups or groups[0] in ("", "/"):
+            return ""
+        caps = (Path(root) / groups[0].lstrip("/") / "blkio.throttle.read_bps_device").read_text()
+    except (OSError, IndexError):
+        return ""
+    return "; ".join(line.strip() for line in caps.splitlines() if line.strip())
+
+
+def disk_key(folder) -> str:
+    """Which disk `folder` (or, not made yet, its nearest existing parent) is read from, as the
+    start-up probe keys its bandwidth: the file system's device number, 'dev MAJ:MIN' (folders on one
+    file system share one disk, so it is measured once, not once per offload folder), and the kernel's
+    read caps on this process where it runs under some, so a figure measured under a cap never
+    stands for the disk's own."""
+    p = Path(folder).expanduser().resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    dev = p.stat().st_dev
+    caps = blkio_read_limits()
+    return f"dev {os.major(dev)}:{os.minor(dev)}" + (f" under read caps {caps}" if caps else "")

@@ -13,6 +13,8 @@ from flexgen_sparpr.runtime import probe as probe_mod
 from flexgen_sparpr.runtime.costs import (CostModel, cost_ratio, keep_target, kv_rebuild_flops, merge_spans,
                                           plan_recovery, serial, should_fall_back)
 from flexgen_sparpr.storage.tiers import Devices, Tier
+from flexgen_sparpr.utils import host as host_mod
+from flexgen_sparpr.utils.host import disk_key
 
 CPU = Devices(torch.device("cpu"))
 ratios = st.one_of(st.floats(0, 1e6, allow_nan=False), st.just(math.inf), st.just(math.nan))
@@ -125,7 +127,7 @@ def test_probe_cache_round_trips(tmp_path, monkeypatch):
     path = probe_mod.cache_path(torch.device("cpu"), cache)
     assert path.is_file() and json.loads(path.read_text()) == first
     assert first["matmul_flops"]["float32"] > 0 and first["h2d_Bps"] is None
-    key = str(disk.resolve())
+    key = disk_key(disk)
     assert first["disk"][key]["read_Bps"] > 0
     cm = CostModel.from_probe(first, disk)
     assert cm.disk_read_Bps == first["disk"][key]["read_Bps"]
@@ -184,3 +186,47 @@ def test_measured_weight_formats_time_every_kernel_this_torch_has():
     t = probe_mod.measure_weight_formats(1)
     assert set(t) <= {"raw", "bfloat16", "int8", "int4"} and {"raw", "bfloat16"} <= set(t)
     assert all(0 < s < 1 for s in t.values())
+
+
+def test_probe_measures_a_disk_once_whatever_the_folder(tmp_path, monkeypatch):
+    """Folders on one file system share one disk: the probe keys its bandwidth by the file system,
+    so a new offload folder there is not measured again (the cache held one entry per folder and
+    grew with every temporary folder), an older file's per-folder entries are dropped, and a figure
+    taken under the kernel's read caps (bench/throttle.py) is kept apart from the disk's own."""
+    cache = tmp_path / "cache"
+    calls = []
+
+    def fake(folder, **k):
+        calls.append(folder)
+        return {"read_GBps": 2.0 if len(calls) == 1 else 0.05, "write_GBps": 1.0, "mode": "o_direct"}
+    monkeypatch.setattr(probe_mod, "disk_bandwidth", fake)
+    monkeypatch.setattr(probe_mod, "measure_matmul", lambda device, dtype: (5e9, 1e-5))
+    path = probe_mod.cache_path(torch.device("cpu"), cache)
+    probe_mod.save(path, {**probe_mod._empty(torch.device("cpu")), "disk": {"/old/folder": {"read_Bps": 1.0}}})
+    a = probe_mod.probe(torch.device("cpu"), [torch.float32], tmp_path / "a", cache_dir=cache)
+    b = probe_mod.probe(torch.device("cpu"), [torch.float32], tmp_path / "b" / "not-made-yet", cache_dir=cache)
+    assert len(calls) == 1 and a == b and list(b["disk"]) == [disk_key(tmp_path)]
+    assert probe_mod.disk_entry(b, tmp_path / "b")["read_Bps"] == 2e9
+    assert CostModel.from_probe(b, tmp_path / "c").disk_read_Bps == 2e9
+
+    monkeypatch.setattr(host_mod, "blkio_read_limits", lambda: "8:0 50000000")  # a throttled run
+    capped = probe_mod.probe(torch.device("cpu"), [torch.float32], tmp_path / "a", cache_dir=cache)
+    assert len(calls) == 2 and len(capped["disk"]) == 2
+    assert probe_mod.disk_entry(capped, tmp_path / "a")["read_Bps"] == 5e7
+    monkeypatch.setattr(host_mod, "blkio_read_limits", lambda: "")
+    assert probe_mod.disk_entry(probe_mod.load(path), tmp_path / "a")["read_Bps"] == 2e9  # the disk's own
+
+
+def test_blkio_read_limits_reads_this_process_group(tmp_path):
+    """The caps of the process's own blkio group ('' in the root group or without cgroup v1)."""
+    root = tmp_path / "blkio"
+    (root / "g").mkdir(parents=True)
+    (root / "g" / "blkio.throttle.read_bps_device").write_text("8:0 50000000\n259:0 1000\n")
+    cg = tmp_path / "cgroup"
+    cg.write_text("9:name=systemd:/\n7:blkio:/g\n0::/\n")
+    assert host_mod.blkio_read_limits(str(cg), str(root)) == "8:0 50000000; 259:0 1000"
+    cg.write_text("7:blkio:/\n")
+    assert host_mod.blkio_read_limits(str(cg), str(root)) == ""
+    cg.write_text("0::/user.slice\n")  # cgroup v2 only
+    assert host_mod.blkio_read_limits(str(cg), str(root)) == ""
+    assert host_mod.blkio_read_limits(str(tmp_path / "missing"), str(root)) == ""
