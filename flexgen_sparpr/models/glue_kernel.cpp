@@ -109,3 +109,15 @@ torch::Tensor silu_mul_rows(torch::Tensor gu) {
   else silu_rows(gu.data_ptr<float>(), out.data_ptr<float>(), R, F);
   return out;
 }
+
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);  // weight_kernel.cpp
+
+// A decode step's MLP half with 4-bit gate|up and down weights (models/fused.py): x + down(silu(gate) * up)
+// of rms_norm(x) * w, the kernels models/llama.py's mlp calls one by one, in its order and dtypes, in one call
+// (a layer-by-layer MLP spends as long in Python between its four kernels as in the two products' kernels
+// at one row). x: [R, H] contiguous (R <= 8), w: [H], x's dtype; codes and scales as q4_matmul takes them.
+torch::Tensor q4_mlp(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor gu_codes, torch::Tensor gu_dm,
+                     torch::Tensor down_codes, torch::Tensor down_dm) {
+  const torch::Tensor act = silu_mul_rows(q4_matmul(rms_norm_rows(x, w, eps), gu_codes, gu_dm));  // [R, F]
+  return x + q4_matmul(act, down_codes, down_dm);
+}

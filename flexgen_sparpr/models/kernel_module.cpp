@@ -24,6 +24,8 @@ torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w);  // bf16_kernel.cpp
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps);  // glue_kernel.cpp
 torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);  // glue_kernel.cpp
 torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
+torch::Tensor q4_mlp(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor gu_codes, torch::Tensor gu_dm,
+                     torch::Tensor down_codes, torch::Tensor down_dm);  // glue_kernel.cpp
 
 // The kernels touch no Python object: they let go of the GIL while they run, so the engine's I/O threads
 // (disk reads, copies) go on meanwhile instead of waiting for the kernel to return.
@@ -41,4 +43,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_rows", &rms_norm_rows, nogil);
   m.def("rope_rows", &rope_rows, nogil);
   m.def("silu_mul_rows", &silu_mul_rows, nogil);
+  m.def("q4_mlp", &q4_mlp, nogil);
 }

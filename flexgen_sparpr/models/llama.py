@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fused import q4_mlp
 from .layers import apply_rope, linear, merge_heads, rms_norm, rope_cos_sin, silu_mul, split_heads
 from .spec import ModelSpec
 
@@ -103,6 +104,10 @@ class Llama:
         return x + linear(merge_heads(o).to(x.dtype), w["o.w"], w.get("o.b"))
 
     def mlp(self, w, x: torch.Tensor) -> torch.Tensor:
+        if "gate_up.w" in w and "down.b" not in w:  # 4-bit decode rows: one compiled call (models/fused.py)
+            y = q4_mlp(x, w["ln.w"], self.spec.norm_eps, w["gate_up.w"], w["down.w"])
+            if y is not None:
+                return y
         h = rms_norm(x, w["ln.w"], self.spec.norm_eps)
         if "gate_up.w" in w:  # one packed product (engine/weights.py FUSED)
             act = silu_mul(linear(h, w["gate_up.w"]))  # act: [B, S, ffn]
