@@ -138,3 +138,22 @@ def test_glue_ops_in_bfloat16_round_torchs_float32_values_once():
     got = layers.silu_mul(gu)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), (F.silu(gate) * up).bfloat16().float(), rtol=8e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 1), (torch.bfloat16, 8)])
+def test_fused_mlp_equals_the_layer_by_layer_mlp(dtype, rows):
+    """models/fused.py q4_mlp (one compiled call) gives exactly what models/llama.py's MLP gives
+    calling its four kernels one by one, and steps aside (None) where the kernel does not serve."""
+    from flexgen_sparpr.models.fused import q4_mlp
+    gen = torch.Generator().manual_seed(rows)
+    h, f = 96, 160
+    gu, down = P.pack_int4(torch.randn(2 * f, h, generator=gen)), P.pack_int4(torch.randn(h, f, generator=gen))
+    ln = (1 + 0.1 * torch.randn(h, generator=gen)).to(dtype)
+    x = torch.randn(rows, 1, h, generator=gen).to(dtype)
+    act = layers.silu_mul(layers.linear(layers.rms_norm(x, ln, 1e-5), gu))
+    want = x + layers.linear(act, down)  # want: [rows, 1, h]
+    got = q4_mlp(x, ln, 1e-5, gu, down)
+    assert got.shape == want.shape and got.dtype == dtype and torch.equal(got, want)
+    assert q4_mlp(torch.randn(P.MAX_ROWS + 1, h).to(dtype), ln, 1e-5, gu, down) is None  # a prefill's rows
+    assert q4_mlp(x, ln, 1e-5, P.pack(torch.randn(2 * f, h), "bfloat16"), down) is None  # not 4-bit
+    assert q4_mlp(x, ln.double(), 1e-5, gu, down) is None  # norm weight of another dtype
