@@ -60,8 +60,7 @@ def compute(eng, layer: Layer, w, x, ids, k: int, pos, pads, fetched, prefill: b
 
 def attention(eng, w, x, layer_idx: int, k: int, pos, pads, fetched, prefill: bool):
     a = eng.arch
-    h = a.attn_input(w, x)
-    q, kk, vv = a.qkv(w, h, pos)
+    h, q, kk, vv = a.input_qkv(w, x, pos)
     t = eng.tables[(layer_idx, k)]
     pol = eng.kv_policy
     ckpt_jobs = t.checkpoints.append(h[:, None]) if t.checkpoints is not None else []  # [B, 1, S, hidden]

@@ -1,9 +1,14 @@
-"""A decode step's MLP half in one compiled call (glue_kernel.cpp `q4_mlp`) where its weights are 4-bit.
+"""A decode step's layer in three compiled calls where its weights are 4-bit (glue_kernel.cpp): the
+attention input (`q4_qkv`: RMSNorm, the q|k|v product, heads, RoPE), the output projection with its
+residual (`q4_out`) and the MLP half (`q4_mlp`: RMSNorm, the gate|up product, SiLU times up, the down
+product, the residual).
 
-Layer by layer, an MLP at one row is four kernel calls (RMSNorm, the gate|up product, SiLU times up,
-the down product) and about as long again in Python between them: measured 130 us against 70 us for
-the same kernels called back to back (SmolLM2's 576 x 1536 MLP, int4). The fused call runs the same
-kernels in the same order and dtypes, so its output equals the layer-by-layer one exactly.
+Layer by layer, an MLP at one row is four kernel calls and about as long again in Python between
+them: measured 125 us against 70 us for the same kernels called back to back (SmolLM2's 576 x 1536
+MLP, int4, warm). Each fused call runs the same kernels in the same order and dtypes as
+models/llama.py's layer-by-layer path, so its outputs equal that path's exactly. Each returns None
+where the kernel does not serve (not 4-bit, a bias, more rows than a decode step's, another device or
+dtype), and the caller's layer-by-layer path runs.
 """
 from __future__ import annotations
 
@@ -15,18 +20,43 @@ from .packed import MAX_ROWS, Int4Weight
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _serves(x: torch.Tensor, *same: torch.Tensor) -> bool:
+    """Decode rows (at most MAX_ROWS) of x [..., hidden] on the CPU in float32 or bfloat16, with `same`
+    in x's dtype."""
+    return (x.numel() // x.shape[-1] <= MAX_ROWS and x.device.type == "cpu" and x.dtype in _DTYPES
+            and all(t.dtype == x.dtype for t in same))
+
+
+def q4_qkv(x: torch.Tensor, ln: torch.Tensor, eps: float, qkv, cos: torch.Tensor, sin: torch.Tensor,
+           heads: int, kv_heads: int):
+    """(h, q, k, v) of x [B, S, hidden] in one call: h = rms_norm(x) * ln [B, S, hidden]; q [B, H, S, D]
+    and k [B, Hkv, S, D] with RoPE (cos, sin: [B, 1, S, D]); v [B, Hkv, S, D]. qkv: the fused [(H + 2
+    Hkv) D, hidden] Int4Weight. None where the kernel does not serve."""
+    if type(qkv) is not Int4Weight or x.shape[1] > 16 or not _serves(x, ln, cos, sin):
+        return None
+    k = compiled_kernel()
+    return None if k is None else tuple(k.q4_qkv(x.contiguous(), ln.contiguous(), eps, qkv.q, qkv.dm, cos, sin,
+                                                 heads, kv_heads))
+
+
+def q4_out(x: torch.Tensor, o: torch.Tensor, w) -> torch.Tensor | None:
+    """x + merge_heads(o) @ w^T in one call: x [B, S, hidden], o [B, H, S, D], w an Int4Weight [hidden,
+    H D] with no bias. None where the kernel does not serve."""
+    if type(w) is not Int4Weight or o.device.type != "cpu" or not _serves(x):
+        return None
+    k = compiled_kernel()
+    return None if k is None else k.q4_out(x, o, w.q, w.dm)  # [B, S, hidden]
+
+
 def q4_mlp(x: torch.Tensor, ln: torch.Tensor, eps: float, gate_up, down) -> torch.Tensor | None:
     """x + down(silu(gate) * up) of rms_norm(x) * ln in one call, where the kernel serves: x [..., H]
     decode rows (at most MAX_ROWS) on the CPU in float32 or bfloat16, ln [H] of x's dtype, gate_up
     [2F, H] and down [H, F] Int4Weight with no bias. None where it does not (the caller's layer-by-layer
     path then runs)."""
-    if type(gate_up) is not Int4Weight or type(down) is not Int4Weight:
-        return None
-    rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or x.device.type != "cpu" or x.dtype not in _DTYPES or ln.dtype != x.dtype:
+    if type(gate_up) is not Int4Weight or type(down) is not Int4Weight or not _serves(x, ln):
         return None
     k = compiled_kernel()
     if k is None:
         return None
-    return k.q4_mlp(x.reshape(rows, -1).contiguous(), ln.contiguous(), eps, gate_up.q, gate_up.dm,
+    return k.q4_mlp(x.reshape(-1, x.shape[-1]).contiguous(), ln.contiguous(), eps, gate_up.q, gate_up.dm,
                     down.q, down.dm).view(x.shape)  # [..., H]

@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -120,4 +121,31 @@ torch::Tensor q4_mlp(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor
                      torch::Tensor down_codes, torch::Tensor down_dm) {
   const torch::Tensor act = silu_mul_rows(q4_matmul(rms_norm_rows(x, w, eps), gu_codes, gu_dm));  // [R, F]
   return x + q4_matmul(act, down_codes, down_dm);
+}
+
+// A decode step's attention input with a 4-bit q|k|v weight (models/fused.py q4_qkv): h = rms_norm(x) * w,
+// h's q|k|v product split into heads, RoPE on q and k: the kernels models/llama.py calls one by one, in its
+// order and dtypes. x: [B, S, hidden] contiguous (B S <= 8); w: [hidden]; cos, sin: [B, 1, S, D], x's dtype.
+// Returns h [B, S, hidden] (SparPR's checkpoint), q [B, H, S, D] and k [B, Hkv, S, D] (contiguous), and v
+// [B, Hkv, S, D] (a view of the product, as models/layers.py split_heads gives it).
+std::vector<torch::Tensor> q4_qkv(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor codes, torch::Tensor dm,
+                                  torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 4, "x [B, S, hidden], cos [B, 1, S, D]");
+  const int64_t B = x.size(0), S = x.size(1), hidden = x.size(2), D = cos.size(3), qd = heads * D, kvd = kv_heads * D;
+  const torch::Tensor h = rms_norm_rows(x.view({B * S, hidden}), w, eps);  // [B S, hidden]
+  const torch::Tensor y = q4_matmul(h, codes, dm).view({B, S, -1});  // [B, S, qd + 2 kvd]
+  TORCH_CHECK(y.size(2) == qd + 2 * kvd, "the q|k|v weight's rows: (heads + 2 kv_heads) x head_dim");
+  const auto part = [&](int64_t start, int64_t n, int64_t nh) {  // [B, nh, S, D], a view
+    return y.narrow(2, start, n).view({B, S, nh, D}).transpose(1, 2);
+  };
+  return {h.view({B, S, hidden}), rope_rows(part(0, qd, heads), cos, sin), rope_rows(part(qd, kvd, kv_heads), cos, sin),
+          part(qd + kvd, kvd, kv_heads)};
+}
+
+// x + o's heads merged times a 4-bit output weight (models/fused.py q4_out; models/llama.py attn_output):
+// x [B, S, hidden], o [B, H, S, D] -> [B, S, hidden], x's dtype
+torch::Tensor q4_out(torch::Tensor x, torch::Tensor o, torch::Tensor codes, torch::Tensor dm) {
+  TORCH_CHECK(x.dim() == 3 && o.dim() == 4, "x [B, S, hidden], o [B, H, S, D]");
+  const torch::Tensor a = o.transpose(1, 2).reshape({x.size(0) * x.size(1), -1}).to(x.scalar_type()).contiguous();
+  return x + q4_matmul(a, codes, dm).view(x.sizes());
 }

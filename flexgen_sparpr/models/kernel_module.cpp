@@ -26,6 +26,9 @@ torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin); 
 torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
 torch::Tensor q4_mlp(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor gu_codes, torch::Tensor gu_dm,
                      torch::Tensor down_codes, torch::Tensor down_dm);  // glue_kernel.cpp
+std::vector<torch::Tensor> q4_qkv(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor codes, torch::Tensor dm,
+                                  torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads);  // glue_kernel.cpp
+torch::Tensor q4_out(torch::Tensor x, torch::Tensor o, torch::Tensor codes, torch::Tensor dm);  // glue_kernel.cpp
 
 // The kernels touch no Python object: they let go of the GIL while they run, so the engine's I/O threads
 // (disk reads, copies) go on meanwhile instead of waiting for the kernel to return.
@@ -44,4 +47,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_rows", &rope_rows, nogil);
   m.def("silu_mul_rows", &silu_mul_rows, nogil);
   m.def("q4_mlp", &q4_mlp, nogil);
+  m.def("q4_qkv", &q4_qkv, nogil);
+  m.def("q4_out", &q4_out, nogil);
 }

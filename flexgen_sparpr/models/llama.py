@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fused import q4_mlp
+from .fused import q4_mlp, q4_out, q4_qkv
 from .layers import apply_rope, linear, merge_heads, rms_norm, rope_cos_sin, silu_mul, split_heads
 from .spec import ModelSpec
 
@@ -50,6 +50,17 @@ class Llama:
 
     def attn_input(self, w, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, w["ln.w"], self.spec.norm_eps)
+
+    def input_qkv(self, w, x: torch.Tensor, pos: torch.Tensor):
+        """attn_input, then qkv: (h [B, S, hidden], q [B, H, S, D], k, v [B, Hkv, S, D]); one compiled
+        call for 4-bit decode rows (models/fused.py)."""
+        if "qkv.w" in w:
+            got = q4_qkv(x, w["ln.w"], self.spec.norm_eps, w["qkv.w"], *self._rope(pos, x.dtype),
+                         self.spec.num_heads, self.spec.num_kv_heads)
+            if got is not None:
+                return got
+        h = self.attn_input(w, x)
+        return (h, *self.qkv(w, h, pos))
 
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype):
         """cos, sin for positions pos: [B, S]. Position tensors are never changed in place, so one
@@ -101,6 +112,9 @@ class Llama:
         return (apply_rope(split_heads(q, self.spec.num_heads), *rope), *self._heads_kv(k, v, *rope))
 
     def attn_output(self, w, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        y = q4_out(x, o, w["o.w"]) if "o.b" not in w else None  # 4-bit decode rows: one call (models/fused.py)
+        if y is not None:
+            return y
         return x + linear(merge_heads(o).to(x.dtype), w["o.w"], w.get("o.b"))
 
     def mlp(self, w, x: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,11 @@ class OPT:
         """The input of the Q/K/V projections (the recompute checkpoint)."""
         return layer_norm(x, w["ln.w"], w["ln.b"]) if self.spec.pre_norm else x
 
+    def input_qkv(self, w, x: torch.Tensor, pos: torch.Tensor):
+        """attn_input, then qkv: (h, q, k, v)."""
+        h = self.attn_input(w, x)
+        return (h, *self.qkv(w, h, pos))
+
     def kv(self, w, h: torch.Tensor, pos: torch.Tensor):
         """h: [B, S, hidden] -> k, v: [B, Hkv, S, D]."""
         nh = self.spec.num_kv_heads

@@ -157,3 +157,28 @@ def test_fused_mlp_equals_the_layer_by_layer_mlp(dtype, rows):
     assert q4_mlp(torch.randn(P.MAX_ROWS + 1, h).to(dtype), ln, 1e-5, gu, down) is None  # a prefill's rows
     assert q4_mlp(x, ln, 1e-5, P.pack(torch.randn(2 * f, h), "bfloat16"), down) is None  # not 4-bit
     assert q4_mlp(x, ln.double(), 1e-5, gu, down) is None  # norm weight of another dtype
+
+
+@pytest.mark.parametrize("dtype, batch", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 2)])
+def test_fused_attention_input_and_output_equal_the_layer_by_layer_ones(dtype, batch):
+    """models/fused.py q4_qkv (RMSNorm, the q|k|v product, heads, RoPE) and q4_out (output product
+    and residual) give exactly what the layer-by-layer calls give, and step aside where they do not serve."""
+    from flexgen_sparpr.models.fused import q4_out, q4_qkv
+    gen = torch.Generator().manual_seed(batch)
+    hidden, heads, kv_heads, d = 128, 4, 2, 32
+    qkv = P.pack_int4(torch.randn((heads + 2 * kv_heads) * d, hidden, generator=gen))
+    out = P.pack_int4(torch.randn(hidden, heads * d, generator=gen))
+    ln = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    x = torch.randn(batch, 1, hidden, generator=gen).to(dtype)
+    cos, sin = layers.rope_cos_sin(torch.arange(batch)[:, None] + 7, d, 10000.0, dtype)  # [B, 1, 1, D] each
+    h = layers.rms_norm(x, ln, 1e-5)
+    q, k, v = layers.linear(h, qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want = (h, layers.apply_rope(layers.split_heads(q, heads), cos, sin),
+            layers.apply_rope(layers.split_heads(k, kv_heads), cos, sin), layers.split_heads(v, kv_heads))
+    got = q4_qkv(x, ln, 1e-5, qkv, cos, sin, heads, kv_heads)
+    assert len(got) == 4 and all(g.shape == w.shape and g.dtype == dtype and torch.equal(g, w) for g, w in zip(got, want))
+    o = torch.randn(batch, heads, 1, d, generator=gen).to(dtype)
+    assert torch.equal(q4_out(x, o, out), x + layers.linear(layers.merge_heads(o), out))
+    assert q4_qkv(x, ln, 1e-5, P.pack(torch.randn(qkv.shape[0], hidden), "bfloat16"), cos, sin, heads, kv_heads) is None
+    assert q4_qkv(x, ln, 1e-5, qkv, cos.double(), sin.double(), heads, kv_heads) is None
+    assert q4_out(torch.randn(P.MAX_ROWS + 1, 1, hidden).to(dtype), o, out) is None
