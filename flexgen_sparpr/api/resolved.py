@@ -15,11 +15,11 @@ def policy_knobs(policy) -> dict:
 
 def decode_attention_kernel(device) -> str:
     """Which kernel a decode step's attention runs on (models/cpu_kernel.py: the compiled one on a
-    CPU with AVX-512 where it is built; else torch's)."""
+    CPU with AVX-512 or AVX2 where it is built; else torch's)."""
     if device.type != "cpu":
         return "torch"
     from ..models import cpu_kernel
-    return "compiled (AVX-512)" if cpu_kernel.kernel() is not None else f"torch ({cpu_kernel.why_not()})"
+    return f"compiled ({cpu_kernel.simd_name()})" if cpu_kernel.kernel() is not None else f"torch ({cpu_kernel.why_not()})"
 
 
 def resolved(llm, policies: dict | None = None) -> dict:

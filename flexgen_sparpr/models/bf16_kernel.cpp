@@ -8,37 +8,45 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 
+#include "simd.h"
+
+#if KERNEL_SIMD
 namespace {
+
+using vec::kLanes;
+using vec::vf;
 
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kAhead = 2;  // blocks of rows prefetched ahead, as weight_kernel.cpp
 
-// 16 bfloat16 (as uint16) from p, the lanes past `live` zero -> float32
-inline __m512 widen(const uint16_t* p, __mmask16 live) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
-}
-
 // y[m, n .. n + R) for R rows of W
 template <int M, int R>
 inline void block(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n) {
-  __m512 acc[R][M];
+  vf acc[R][M];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 live = K - k >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_ps(live, x + m * K + k);
+    for (int m = 0; m < M; ++m) acc[r][m] = vec::zero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    vf xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = vec::load(x + m * K + k);
     for (int r = 0; r < R; ++r) {
-      const __m512 wv = widen(w + (n + r) * K + k, live);
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+      const vf wv = vec::load(reinterpret_cast<const c10::BFloat16*>(w + (n + r) * K + k));
+      for (int m = 0; m < M; ++m) acc[r][m] = vec::fma(wv, xv[m], acc[r][m]);
+    }
+  }
+  if (k < K) {  // the last K % kLanes inputs, the lanes past them zero
+    const int live = static_cast<int>(K - k);
+    vf xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = vec::load_n(x + m * K + k, live);
+    for (int r = 0; r < R; ++r) {
+      const vf wv = vec::widen_n(w + (n + r) * K + k, live);
+      for (int m = 0; m < M; ++m) acc[r][m] = vec::fma(wv, xv[m], acc[r][m]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+    for (int m = 0; m < M; ++m) y[m * N + n + r] = vec::sum(acc[r][m]);
 }
 
 template <int M>
@@ -54,9 +62,11 @@ void rows_of(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, 
 }
 
 }  // namespace
+#endif
 
 // x: [M, K] float32 or bfloat16 (M <= 8); w: [N, K] bfloat16 contiguous -> [M, N] in x's dtype
 torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w) {
+#if KERNEL_SIMD
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "x: contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(1) == x.size(1),
@@ -86,4 +96,7 @@ torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w) {
   c10::BFloat16* bp = yb.data_ptr<c10::BFloat16>();
   for (int64_t i = 0; i < M * N; ++i) bp[i] = static_cast<c10::BFloat16>(yp[i]);
   return yb;
+#else
+  TORCH_CHECK(false, "built without AVX-512 or AVX2");
+#endif
 }

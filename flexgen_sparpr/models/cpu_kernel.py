@@ -10,8 +10,10 @@ splits the keys over the threads, and can read given rows of the cache in place 
 results/attention, docs/weights.md). The kernels are built with the machine's own instruction set
 (`-march=native`) by torch's extension loader (g++ and ninja) the first time one is asked for, or
 by `flexgen-sparpr prepare`, and cached under torch's extension folder, keyed by the sources, this
-CPU's flags and the torch version. Where they cannot be built (no compiler, no AVX-512) or
-FLEXGEN_SPARPR_CPU_KERNEL=0 is set, `kernel()` is None and the torch paths run.
+CPU's flags and the torch version. They are written for AVX-512 and for AVX2 with FMA and F16C (simd.h:
+AMD Zen 2/3 and Intel's client cores since Alder Lake have AVX2 only). Where they cannot be built (no
+compiler, neither instruction set) or FLEXGEN_SPARPR_CPU_KERNEL=0 is set, `kernel()` is None and the
+torch paths run.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 _SRCS = [Path(__file__).with_name(n) for n in ("decode_kernel.cpp", "kernel_module.cpp", "lowrank_kernel.cpp",
                                                 "select_kernel.cpp", "weight_kernel.cpp", "bf16_kernel.cpp",
                                                 "glue_kernel.cpp")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "weight_avx2.h")]  # in the build's key, not compiled alone
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; without it the kernels run on one thread
 # (the OpenMP runtime is the one torch has loaded: the same soname, libgomp.so.1)
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -42,9 +45,19 @@ def _cpu_flags() -> str:
     return ""
 
 
-def has_avx512() -> bool:
-    """Whether this CPU has AVX-512F (the kernel's instruction set)."""
-    return " avx512f" in _cpu_flags()
+def simd_name() -> str | None:
+    """The instruction set the kernels are built for on this CPU: "AVX-512", "AVX2", or None (neither)."""
+    flags = set(_cpu_flags().split())
+    if "avx512f" in flags:
+        return "AVX-512"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "AVX2"
+    return None
+
+
+def has_simd() -> bool:
+    """Whether this CPU has an instruction set the kernels are written for (AVX-512F, or AVX2 + FMA + F16C)."""
+    return simd_name() is not None
 
 
 def kernel():
@@ -60,8 +73,13 @@ def why_not() -> str | None:
     return _state.get("why")
 
 
+def build_name() -> str:
+    """The build's name: it changes with the sources, this CPU's flags and the torch install."""
+    return _name()
+
+
 def _name() -> str:
-    src = b"".join(p.read_bytes() for p in _SRCS)
+    src = b"".join(p.read_bytes() for p in _SRCS + _HEADERS)
     # the torch install is in the key: another venv's headers make another build (no rebuild thrash)
     key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode()
                        + str(Path(torch.__file__).resolve().parent).encode())
@@ -77,8 +95,8 @@ def build_folder() -> Path:
 def _build():
     if os.environ.get("FLEXGEN_SPARPR_CPU_KERNEL", "1") == "0":
         return None, "FLEXGEN_SPARPR_CPU_KERNEL=0"
-    if sys.platform != "linux" or not has_avx512():
-        return None, "not a Linux CPU with AVX-512"
+    if sys.platform != "linux" or not has_simd():
+        return None, "not a Linux CPU with AVX-512 or AVX2"
     try:
         from torch.utils.cpp_extension import load
         with _exclusive(build_folder()):
@@ -86,7 +104,7 @@ def _build():
                        verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: torch's kernel serves
         return None, f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
-    return (mod, None) if mod.simd() else (None, "built without AVX-512")
+    return (mod, None) if mod.simd() else (None, "built without AVX-512 or AVX2")
 
 
 class _exclusive:
@@ -122,6 +140,6 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def say_kernel(say) -> None:
     """Build the kernel (if it can be) and say whether decode attention uses it."""
     if kernel() is not None:
-        say("CPU decode-attention kernel: built (AVX-512); decode attention on the CPU uses it")
+        say(f"CPU decode-attention kernel: built ({simd_name()}); decode attention on the CPU uses it")
     else:
         say(f"CPU decode-attention kernel: not used ({why_not()}); decode attention stays on torch's kernel")

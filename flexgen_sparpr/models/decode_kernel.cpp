@@ -1,5 +1,5 @@
-// One decode query per head over a KV cache read where it lies, on a CPU with AVX-512 (models/cpu_kernel.py
-// builds this once per machine). K and V may be float32, bfloat16 or float16 (widened to float32 as they are
+// One decode query per head over a KV cache read where it lies, on a CPU with AVX-512 or AVX2 (simd.h;
+// models/cpu_kernel.py builds this once per machine). K and V may be float32, bfloat16 or float16 (widened to float32 as they are
 // read); q, the scores, the softmax and the output are float32. A KV head's G query heads share its keys, so
 // each key and value row is read once for all of them. The keys are split into chunks of kChunk over the
 // threads (flash-decoding: a batch of one has too few heads to keep two cores busy); each chunk keeps its
@@ -14,6 +14,8 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -34,10 +36,11 @@ struct Part {
 
 }  // namespace
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
+#if KERNEL_SIMD
 namespace {
+
+using vec::kLanes;
+using vec::vf;
 
 constexpr float kLow = -1e30f;  // a masked key's score: finite, as -ffast-math's vector exp needs
 
@@ -56,26 +59,20 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is float32's upper half
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-
 // Keys t0..t1 of one (sequence, KV head): key t is row idx[t] of k and v (idx null: row t). m[g], l[g]: the
 // max score and the sum of exp(score - max) (l 0: no valid key); acc[g, :]: the values weighted by
 // exp(score - max).
 template <typename T, int G, int D>
 void attend_chunk(const float* q, const T* k, const T* v, int64_t row, const int64_t* idx, int64_t t0, int64_t t1,
                   const bool* mask, float scale, float* m, float* l, float* acc) {
-  constexpr int V = D / 16;
+  constexpr int V = D / kLanes;
   alignas(64) float s[G][kChunk];
   float mx[G];
   int live = 0;
-  __m512 qv[G][V];
+  vf qv[G][V];
   for (int g = 0; g < G; ++g) {
     mx[g] = kLow;
-    for (int i = 0; i < V; ++i) qv[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + i * 16), _mm512_set1_ps(scale));
+    for (int i = 0; i < V; ++i) qv[g][i] = vec::mul(vec::load(q + g * D + i * kLanes), vec::set1(scale));
   }
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t j = t - t0;
@@ -84,14 +81,14 @@ void attend_chunk(const float* q, const T* k, const T* v, int64_t row, const int
       continue;
     }
     ++live;
-    __m512 kv[V];
+    vf kv[V];
     const T* kt = k + (idx ? idx[t] : t) * row;
     if (const int64_t a = ahead(idx, t, t1); a >= 0) prefetch_row(k + a * row, D * sizeof(T));
-    for (int i = 0; i < V; ++i) kv[i] = load16(kt + i * 16);
+    for (int i = 0; i < V; ++i) kv[i] = vec::load(kt + i * kLanes);
     for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int i = 1; i < V; ++i) a = _mm512_fmadd_ps(qv[g][i], kv[i], a);
-      const float dot = _mm512_reduce_add_ps(a);
+      vf a = vec::mul(qv[g][0], kv[0]);
+      for (int i = 1; i < V; ++i) a = vec::fma(qv[g][i], kv[i], a);
+      const float dot = vec::sum(a);
       s[g][j] = dot;
       mx[g] = std::max(mx[g], dot);
     }
@@ -110,22 +107,22 @@ void attend_chunk(const float* q, const T* k, const T* v, int64_t row, const int
     m[g] = top;
     l[g] = live ? sum : 0.f;
   }
-  __m512 av[G][V];
+  vf av[G][V];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < V; ++i) av[g][i] = _mm512_setzero_ps();
+    for (int i = 0; i < V; ++i) av[g][i] = vec::zero();
   for (int64_t t = t0; t < t1; ++t) {
     if (mask && !mask[t]) continue;
-    __m512 vv[V];
+    vf vv[V];
     const T* vt = v + (idx ? idx[t] : t) * row;
     if (const int64_t a = ahead(idx, t, t1); a >= 0) prefetch_row(v + a * row, D * sizeof(T));
-    for (int i = 0; i < V; ++i) vv[i] = load16(vt + i * 16);
+    for (int i = 0; i < V; ++i) vv[i] = vec::load(vt + i * kLanes);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(s[g][t - t0]);
-      for (int i = 0; i < V; ++i) av[g][i] = _mm512_fmadd_ps(p, vv[i], av[g][i]);
+      const vf p = vec::set1(s[g][t - t0]);
+      for (int i = 0; i < V; ++i) av[g][i] = vec::fma(p, vv[i], av[g][i]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + g * D + i * 16, av[g][i]);
+    for (int i = 0; i < V; ++i) vec::store(acc + g * D + i * kLanes, av[g][i]);
 }
 
 template <int G, int D>
@@ -205,13 +202,10 @@ bool run_g(int64_t g, const float* qp, int64_t B, int64_t H, const std::vector<P
 }  // namespace
 #endif
 
-bool simd() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+// the vector width the kernels were built for: 512 (AVX-512), 256 (AVX2) or 0 (neither: not usable)
+int64_t simd_width() { return KERNEL_SIMD; }
+
+bool simd() { return KERNEL_SIMD != 0; }
 
 // One part of the keys (decode_attention_parts), checked against q: [B, Hkv, G, D].
 Part part(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& mask,
@@ -266,7 +260,7 @@ std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<t
                                                   std::vector<torch::Tensor> vs,
                                                   std::vector<c10::optional<torch::Tensor>> masks,
                                                   std::vector<c10::optional<torch::Tensor>> rows) {
-  TORCH_CHECK(simd(), "built without AVX-512");
+  TORCH_CHECK(simd(), "built without AVX-512 or AVX2");
   const bool wide = q.scalar_type() == torch::kFloat32;
   TORCH_CHECK((wide || q.scalar_type() == torch::kBFloat16) && q.is_contiguous() && q.dim() == 4,
               "q: contiguous float32 or bfloat16 [B, Hkv, G, D]");
@@ -288,7 +282,7 @@ std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<t
   const float* qp = wide ? q.data_ptr<float>() : qw.data();
   float* op = wide ? out.data_ptr<float>() : ow.data();
   bool done = false;
-#if defined(__AVX512F__)
+#if KERNEL_SIMD
   if (q.size(3) == 64) done = run_g<64>(q.size(2), qp, q.size(0), q.size(1), parts, op, lse.data_ptr<float>());
   else if (q.size(3) == 128) done = run_g<128>(q.size(2), qp, q.size(0), q.size(1), parts, op, lse.data_ptr<float>());
 #endif

@@ -11,6 +11,7 @@ std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<t
                                                   std::vector<c10::optional<torch::Tensor>> masks,
                                                   std::vector<c10::optional<torch::Tensor>> rows);  // decode_kernel.cpp
 bool simd();  // decode_kernel.cpp
+int64_t simd_width();  // decode_kernel.cpp
 torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor codes, c10::optional<torch::Tensor> bias,
                              int64_t bs);  // lowrank_kernel.cpp
 
@@ -35,6 +36,7 @@ torch::Tensor q4_out(torch::Tensor x, torch::Tensor o, torch::Tensor codes, torc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("simd", &simd);
+  m.def("simd_width", &simd_width);
   m.def("decode_attention", &decode_attention, nogil);
   m.def("decode_attention_parts", &decode_attention_parts, nogil);
   m.def("lowrank_scores", &lowrank_scores, nogil);

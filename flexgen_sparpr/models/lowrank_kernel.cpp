@@ -1,4 +1,4 @@
-// SparPR's low-rank block scores on a CPU with AVX-512 (kv/policies/sparpr_lowrank.py, head_score
+// SparPR's low-rank block scores on a CPU with AVX-512 or AVX2 (simd.h; kv/policies/sparpr_lowrank.py, head_score
 // "softmax"): per sequence, KV head and query head, the query's coordinates in the KV head's basis,
 // q . k~ of every sealed token from its 4-bit codes (two a byte, tokens innermost), the softmax over
 // the tokens, and each block's share of it, summed over the heads: one call a layer where torch takes
@@ -14,34 +14,18 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 
+#if KERNEL_SIMD
 namespace {
+
+using vec::kLanes;
+using vec::vf;
 
 constexpr float kLow = -1e30f;  // a padded token's logit: finite, as -ffast-math's vector exp needs
 constexpr int kMaxG = 8;
 constexpr int64_t kChunk = 512;  // tokens a thread's work item scores, at least (whole blocks)
 constexpr int64_t kAheadBytes = 512;  // how far ahead of the tokens scored each code row is prefetched
-
-// e^x, 16 lanes (x <= 0 here: a logit less the row's max): 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2,
-// e^r by its Taylor series to r^7 (relative error under 2e-7); below -87 it is 0 as float32's exp gives
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts: exact n ln2_hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __m512 e = _mm512_scalef_ps(p, n);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LE_OQ), e, _mm512_setzero_ps());
-}
 
 // logits [G, T] of one (sequence, KV head), less a constant per query head (8 times its coordinates' sum:
 // the codes' offset, which the softmax over the tokens does not see): qs [G, r] (r = 2 half) as pairs
@@ -52,24 +36,23 @@ template <int G>
 void logits_g(const float* qs, int half, const uint8_t* codes, int64_t cs, int64_t T, const float* bias,
               float* out, int64_t os) {
   int64_t t0 = 0;
-  for (; t0 + 16 <= T; t0 += 16) {
+  for (; t0 + kLanes <= T; t0 += kLanes) {
     if (t0 % 64 == 0)  // the r / 2 rows are strided streams too short for the hardware's prefetcher
       for (int i = 0; i < half; ++i) _mm_prefetch(reinterpret_cast<const char*>(codes + i * cs + t0 + kAheadBytes), _MM_HINT_T0);
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    vf acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = vec::zero();
     for (int i = 0; i < half; ++i) {
-      const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + i * cs + t0)));
-      const __m512 v = _mm512_cvtepi32_ps(x), hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+      const vf v = vec::from_u8(codes + i * cs + t0), hi = vec::from_u8_hi(codes + i * cs + t0);
       for (int g = 0; g < G; ++g) {
-        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * 2 * half + 2 * i]), v, acc[g]);
-        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * 2 * half + 2 * i + 1]), hi, acc[g]);
+        acc[g] = vec::fma(vec::set1(qs[g * 2 * half + 2 * i]), v, acc[g]);
+        acc[g] = vec::fma(vec::set1(qs[g * 2 * half + 2 * i + 1]), hi, acc[g]);
       }
     }
     if (bias) {
-      const __m512 b = _mm512_max_ps(_mm512_loadu_ps(bias + t0), _mm512_set1_ps(kLow));
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_add_ps(acc[g], b);
+      const vf b = vec::max(vec::load(bias + t0), vec::set1(kLow));
+      for (int g = 0; g < G; ++g) acc[g] = vec::add(acc[g], b);
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + g * os + t0, acc[g]);
+    for (int g = 0; g < G; ++g) vec::store(out + g * os + t0, acc[g]);
   }
   for (int64_t t = t0; t < T; ++t) {  // the tail, a token at a time
     for (int g = 0; g < G; ++g) {
@@ -98,21 +81,21 @@ void logits(const float* qs, int G, int half, const uint8_t* codes, int64_t cs, 
   }
 }
 
-// x [n] -> (its max m, sum of e^(x - m)), 16 lanes at a time (the compiler's exp over this loop ran
-// scalar, ten times the logits' cost)
+// x [n] -> (its max m, sum of e^(x - m)), a vector at a time (the compiler's exp over this loop ran
+// scalar, ten times the logits' cost); the tail past the last whole vector a value at a time
 inline void block_stats(const float* x, int64_t n, float* m_out, float* s_out) {
-  __m512 vm = _mm512_set1_ps(kLow);
+  vf vm = vec::set1(kLow);
   int64_t t = 0;
-  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
-  if (t < n) vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, x + t));
-  const float m = _mm512_reduce_max_ps(vm);
-  const __m512 vt = _mm512_set1_ps(m);
-  __m512 vs = _mm512_setzero_ps();
-  for (t = 0; t + 16 <= n; t += 16) vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), vt)));
-  if (t < n) vs = _mm512_mask_add_ps(vs, tail, vs, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(vt, tail, x + t), vt)));
+  for (; t + kLanes <= n; t += kLanes) vm = vec::max(vm, vec::load(x + t));
+  float m = vec::hmax(vm);
+  for (int64_t j = t; j < n; ++j) m = std::max(m, x[j]);
+  const vf vt = vec::set1(m);
+  vf vs = vec::zero();
+  for (t = 0; t + kLanes <= n; t += kLanes) vs = vec::add(vs, vec::exp(vec::sub(vec::load(x + t), vt)));
+  float s = vec::sum(vs);
+  for (int64_t j = t; j < n; ++j) s += x[j] - m <= -87.f ? 0.f : std::exp(x[j] - m);
   *m_out = m;
-  *s_out = _mm512_reduce_add_ps(vs);
+  *s_out = s;
 }
 
 }  // namespace
@@ -126,7 +109,7 @@ inline void block_stats(const float* x, int64_t n, float* m_out, float* s_out) {
 // the query heads.
 torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor codes, c10::optional<torch::Tensor> bias,
                              int64_t bs) {
-#if defined(__AVX512F__)
+#if KERNEL_SIMD
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4 && q.size(2) <= kMaxG,
               "q: contiguous float32 [B, Hkv, G <= 8, D]");
   TORCH_CHECK(basis.scalar_type() == torch::kFloat32 && basis.is_contiguous() && basis.dim() == 3 &&
@@ -199,6 +182,6 @@ torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor
   }
   return out;
 #else
-  TORCH_CHECK(false, "built without AVX-512");
+  TORCH_CHECK(false, "built without AVX-512 or AVX2");
 #endif
 }

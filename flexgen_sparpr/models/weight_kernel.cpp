@@ -13,22 +13,40 @@
 //       groups' scales, then their lows.
 //   q8: codes [N, K] uint8, code + 128; in chunk c, step t (4 gc bytes), byte 4 i + b is group 16 c + i's
 //       code 4 t + b; d [N, K/32] float16. Its activations' codes are 16-bit, laid out alike.
-// Rows of W are split over the threads; each thread unpacks a chunk once for all M rows of x.
+// Rows of W are split over the threads; each thread unpacks a chunk once for all M rows of x. This file holds
+// the AVX-512 inner loops; weight_avx2.h the AVX2 ones (simd.h picks the width).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
+#if KERNEL_SIMD
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // rows of x a call takes (decode batches); more: the caller dequantizes
 constexpr int64_t kAhead = 2;  // blocks of rows prefetched ahead (measured: 2 and 4 alike, 8 and 16 worse)
 
+// x [M, K] as the products read it: per row and chunk, 8 steps of 64 code bytes (zero past the chunk's
+// groups), and per group its scale s, the sum of its codes and s times it (16 lanes, zero past)
+struct Acts {
+  int64_t chunks;
+  char* q;  // 8-bit codes, or 16-bit (wide)
+  float* s;
+  float* sum;
+  int32_t* qsum;
+  int width;  // bytes a code
+  const void* codes(int m, int64_t c, int t) const { return q + ((m * chunks + c) * 8 + t) * 64 * width; }
+  const float* scale(int m, int64_t c) const { return s + (m * chunks + c) * 16; }
+  const float* xsum(int m, int64_t c) const { return sum + (m * chunks + c) * 16; }
+  const int32_t* csum(int m, int64_t c) const { return qsum + (m * chunks + c) * 16; }
+};
+
+#if KERNEL_SIMD == 512
 // lo, hi: 16 int32 pair sums each, of 64 bytes' products 0..31 and 32..63 -> per lane i the sum of bytes 4 i .. 4 i + 3
 inline __m512i pairs(__m512i lo, __m512i hi) {
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -48,21 +66,6 @@ inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
   return _mm512_add_epi32(acc, pairs(plo, phi));
 #endif
 }
-
-// x [M, K] as the products read it: per row and chunk, 8 steps of 64 code bytes (zero past the chunk's
-// groups), and per group its scale s, the sum of its codes and s times it (16 lanes, zero past)
-struct Acts {
-  int64_t chunks;
-  char* q;  // 8-bit codes, or 16-bit (wide)
-  float* s;
-  float* sum;
-  int32_t* qsum;
-  int width;  // bytes a code
-  const void* codes(int m, int64_t c, int t) const { return q + ((m * chunks + c) * 8 + t) * 64 * width; }
-  const float* scale(int m, int64_t c) const { return s + (m * chunks + c) * 16; }
-  const float* xsum(int m, int64_t c) const { return sum + (m * chunks + c) * 16; }
-  const int32_t* csum(int m, int64_t c) const { return qsum + (m * chunks + c) * 16; }
-};
 
 // 16 activations from p: float32, or bfloat16 widened (a float32's top half)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -164,10 +167,19 @@ inline void block(const Acts& a, int64_t K, const uint8_t* codes, const c10::Hal
     for (int m = 0; m < M; ++m) y[m * N + n + r] = _mm512_reduce_add_ps(yacc[r][m]);
 }
 
+#else
+#include "weight_avx2.h"
+#endif
+
 template <int M, bool Q8>
 void rows_of(const Acts& a, int64_t K, const uint8_t* codes, const c10::Half* scales, float* y, int64_t N, int64_t n0,
              int64_t n1) {
-  constexpr int R = M == 1 ? 4 : M <= 4 ? 2 : 1;  // rows of W at once: independent chains, registers to spare
+  // rows of W at once: independent chains, registers to spare (AVX2 has half AVX-512's registers)
+#if KERNEL_SIMD == 512
+  constexpr int R = M == 1 ? 4 : M <= 4 ? 2 : 1;
+#else
+  constexpr int R = M == 1 ? (Q8 ? kRowsQ8 : 4) : M <= 2 ? 2 : 1;
+#endif
   int64_t n = n0;
   const int64_t row = Q8 ? K : K / 2, srow = (K / 32) * (Q8 ? 2 : 4);  // code and scale bytes a row
   for (; n + R <= n1; n += R) {
@@ -221,15 +233,24 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& codes, const 
 }
 
 }  // namespace
+#endif
 
 // x: [M, K] float32 or bfloat16 (M <= 8); codes: [N, K/2] uint8 (chunked); dm: [N, 2, K/32] float16 -> [M, N] x's dtype
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm) {
+#if KERNEL_SIMD
   return product<false>(x, codes, dm);
+#else
+  TORCH_CHECK(false, "built without AVX-512 or AVX2");
+#endif
 }
 
 // x: [M, K] float32 or bfloat16 (M <= 8); codes: [N, K] uint8 (chunked, code + 128); d: [N, K/32] float16 -> [M, N] x's dtype
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d) {
+#if KERNEL_SIMD
   return product<true>(x, codes, d);
+#else
+  TORCH_CHECK(false, "built without AVX-512 or AVX2");
+#endif
 }
 
 // x: [M, K] float32 -> its codes per group of 32 as the products round them: (codes [M, K] int16, scales
@@ -237,6 +258,9 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d) {
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool wide) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) % 32 == 0,
               "x: contiguous float32 [M, K], K a multiple of 32");
+#if !KERNEL_SIMD
+  TORCH_CHECK(false, "built without AVX-512 or AVX2");
+#else
   const int64_t M = x.size(0), K = x.size(1), G = K / 32;
   std::vector<char> buf;
   const float* xp = x.data_ptr<float>();
@@ -255,4 +279,5 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool wide) {
       }
     }
   return {q, s};
+#endif
 }

@@ -180,12 +180,23 @@ def weight_formats(rows: int, refresh: bool = False, cache_dir: Path | None = No
     rows = 1 if rows <= 1 else min(rows, 16)
     path = cache_path(torch.device("cpu"), cache_dir)
     data = load(path) or _empty(torch.device("cpu"))
+    kernels = _kernels()
+    if data.get("weight_format_kernels") != kernels:  # measured with other kernels (or none built then)
+        data["weight_format_s"], data["weight_format_kernels"] = {}, kernels
     table = data.setdefault("weight_format_s", {})
     if refresh or str(rows) not in table:
         table[str(rows)] = measure_weight_formats(rows)
         data["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         save(path, data)
     return table[str(rows)]
+
+
+def _kernels() -> str:
+    """Which compiled CPU kernels the weight formats run on here (models/cpu_kernel.py: its build's name,
+    which changes with its sources, this CPU's flags and torch), or why none: a table measured with
+    other kernels is measured anew."""
+    from ..models import cpu_kernel
+    return cpu_kernel.build_name() if cpu_kernel.kernel() is not None else f"none ({cpu_kernel.why_not()})"
 
 
 def say_weight_formats(say, refresh: bool = True) -> None:

@@ -169,6 +169,25 @@ def test_weight_format_timings_are_cached_beside_the_probe_and_refreshed_on_dema
     assert kept["disk"] == first["disk"] and set(kept["weight_format_s"]) == {"1", "6"}
 
 
+def test_weight_format_timings_measured_with_other_kernels_are_measured_anew(tmp_path, monkeypatch):
+    """A table measured while the compiled kernels were not built (an older engine, another CPU build,
+    a failed compile) would keep choosing a format for kernels that are not the ones run now."""
+    cache = tmp_path / "cache"
+    calls = []
+
+    def fake(rows, formats=("raw", "bfloat16", "int8", "int4")):
+        calls.append(rows)
+        return {"raw": 2e-3, "int4": 5e-4 * len(calls)}
+    monkeypatch.setattr(probe_mod, "measure_weight_formats", fake)
+    monkeypatch.setattr(probe_mod, "_kernels", lambda: "none (not built)")
+    assert probe_mod.weight_formats(1, cache_dir=cache)["int4"] == 5e-4
+    assert probe_mod.weight_formats(1, cache_dir=cache)["int4"] == 5e-4 and calls == [1]
+    monkeypatch.setattr(probe_mod, "_kernels", lambda: "flexgen_sparpr_decode_0123")
+    assert probe_mod.weight_formats(1, cache_dir=cache)["int4"] == 1e-3 and calls == [1, 1]
+    kept = probe_mod.load(probe_mod.cache_path(torch.device("cpu"), cache))
+    assert kept["weight_format_kernels"] == "flexgen_sparpr_decode_0123"
+
+
 def test_weight_format_probe_keeps_each_formats_best_round(monkeypatch):
     """A burst of other work during one round (int4's first here) must not decide the format: the
     rounds interleave the formats, and each keeps its fastest."""
