@@ -19,8 +19,9 @@ def rel(a, b) -> float:
 
 
 # out rows not a multiple of the rows a call takes together; 5 groups (fewer than the 16 whose scales
-# widen together) and 37 (two chunks and a tail)
-@pytest.mark.parametrize("out, groups", [(37, 5), (64, 37), (3, 18)])
+# widen together) and 37 (two chunks and a tail); tails of 2 (SmolLM2's 576 inputs), 11 and 12 (AVX2's
+# second half of a chunk partly filled, odd and even)
+@pytest.mark.parametrize("out, groups", [(37, 5), (64, 37), (3, 18), (5, 27), (9, 12)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_packed_products_equal_their_dequantized_weights(out, groups, rows):
     gen = torch.Generator().manual_seed(out * 100 + groups + rows)
