@@ -55,6 +55,10 @@ ENGINE = [
     Entry("llamacpp", "scripts/bench_llamacpp.py", ("--out", "results/llamacpp"), _pair("results/llamacpp", "llamacpp"),
           ("--lengths", "128", "--gen-len", "4", "--threads", "1", "--weight-formats", "auto", "--out", "{out}"),
           extra="llama_cpp"),
+    # the same on a CPU with AVX2 and no AVX-512 (the kernels' 8-lane build): run it on such a machine
+    Entry("llamacpp-avx2", "scripts/bench_llamacpp.py", ("--weight-formats", "auto", "--out", "results/llamacpp-avx2"),
+          _pair("results/llamacpp-avx2", "llamacpp"), extra="llama_cpp",
+          needs="a CPU with AVX2 and no AVX-512 (this file's kind of machine; results/llamacpp is the other kind)"),
     Entry("api", "scripts/bench_api.py", ("--out", "results/api"), _pair("results/api", "api_overhead"),
           ("--prompts", "4", "--max-len", "64", "--gen-len", "4", "--batch", "2", "--serial", "2", "--repeats", "1",
            "--offload-dir", "{out}/offload", "--out", "{out}")),

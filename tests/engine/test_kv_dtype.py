@@ -72,7 +72,10 @@ def test_float16_kv_moves_half_the_bytes(tiny_opt_dir, tmp_path, tiers):
 @pytest.mark.slow
 def test_real_model_greedy_tokens_equal_with_float16_kv(smollm2_dir, tmp_path):
     """SmolLM2, KV on disk, a ~1.5k-token passage with a passkey: the default float16 storage, and
-    q8, pick the same greedy tokens as float32."""
+    q8, pick the same greedy tokens as float32, with float32 weights (the KV's storage alone differs).
+    With the int4 default, whose 8-bit activation codes round a last-bit change upstream into a few
+    hundredths of a logit, float16's tokens part from float32's only at a near tie of the float32 run
+    (measured: step 9 on an AMD EPYC's AVX2 build, 17.654 against 17.647)."""
     src = resolve_source(str(smollm2_dir), "")
     text = (Path(__file__).parents[1] / "data" / "plrabn12.txt").read_text()[20000:26000]
     cut = len(text) // 2
@@ -81,9 +84,17 @@ def test_real_model_greedy_tokens_equal_with_float16_kv(smollm2_dir, tmp_path):
     toks = {}
     for kvd in ("float32", "float16", "q8"):
         toks[kvd], *_ = run_engine(src, Policy(gpu_batch_size=1, **C_DISK), tmp_path / kvd, ids, n=16,
-                                   block_size=16, dtype="float32", kv_dtype=kvd)
+                                   block_size=16, dtype="float32", kv_dtype=kvd, weight_format="raw")
     assert toks["float16"] == toks["float32"]
     assert toks["q8"] == toks["float32"]
+    runs = {kvd: run_engine(src, Policy(gpu_batch_size=1, **C_DISK), tmp_path / f"auto-{kvd}", ids, n=16,
+                            block_size=16, dtype="float32", kv_dtype=kvd, weight_format="auto")
+            for kvd in ("float32", "float16")}
+    (want, logits, _), (got, _, _) = runs["float32"], runs["float16"]
+    same = next((i for i, (a, b) in enumerate(zip(want[0], got[0])) if a != b), len(want[0]))
+    if same < len(want[0]):
+        top2 = logits[same, 0].float().topk(2).values
+        assert top2[0] - top2[1] < 0.005 * top2[0].abs(), (same, top2.tolist())
 
 
 # --- q8 / q4: the offloaded blocks group-quantized (64 values a group, min and scale each) -------

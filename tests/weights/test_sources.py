@@ -276,12 +276,15 @@ def test_smollm2_matches_hf_with_the_cache_split_to_disk(smollm2_dir, tmp_path, 
 @pytest.mark.slow
 def test_smollm2_in_int4_keeps_the_raw_tokens(smollm2_dir, tmp_path):
     """--weight-format auto packs the prepared SmolLM2 (its GGUF's Q4_1 codes, the Q8_0 head) for the
-    int4 kernel, whose bfloat16 activations and scales move the logits by ~1.2 % of their scale
-    (measured on this passage): up to where the greedy tokens part, the logits stay within 3 % of
-    the raw float32 run's, and they part only where the raw run's two best logits are closer than
-    that (a near tie: bfloat16 rounding turns a last-bit change upstream, e.g. another attention
-    kernel's summation order, into a few hundredths of a logit, so which side wins is not the
-    format's to keep; on this passage raw's third token leads by 0.7 %)."""
+    int4 kernel, whose 8-bit activation codes (16-bit for the head) move the logits (measured on this
+    passage, largest difference over the vocabulary a step, as a share of the largest raw logit):
+    1.0-1.7 % at most steps and 3.0 % at one on an AMD EPYC (the kernels' AVX2 build), under 3 % at
+    every step on an Intel Xeon (AVX-512); the root mean square a step stays under 1.7 % (AMD EPYC). Up to where
+    the greedy tokens part, the logits stay within those bounds (4 % and 2 %) of the raw float32
+    run's, and they part only where the raw run's two best logits are closer than 6 % (a near tie: a
+    rounding of the activations turns a last-bit change upstream, e.g. another attention kernel's
+    summation order, into a few hundredths of a logit, so which side wins is not the format's to
+    keep; on this passage raw's third token leads by 0.7 %)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     text = (Path(__file__).parents[1] / "data" / "alice29.txt").read_text(encoding="latin-1")
@@ -297,9 +300,11 @@ def test_smollm2_in_int4_keeps_the_raw_tokens(smollm2_dir, tmp_path):
     raw_t, auto_t = out["raw"].tokens[0], out["auto"].tokens[0]
     same = next((i for i, (a, b) in enumerate(zip(raw_t, auto_t)) if a != b), len(raw_t))
     raw, auto = torch.stack(out["raw"].logits[:same + 1]), torch.stack(out["auto"].logits[:same + 1])
-    tol = 0.03 * raw.abs().max()
-    assert (auto - raw).abs().max() < tol  # the same prefix, so the same inputs up to step `same`
+    scale = raw.abs().max()
+    diff = (auto - raw).reshape(len(raw), -1).float()  # the same prefix, so the same inputs up to step `same`
+    assert diff.abs().max() < 0.04 * scale
+    assert diff.pow(2).mean(1).sqrt().max() < 0.02 * scale
     if same < len(raw_t):  # they part: only at a near tie of the raw run
         top2 = out["raw"].logits[same].flatten().float().topk(2).values
-        assert top2[0] - top2[1] < 2 * tol, (same, top2.tolist(), float(tol))
+        assert top2[0] - top2[1] < 0.06 * scale, (same, top2.tolist(), float(scale))
     assert same >= 2  # the first tokens, far from any tie here, always agree
