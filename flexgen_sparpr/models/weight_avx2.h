@@ -38,43 +38,25 @@ inline __m256i groups8(__m256i a, __m256i b) {
   return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);  // hadd gives groups 0 1 4 5 2 3 6 7
 }
 
+// one group of 32 activations xg -> its codes in order (W bytes each) in words; returns its scale, and
+// the codes' sum in qsum (weight_kernel.cpp's round_group, 8 lanes)
 template <bool Wide, typename T>
-Acts quantize(const T* x, int64_t M, int64_t K, std::vector<char>& buf) {
-  constexpr int W = Wide ? 2 : 1;
+inline float round_group(const T* xg, char* words, int32_t& qsum) {
   constexpr int top = Wide ? 32767 : 127;
-  const int64_t G = K / 32, chunks = (G + 15) / 16, lanes = M * chunks * 16, qbytes = M * chunks * 512 * W;
-  buf.assign(qbytes + lanes * 12 + 64, 0);
-  char* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
-  Acts a{chunks, base, reinterpret_cast<float*>(base + qbytes), nullptr, nullptr, W};
-  a.sum = a.s + lanes;
-  a.qsum = reinterpret_cast<int32_t*>(a.sum + lanes);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* xg = x + m * K + g * 32;
-      vec::vf v[4];
-      for (int i = 0; i < 4; ++i) v[i] = vec::load(xg + 8 * i);
-      const float amax = vec::hmax(vec::max(vec::max(vec::abs(v[0]), vec::abs(v[1])),
-                                              vec::max(vec::abs(v[2]), vec::abs(v[3]))));
-      const vec::vf inv = vec::set1(amax > 0 ? top / amax : 0.0f);
-      alignas(32) int32_t q[32];
-      for (int i = 0; i < 4; ++i) vec::round_i32(q + 8 * i, vec::mul(v[i], inv));
-      alignas(64) char words[32 * W];  // the group's codes in order, W bytes each
-      int32_t qsum = 0;
-      for (int j = 0; j < 32; ++j) {
-        const int32_t c = std::min(std::max(q[j], -top), top);
-        qsum += c;
-        if (Wide) reinterpret_cast<int16_t*>(words)[j] = static_cast<int16_t>(c);
-        else words[j] = static_cast<char>(c);
-      }
-      const int64_t c = g / 16, i = g % 16, lane = (m * chunks + c) * 16 + i;
-      for (int t = 0; t < 8; ++t)
-        std::memcpy(a.q + (((m * chunks + c) * 8 + t) * 64 + 4 * i) * W, words + 4 * t * W, 4 * W);
-      a.s[lane] = amax / top;
-      a.qsum[lane] = qsum;
-      a.sum[lane] = a.s[lane] * static_cast<float>(qsum);  // the rounded x's sum: errors stay w's size
-    }
+  vec::vf v[4];
+  for (int i = 0; i < 4; ++i) v[i] = vec::load(xg + 8 * i);
+  const float amax = vec::hmax(vec::max(vec::max(vec::abs(v[0]), vec::abs(v[1])), vec::max(vec::abs(v[2]), vec::abs(v[3]))));
+  const vec::vf inv = vec::set1(amax > 0 ? top / amax : 0.0f);
+  alignas(32) int32_t q[32];
+  for (int i = 0; i < 4; ++i) vec::round_i32(q + 8 * i, vec::mul(v[i], inv));
+  qsum = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int32_t c = std::min(std::max(q[j], -top), top);
+    qsum += c;
+    if (Wide) reinterpret_cast<int16_t*>(words)[j] = static_cast<int16_t>(c);
+    else words[j] = static_cast<char>(c);
   }
-  return a;
+  return amax / top;
 }
 
 // one chunk's groups (gc of them; its halves 0 .. NH - 1 hold them) for R rows of W, added into yacc

@@ -46,6 +46,17 @@ struct Acts {
   const int32_t* csum(int m, int64_t c) const { return qsum + (m * chunks + c) * 16; }
 };
 
+// Acts for M rows of `chunks` chunks, codes W bytes each, in buf (zeroed, 64-byte aligned)
+inline Acts acts(int64_t M, int64_t chunks, int W, std::vector<char>& buf) {
+  const int64_t lanes = M * chunks * 16, qbytes = M * chunks * 512 * W;
+  buf.assign(qbytes + lanes * 12 + 64, 0);
+  char* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+  Acts a{chunks, base, reinterpret_cast<float*>(base + qbytes), nullptr, nullptr, W};
+  a.sum = a.s + lanes;
+  a.qsum = reinterpret_cast<int32_t*>(a.sum + lanes);
+  return a;
+}
+
 #if KERNEL_SIMD == 512
 // lo, hi: 16 int32 pair sums each, of 64 bytes' products 0..31 and 32..63 -> per lane i the sum of bytes 4 i .. 4 i + 3
 inline __m512i pairs(__m512i lo, __m512i hi) {
@@ -73,40 +84,24 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// one group of 32 activations xg -> its codes in order (W bytes each) in words; returns its scale, and
+// the codes' sum in qsum
 template <bool Wide, typename T>
-Acts quantize(const T* x, int64_t M, int64_t K, std::vector<char>& buf) {
-  constexpr int W = Wide ? 2 : 1;
+inline float round_group(const T* xg, char* words, int32_t& qsum) {
   constexpr float top = Wide ? 32767.0f : 127.0f;
-  const int64_t G = K / 32, chunks = (G + 15) / 16, lanes = M * chunks * 16, qbytes = M * chunks * 512 * W;
-  buf.assign(qbytes + lanes * 12 + 64, 0);
-  char* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
-  Acts a{chunks, base, reinterpret_cast<float*>(base + qbytes), nullptr, nullptr, W};
-  a.sum = a.s + lanes;
-  a.qsum = reinterpret_cast<int32_t*>(a.sum + lanes);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* xg = x + m * K + g * 32;
-      const __m512 lo = load16(xg), hi = load16(xg + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const __m512 inv = _mm512_set1_ps(amax > 0 ? top / amax : 0.0f);
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      alignas(64) char words[32 * W];  // the group's codes 4 t .. 4 t + 3 at 4 t W
-      if (Wide) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(words), _mm512_cvtsepi32_epi16(qlo));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(words + 32), _mm512_cvtsepi32_epi16(qhi));
-      } else {
-        _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtsepi32_epi8(qlo));
-        _mm_store_si128(reinterpret_cast<__m128i*>(words + 16), _mm512_cvtsepi32_epi8(qhi));
-      }
-      const int64_t c = g / 16, i = g % 16, lane = (m * chunks + c) * 16 + i;
-      for (int t = 0; t < 8; ++t)
-        std::memcpy(a.q + (((m * chunks + c) * 8 + t) * 64 + 4 * i) * W, words + 4 * t * W, 4 * W);
-      a.s[lane] = amax / top;
-      a.qsum[lane] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      a.sum[lane] = a.s[lane] * static_cast<float>(a.qsum[lane]);  // the rounded x's sum: errors stay w's size
-    }
+  const __m512 lo = load16(xg), hi = load16(xg + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const __m512 inv = _mm512_set1_ps(amax > 0 ? top / amax : 0.0f);
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+  if (Wide) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words), _mm512_cvtsepi32_epi16(qlo));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(words + 32), _mm512_cvtsepi32_epi16(qhi));
+  } else {
+    _mm_store_si128(reinterpret_cast<__m128i*>(words), _mm512_cvtsepi32_epi8(qlo));
+    _mm_store_si128(reinterpret_cast<__m128i*>(words + 16), _mm512_cvtsepi32_epi8(qhi));
   }
-  return a;
+  qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  return amax / top;
 }
 
 // y[m, n .. n + R) for R rows of W over every chunk: the integer dots of a chunk in one int32 vector a
@@ -170,6 +165,28 @@ inline void block(const Acts& a, int64_t K, const uint8_t* codes, const c10::Hal
 #else
 #include "weight_avx2.h"
 #endif
+
+// x [M, K] rounded a group at a time (round_group) into the Acts layout
+template <bool Wide, typename T>
+Acts quantize(const T* x, int64_t M, int64_t K, std::vector<char>& buf) {
+  constexpr int W = Wide ? 2 : 1;
+  const int64_t G = K / 32, chunks = (G + 15) / 16;
+  Acts a = acts(M, chunks, W, buf);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      alignas(64) char words[32 * W];  // the group's codes 4 t .. 4 t + 3 at 4 t W
+      int32_t qsum;
+      const float scale = round_group<Wide>(x + m * K + g * 32, words, qsum);
+      const int64_t c = g / 16, i = g % 16, lane = (m * chunks + c) * 16 + i;
+      for (int t = 0; t < 8; ++t)
+        std::memcpy(a.q + (((m * chunks + c) * 8 + t) * 64 + 4 * i) * W, words + 4 * t * W, 4 * W);
+      a.s[lane] = scale;
+      a.qsum[lane] = qsum;
+      a.sum[lane] = scale * static_cast<float>(qsum);  // the rounded x's sum: errors stay w's size
+    }
+  }
+  return a;
+}
 
 template <int M, bool Q8>
 void rows_of(const Acts& a, int64_t K, const uint8_t* codes, const c10::Half* scales, float* y, int64_t N, int64_t n0,
