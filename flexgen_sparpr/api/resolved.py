@@ -19,7 +19,8 @@ def decode_attention_kernel(device) -> str:
     if device.type != "cpu":
         return "torch"
     from ..models import cpu_kernel
-    return f"compiled ({cpu_kernel.simd_name()})" if cpu_kernel.kernel() is not None else f"torch ({cpu_kernel.why_not()})"
+    built = cpu_kernel.built_for()
+    return f"compiled ({built})" if built else f"torch ({cpu_kernel.why_not()})"
 
 
 def resolved(llm, policies: dict | None = None) -> dict:

@@ -92,7 +92,7 @@ def run(args, command: list[str]) -> dict:
                 print(cells[-1], flush=True)
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["engine_commit"] = engine_commit()
-    config["kernel"] = f"compiled ({cpu_kernel.simd_name()})" if built else f"not built: {cpu_kernel.why_not()}"
+    config["kernel"] = f"compiled ({cpu_kernel.built_for()})" if built else f"not built: {cpu_kernel.why_not()}"
     return {"config": config, "machine": machine_info(), "cells": cells, "command": "python " + " ".join(command)}
 
 

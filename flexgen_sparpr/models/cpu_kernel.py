@@ -46,7 +46,7 @@ def _cpu_flags() -> str:
 
 
 def simd_name() -> str | None:
-    """The instruction set the kernels are built for on this CPU: "AVX-512", "AVX2", or None (neither)."""
+    """The instruction set this CPU offers the kernels: "AVX-512", "AVX2", or None (neither; no build is tried)."""
     flags = set(_cpu_flags().split())
     if "avx512f" in flags:
         return "AVX-512"
@@ -75,10 +75,6 @@ def why_not() -> str | None:
 
 def build_name() -> str:
     """The build's name: it changes with the sources, this CPU's flags and the torch install."""
-    return _name()
-
-
-def _name() -> str:
     src = b"".join(p.read_bytes() for p in _SRCS + _HEADERS)
     # the torch install is in the key: another venv's headers make another build (no rebuild thrash)
     key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode()
@@ -89,7 +85,7 @@ def _name() -> str:
 def build_folder() -> Path:
     """Where torch's extension loader builds and caches the kernels on this machine and torch."""
     from torch.utils.cpp_extension import _get_build_directory
-    return Path(_get_build_directory(_name(), verbose=False))
+    return Path(_get_build_directory(build_name(), verbose=False))
 
 
 def _build():
@@ -100,7 +96,7 @@ def _build():
     try:
         from torch.utils.cpp_extension import load
         with _exclusive(build_folder()):
-            mod = load(name=_name(), sources=[str(p) for p in _SRCS], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+            mod = load(name=build_name(), sources=[str(p) for p in _SRCS], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                        verbose=False)
     except Exception as e:  # no compiler or ninja, a failed build: torch's kernel serves
         return None, f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
@@ -137,9 +133,16 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(2) == v.stride(2) and kernel() is not None)
 
 
+def built_for() -> str | None:
+    """The instruction set the built kernels use, from the build itself ("AVX-512", "AVX2"), or None
+    where they are not built (`why_not()` says why)."""
+    mod = kernel()
+    return None if mod is None else {512: "AVX-512", 256: "AVX2"}.get(mod.simd_width(), f"{mod.simd_width()}-bit")
+
+
 def say_kernel(say) -> None:
     """Build the kernel (if it can be) and say whether decode attention uses it."""
-    if kernel() is not None:
-        say(f"CPU decode-attention kernel: built ({simd_name()}); decode attention on the CPU uses it")
+    if built_for() is not None:
+        say(f"CPU decode-attention kernel: built ({built_for()}); decode attention on the CPU uses it")
     else:
         say(f"CPU decode-attention kernel: not used ({why_not()}); decode attention stays on torch's kernel")

@@ -52,9 +52,9 @@ def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next():
 
 def test_each_torch_install_builds_its_own(monkeypatch, tmp_path):
     # a second venv's torch (other headers) gets its own folder, so two venvs never rebuild in turn
-    here = cpu_kernel._name()
+    here = cpu_kernel.build_name()
     monkeypatch.setattr(cpu_kernel.torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
-    assert cpu_kernel._name() != here
+    assert cpu_kernel.build_name() != here
 
 
 @needs_kernel
