@@ -280,7 +280,7 @@ class KVReader:
         if fetched is None:
             jobs = t.append(k, v)
             if t.store.resident:  # in place, in the arena's own dtype (resident_dtype: the kernel widens it)
-                return t.store.resident_view(t.length), torch.arange(t.length, device=k.device), None, jobs
+                return t.store.resident_view(t.length), t.token_positions(), None, jobs
             kv, pos = t.gather()
             return kv, pos, None, jobs
         if fetched.rows is not None:  # read in place: the arena after the append, the new token's row added

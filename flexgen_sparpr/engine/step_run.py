@@ -21,13 +21,14 @@ class StepRun:
 
     def __init__(self, eng, ids, pos_all, pads, prefill: bool, plan: StepSchedule):
         p = eng.run_policy
-        self.eng, self.ids, self.pads, self.prefill = eng, ids, pads, prefill
+        self.eng, self.pads, self.prefill = eng, pads, prefill
         self.gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
         self.per = ngb // eng.micro_batches  # GPU batches per micro-batch
         self.hidden: list = [None] * ngb
         self.logits: list = [None] * ngb
         # one positions tensor per batch for the whole step: the model keeps RoPE per tensor
         self.pos = [pos_all[k * self.gbs:(k + 1) * self.gbs] for k in range(ngb)]
+        self.batch_ids = [ids[k * self.gbs:(k + 1) * self.gbs] for k in range(ngb)]  # [gbs, S] each
         if eng.link is not None:
             eng.link.begin_step(self.per * self.gbs, ids.shape[1], eng.spec.hidden, eng.dtype)
         self.w = None  # the current layer's weights
@@ -90,8 +91,7 @@ class StepRun:
         x = to_compute(eng.devices, self.hidden[k])
         with eng.clock.timed("io_wait"):
             got = eng.io.adopt(fetched.result()) if fetched is not None else None
-        rows = slice(k * self.gbs, (k + 1) * self.gbs)
-        y, jobs = compute(eng, layer, self.w, x, self.ids[rows], k, self.pos[k], self.pads[k], got, self.prefill)
+        y, jobs = compute(eng, layer, self.w, x, self.batch_ids[k], k, self.pos[k], self.pads[k], got, self.prefill)
         self.stores += [eng.io.submit(job) for job in jobs]
         if layer.kind == "head":
             self.logits[k] = y  # [gbs, V]
@@ -114,4 +114,6 @@ class StepRun:
         """The step's logits [B, V] (None on a stage without the head), once its sends are done."""
         if self.eng.link is not None:
             self.eng.link.end_step()
-        return torch.cat(self.logits) if self.logits[0] is not None else None
+        if self.logits[0] is None:
+            return None
+        return self.logits[0] if len(self.logits) == 1 else torch.cat(self.logits)  # [B, V]

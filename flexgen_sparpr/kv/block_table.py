@@ -39,6 +39,7 @@ class BlockTable:
         self.length = 0
         self.rewinds = 0  # times rewound: what a policy's per-table copies of the cache key on
         self.on_seal: list[Callable[[int, torch.Tensor], None]] = []  # policy hooks: (block, kv)
+        self._arange: torch.Tensor | None = None  # [capacity] 0, 1, ...: token_positions' (made once)
         if codec is None:
             codec = GroupCodec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
         self.store = TierStore(name=name, block_shape=self.block_shape, dtype=dtype, homes=self.homes,
@@ -57,6 +58,13 @@ class BlockTable:
 
     def block_len(self, b: int) -> int:
         return min(self.bs, self.length - b * self.bs)
+
+    def token_positions(self) -> torch.Tensor:
+        """[length] every cached token's position, 0 to length - 1, on compute: a view of one range
+        made once per table (a decode step reads it every layer; never written)."""
+        if self._arange is None:
+            self._arange = torch.arange(self.capacity, device=self.devices.compute)
+        return self._arange[:self.length]
 
     def positions(self, blocks: list[int], device: torch.device | None = None) -> torch.Tensor:
         """[T] cache positions of the blocks' tokens, in the order given (gather's order)."""
@@ -84,8 +92,8 @@ class BlockTable:
             b, pos = divmod(self.length, self.bs)
             n = min(self.bs - pos, s - off)
             dst = self.store.writable(b)
-            for i, x in enumerate(planes):
-                dst[i, :, :, pos:pos + n].copy_(x[:, :, off:off + n])
+            for i, x in enumerate(planes):  # a decode step's token whole, no slice of it
+                dst[i, :, :, pos:pos + n].copy_(x if n == s else x[:, :, off:off + n])
             self.length += n
             off += n
             if pos + n == self.bs:

@@ -20,11 +20,10 @@ from .packed import MAX_ROWS, Int4Weight
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _serves(x: torch.Tensor, *same: torch.Tensor) -> bool:
+def _serves(x: torch.Tensor, same: torch.Tensor) -> bool:
     """Decode rows (at most MAX_ROWS) of x [..., hidden] on the CPU in float32 or bfloat16, with `same`
-    in x's dtype."""
-    return (x.numel() // x.shape[-1] <= MAX_ROWS and x.device.type == "cpu" and x.dtype in _DTYPES
-            and all(t.dtype == x.dtype for t in same))
+    in x's dtype (the kernel makes what it takes contiguous: a decode step's are already)."""
+    return x.numel() <= MAX_ROWS * x.shape[-1] and x.dtype in _DTYPES and same.dtype == x.dtype and x.is_cpu
 
 
 def q4_qkv(x: torch.Tensor, ln: torch.Tensor, eps: float, qkv, cos: torch.Tensor, sin: torch.Tensor,
@@ -32,17 +31,16 @@ def q4_qkv(x: torch.Tensor, ln: torch.Tensor, eps: float, qkv, cos: torch.Tensor
     """(h, q, k, v) of x [B, S, hidden] in one call: h = rms_norm(x) * ln [B, S, hidden]; q [B, H, S, D]
     and k [B, Hkv, S, D] with RoPE (cos, sin: [B, 1, S, D]); v [B, Hkv, S, D]. qkv: the fused [(H + 2
     Hkv) D, hidden] Int4Weight. None where the kernel does not serve."""
-    if type(qkv) is not Int4Weight or x.shape[1] > 16 or not _serves(x, ln, cos, sin):
+    if type(qkv) is not Int4Weight or x.shape[1] > 16 or not _serves(x, ln) or cos.dtype != x.dtype:
         return None
     k = compiled_kernel()
-    return None if k is None else tuple(k.q4_qkv(x.contiguous(), ln.contiguous(), eps, qkv.q, qkv.dm, cos, sin,
-                                                 heads, kv_heads))
+    return None if k is None else tuple(k.q4_qkv(x, ln, eps, qkv.q, qkv.dm, cos, sin, heads, kv_heads))
 
 
 def q4_out(x: torch.Tensor, o: torch.Tensor, w) -> torch.Tensor | None:
     """x + merge_heads(o) @ w^T in one call: x [B, S, hidden], o [B, H, S, D], w an Int4Weight [hidden,
     H D] with no bias. None where the kernel does not serve."""
-    if type(w) is not Int4Weight or o.device.type != "cpu" or not _serves(x):
+    if type(w) is not Int4Weight or not o.is_cpu or not _serves(x, x):
         return None
     k = compiled_kernel()
     return None if k is None else k.q4_out(x, o, w.q, w.dm)  # [B, S, hidden]
@@ -56,7 +54,4 @@ def q4_mlp(x: torch.Tensor, ln: torch.Tensor, eps: float, gate_up, down) -> torc
     if type(gate_up) is not Int4Weight or type(down) is not Int4Weight or not _serves(x, ln):
         return None
     k = compiled_kernel()
-    if k is None:
-        return None
-    return k.q4_mlp(x.reshape(-1, x.shape[-1]).contiguous(), ln.contiguous(), eps, gate_up.q, gate_up.dm,
-                    down.q, down.dm).view(x.shape)  # [..., H]
+    return None if k is None else k.q4_mlp(x, ln, eps, gate_up.q, gate_up.dm, down.q, down.dm)  # [..., H]

@@ -116,23 +116,25 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);
 // A decode step's MLP half with 4-bit gate|up and down weights (models/fused.py): x + down(silu(gate) * up)
 // of rms_norm(x) * w, the kernels models/llama.py's mlp calls one by one, in its order and dtypes, in one call
 // (a layer-by-layer MLP spends as long in Python between its four kernels as in the two products' kernels
-// at one row). x: [R, H] contiguous (R <= 8), w: [H], x's dtype; codes and scales as q4_matmul takes them.
+// at one row). x: [..., H] (at most 8 rows), w: [H], x's dtype; codes and scales as q4_matmul takes them.
+// Returns [..., H], x's shape.
 torch::Tensor q4_mlp(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor gu_codes, torch::Tensor gu_dm,
                      torch::Tensor down_codes, torch::Tensor down_dm) {
-  const torch::Tensor act = silu_mul_rows(q4_matmul(rms_norm_rows(x, w, eps), gu_codes, gu_dm));  // [R, F]
-  return x + q4_matmul(act, down_codes, down_dm);
+  const torch::Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();  // [R, H]
+  const torch::Tensor act = silu_mul_rows(q4_matmul(rms_norm_rows(rows, w.contiguous(), eps), gu_codes, gu_dm));  // [R, F]
+  return (rows + q4_matmul(act, down_codes, down_dm)).view(x.sizes());
 }
 
 // A decode step's attention input with a 4-bit q|k|v weight (models/fused.py q4_qkv): h = rms_norm(x) * w,
 // h's q|k|v product split into heads, RoPE on q and k: the kernels models/llama.py calls one by one, in its
-// order and dtypes. x: [B, S, hidden] contiguous (B S <= 8); w: [hidden]; cos, sin: [B, 1, S, D], x's dtype.
+// order and dtypes. x: [B, S, hidden] (B S <= 8); w: [hidden]; cos, sin: [B, 1, S, D], x's dtype.
 // Returns h [B, S, hidden] (SparPR's checkpoint), q [B, H, S, D] and k [B, Hkv, S, D] (contiguous), and v
 // [B, Hkv, S, D] (a view of the product, as models/layers.py split_heads gives it).
 std::vector<torch::Tensor> q4_qkv(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor codes, torch::Tensor dm,
                                   torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 4, "x [B, S, hidden], cos [B, 1, S, D]");
   const int64_t B = x.size(0), S = x.size(1), hidden = x.size(2), D = cos.size(3), qd = heads * D, kvd = kv_heads * D;
-  const torch::Tensor h = rms_norm_rows(x.view({B * S, hidden}), w, eps);  // [B S, hidden]
+  const torch::Tensor h = rms_norm_rows(x.reshape({B * S, hidden}).contiguous(), w.contiguous(), eps);  // [B S, hidden]
   const torch::Tensor y = q4_matmul(h, codes, dm).view({B, S, -1});  // [B, S, qd + 2 kvd]
   TORCH_CHECK(y.size(2) == qd + 2 * kvd, "the q|k|v weight's rows: (heads + 2 kv_heads) x head_dim");
   const auto part = [&](int64_t start, int64_t n, int64_t nh) {  // [B, nh, S, D], a view

@@ -153,7 +153,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows[b] of k and v, read in place (the compiled CPU kernel only: `cpu_kernel.usable`), valid's
     T being T'."""
     if rows is not None or kernel_usable(q, k, v):
-        return kernel_decode(q, k, v, valid, rows, keep_dtype=True)[0].to(q.dtype)
+        o = kernel_decode(q, k, v, valid, rows, keep_dtype=True)[0]  # o: [B, H, 1, D]
+        return o if o.dtype == q.dtype else o.to(q.dtype)
     k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored narrower than the compute dtype (no copy when alike)
     b, h, _, d = q.shape
     qg, ok = _grouped_query(q, k.shape[1], valid)
@@ -171,9 +172,10 @@ def kernel_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     b, h, _, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
-    qg = (qg if keep_dtype and q.dtype == torch.bfloat16 else qg.float()).contiguous()
+    if q.dtype != torch.float32 and not (keep_dtype and q.dtype == torch.bfloat16):
+        qg = qg.float()
     mask = None if valid is None else (valid[:, None] if valid.dim() == 2 else valid).contiguous()  # [B, 1|Hkv, T']
-    out, lse = compiled_kernel().decode_attention(qg, k, v, mask, rows)  # out: [B, Hkv, G, D]; lse: [B, Hkv, G]
+    out, lse = compiled_kernel().decode_attention(qg.contiguous(), k, v, mask, rows)  # out: [B, Hkv, G, D]; lse: [B, Hkv, G]
     return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
 
 
