@@ -103,7 +103,11 @@ class TierReads:
         return None if reads is None else (self._landed_view(len(blocks), out), reads)
 
     def _landing_ranges(self, blocks: list[int]) -> list:
-        """land's requests: ((first slot, slots), byte offset in out) per run of adjacent slots."""
+        """land's requests: ((first slot, slots), byte offset in out) per run of adjacent slots; the
+        last blocks' kept (a layer lands the same disk blocks step after step, until one seals)."""
+        key = tuple(blocks)
+        if self._ranges_memo is not None and self._ranges_memo[0] == key:
+            return self._ranges_memo[1]
         n, piece = len(blocks), self._disk.slot_bytes
         groups = self.block_shape[1] if self._seq_disk else 1  # the file's units: a sequence's share of a block, or a block
         runs, i = [], 0  # (first slot, slots, first block)
@@ -113,7 +117,9 @@ class TierReads:
                 j += 1
             runs.append((self.slots[blocks[i]], j - i, i))
             i = j
-        return [((r * self._n_disk + s, c), (r * n + i) * piece) for r in range(groups) for s, c, i in runs]
+        ranges = [((r * self._n_disk + s, c), (r * n + i) * piece) for r in range(groups) for s, c, i in runs]
+        self._ranges_memo = (key, ranges)
+        return ranges
 
     def _landed_view(self, n: int, out: torch.Tensor) -> torch.Tensor:
         planes, b_all, h, bs, d = self.block_shape

@@ -65,6 +65,7 @@ class TierStore(TierReads):
         n = {t: homes.count(t) for t in Tier}
         dev = devices.compute
         self._arena, self._rows, self._disk, self._disk_store = {}, {}, None, disk
+        self._ranges_memo: tuple | None = None  # the last landed blocks and their requests (tier_reads.py)
         for tier in (Tier.COMPUTE, Tier.CPU):
             if not n[tier]:
                 continue

@@ -177,11 +177,11 @@ class DiskFile:
         if not (out.is_cpu and out.is_contiguous() and (is_aligned(out) or not direct)) or not self.is_packed:
             raise ValueError("DiskFile.read_ranges needs a packed file and a contiguous CPU tensor (page-aligned "
                              "for O_DIRECT)")
-        sb, fd, mv = self.slot_bytes, self._fd, np_bytes(out)
+        sb, fd, size = self.slot_bytes, self._fd, out.nbytes
         if fd < 0:
             raise ValueError(f"{self.path} is closed")
         for (first, count), pos in zip(ranges, at):
-            if count < 1 or first < 0 or first + count > self.num_slots or pos + count * sb > len(mv):
+            if count < 1 or first < 0 or first + count > self.num_slots or pos + count * sb > size:
                 raise IndexError(f"slots [{first}, {first + count}) or byte {pos} out of range")
             if self.direct_mode == "fadvise":  # the page cache dropped first: the bytes come from the disk
                 self._drop_cache(first * sb, count * sb)
@@ -189,14 +189,15 @@ class DiskFile:
         aio_reqs = [(out.data_ptr() + pos, n, off) for off, pos, n in reqs]
         if later:
             flight = aio.submit(fd, aio_reqs, keep=out) if self.reads_in_flight() else None
-            return None if flight is None else PendingRead(self, reqs, mv, flight)
+            return None if flight is None else PendingRead(self, reqs, out, flight)
         if len(reqs) > 1 and self.reads_in_flight():
-            return self._finish(reqs, mv, aio.read_many(fd, aio_reqs))
-        return self._finish(reqs, mv, [(i, 0) for i in range(len(reqs))])
+            return self._finish(reqs, out, aio.read_many(fd, aio_reqs))
+        return self._finish(reqs, out, [(i, 0) for i in range(len(reqs))])
 
-    def _finish(self, reqs: list[tuple[int, int, int]], mv: memoryview, short: list[tuple[int, int]]) -> int:
-        """The short (index, bytes read) of reqs (offset, byte in mv, bytes) read to their end by
+    def _finish(self, reqs: list[tuple[int, int, int]], out: torch.Tensor, short: list[tuple[int, int]]) -> int:
+        """The short (index, bytes read) of reqs (offset, byte in out, bytes) read to their end by
         positional reads (_pio: a signal, a huge range); returns (and counts) the bytes of reqs."""
+        mv = np_bytes(out) if short else None  # a view made only where a read is left to finish
         for i, got in short:
             off, pos, n = reqs[i]
             _pio(os.preadv, self._fd, mv[pos + got:pos + n], off + got)
@@ -272,8 +273,8 @@ class PendingRead:
     """DiskFile.read_ranges(later=True)'s reads in flight: wait() finishes them (the short ones by
     positional reads) and returns the bytes read."""
 
-    def __init__(self, file: DiskFile, reqs: list, mv: memoryview, flight: aio.InFlight):
-        self._file, self._reqs, self._mv, self._flight = file, reqs, mv, flight
+    def __init__(self, file: DiskFile, reqs: list, out: torch.Tensor, flight: aio.InFlight):
+        self._file, self._reqs, self._out, self._flight = file, reqs, out, flight
 
     def wait(self) -> int:
-        return self._file._finish(self._reqs, self._mv, self._flight.wait())
+        return self._file._finish(self._reqs, self._out, self._flight.wait())
