@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from ..models.cpu_kernel import kernel as compiled_kernel
 from ..storage.codec import GroupCodec, RawCodec
 from ..storage.tiers import Devices, Tier
 from .tier_store import TierStore
@@ -39,6 +40,7 @@ class BlockTable:
         self.length = 0
         self.rewinds = 0  # times rewound: what a policy's per-table copies of the cache key on
         self.on_seal: list[Callable[[int, torch.Tensor], None]] = []  # policy hooks: (block, kv)
+        self._on_cpu = devices.compute.type == "cpu"  # blocks are filled on the CPU: append's compiled path
         self._arange: torch.Tensor | None = None  # [capacity] 0, 1, ...: token_positions' (made once)
         if codec is None:
             codec = GroupCodec(self.block_shape, dtype) if compress else RawCodec(self.block_shape, dtype)
@@ -91,12 +93,17 @@ class BlockTable:
         while off < s:
             b, pos = divmod(self.length, self.bs)
             n = min(self.bs - pos, s - off)
-            dst = self.store.writable(b)
-            for i, x in enumerate(planes):  # a decode step's token whole, no slice of it
-                dst[i, :, :, pos:pos + n].copy_(x if n == s else x[:, :, off:off + n])
+            kernel = compiled_kernel() if n == s and self._on_cpu else None
+            buf, row = self.store.write_at(b) if kernel is not None else (None, 0)
+            # a decode step's token: one compiled call for the planes, no view made (False: not its dtypes)
+            if kernel is None or not kernel.put_rows(buf, row + pos, list(planes)):
+                dst = self.store.writable(b)
+                for i, x in enumerate(planes):
+                    dst[i, :, :, pos:pos + n].copy_(x[:, :, off:off + n])
             self.length += n
             off += n
             if pos + n == self.bs:
+                dst = self.store.writable(b)
                 if self.on_seal:
                     full = dst.to(self.dtype)  # the policies see the compute dtype (a copy where it is stored otherwise)
                     for hook in self.on_seal:

@@ -152,6 +152,14 @@ class TierStore(TierReads):
             return self.in_place(b)
         return self._tail
 
+    def write_at(self, b: int) -> tuple[torch.Tensor, int]:
+        """`writable(b)` as (the buffer it lies in: [planes, B, Hkv, T, D], block b's first row there),
+        with no view made: the compute arena and b's slot, or the open buffer and 0."""
+        home = self.homes[b]
+        if home == Tier.COMPUTE and home in self._arena:
+            return self._arena[home], self.slots[b] * self.bs
+        return self._tail, 0
+
     def seal(self, b: int, kv: torch.Tensor):
         """Block b, now full in kv (writable(b)), goes home: returns its store job (run it on the
         I/O pool; wait for it before the next read), or None when it is home already."""

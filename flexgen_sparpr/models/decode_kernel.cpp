@@ -293,9 +293,3 @@ std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<t
   }
   return {out, lse};
 }
-
-// decode_attention_parts over one part
-std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                            c10::optional<torch::Tensor> mask, c10::optional<torch::Tensor> rows) {
-  return decode_attention_parts(q, {k}, {v}, {mask}, {rows});
-}

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <vector>
@@ -150,4 +151,69 @@ torch::Tensor q4_out(torch::Tensor x, torch::Tensor o, torch::Tensor codes, torc
   TORCH_CHECK(x.dim() == 3 && o.dim() == 4, "x [B, S, hidden], o [B, H, S, D]");
   const torch::Tensor a = o.transpose(1, 2).reshape({x.size(0) * x.size(1), -1}).to(x.scalar_type()).contiguous();
   return x + q4_matmul(a, codes, dm).view(x.sizes());
+}
+
+// A step's new tokens into a KV buffer (kv/block_table.py append), one call for every plane, no tensor made:
+// planes[i] [B, Hkv, S, D] into dst[i, :, :, row:row + S] (dst: [planes, B, Hkv, T, D]; any strides; float32,
+// bfloat16 or float16 each, converted as copy_ converts: rounded to nearest). Returns false, having written
+// nothing, where a tensor is of another dtype or device (the caller copies then).
+namespace {
+template <typename O, typename I>
+void put_plane(O* d, const torch::Tensor& dst, int64_t row, const I* x, const torch::Tensor& p) {
+  const int64_t B = p.size(0), H = p.size(1), S = p.size(2), D = p.size(3), od = dst.stride(4), id = p.stride(3);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s) {
+        O* o = d + b * dst.stride(1) + h * dst.stride(2) + (row + s) * dst.stride(3);
+        const I* r = x + b * p.stride(0) + h * p.stride(1) + s * p.stride(2);
+        for (int64_t i = 0; i < D; ++i) o[i * od] = static_cast<O>(static_cast<float>(r[i * id]));
+      }
+}
+
+template <typename O>
+void put_any(O* d, const torch::Tensor& dst, int64_t row, const torch::Tensor& p) {
+  if (p.scalar_type() == torch::kFloat32) put_plane(d, dst, row, p.data_ptr<float>(), p);
+  else if (p.scalar_type() == torch::kBFloat16) put_plane(d, dst, row, p.data_ptr<c10::BFloat16>(), p);
+  else put_plane(d, dst, row, p.data_ptr<c10::Half>(), p);
+}
+
+bool float_cpu(const torch::Tensor& t) {
+  const auto dt = t.scalar_type();
+  return t.is_cpu() && (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf);
+}
+}  // namespace
+
+bool put_rows(torch::Tensor dst, int64_t row, std::vector<torch::Tensor> planes) {
+  TORCH_CHECK(dst.dim() == 5 && static_cast<int64_t>(planes.size()) <= dst.size(0), "dst: [planes, B, Hkv, T, D]");
+  bool ok = float_cpu(dst);
+  for (const auto& p : planes) {
+    TORCH_CHECK(p.dim() == 4 && p.size(0) == dst.size(1) && p.size(1) == dst.size(2) && p.size(3) == dst.size(4) &&
+                    row >= 0 && row + p.size(2) <= dst.size(3),
+                "planes: [B, Hkv, S, D] like dst's, inside dst's T");
+    ok = ok && float_cpu(p);
+  }
+  if (!ok) return false;
+  for (size_t i = 0; i < planes.size(); ++i) {
+    const int64_t at = static_cast<int64_t>(i) * dst.stride(0);
+    if (dst.scalar_type() == torch::kFloat32) put_any(dst.data_ptr<float>() + at, dst, row, planes[i]);
+    else if (dst.scalar_type() == torch::kBFloat16) put_any(dst.data_ptr<c10::BFloat16>() + at, dst, row, planes[i]);
+    else put_any(dst.data_ptr<c10::Half>() + at, dst, row, planes[i]);
+  }
+  return true;
+}
+
+std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                                                  std::vector<c10::optional<torch::Tensor>> masks,
+                                                  std::vector<c10::optional<torch::Tensor>> rows);  // decode_kernel.cpp
+
+// decode_attention over a decode step's query as the model gives it (models/layers.py kernel_decode): q [B, H, 1, D]
+// (float32 or bfloat16), its heads grouped over k's Hkv in the call, not around it. Returns (out [B, H, 1, D] in q's
+// dtype, lse [B, H, 1] float32).
+std::vector<torch::Tensor> decode_attention_heads(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                                  c10::optional<torch::Tensor> mask, c10::optional<torch::Tensor> rows) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && q.size(1) % k.size(1) == 0,
+              "q [B, H, 1, D] over k [B, Hkv, T, D], H a multiple of Hkv");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1);
+  auto got = decode_attention_parts(q.reshape({B, Hkv, H / Hkv, D}).contiguous(), {k}, {v}, {mask}, {rows});
+  return {got[0].view({B, H, 1, D}), got[1].view({B, H, 1})};
 }

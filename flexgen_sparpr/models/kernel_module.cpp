@@ -3,9 +3,6 @@
 
 #include <vector>
 
-std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                            c10::optional<torch::Tensor> mask,
-                                            c10::optional<torch::Tensor> rows);  // decode_kernel.cpp
 std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<torch::Tensor> ks,
                                                   std::vector<torch::Tensor> vs,
                                                   std::vector<c10::optional<torch::Tensor>> masks,
@@ -30,6 +27,9 @@ torch::Tensor q4_mlp(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor
 std::vector<torch::Tensor> q4_qkv(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor codes, torch::Tensor dm,
                                   torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads);  // glue_kernel.cpp
 torch::Tensor q4_out(torch::Tensor x, torch::Tensor o, torch::Tensor codes, torch::Tensor dm);  // glue_kernel.cpp
+bool put_rows(torch::Tensor dst, int64_t row, std::vector<torch::Tensor> planes);  // glue_kernel.cpp
+std::vector<torch::Tensor> decode_attention_heads(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                                  c10::optional<torch::Tensor> mask, c10::optional<torch::Tensor> rows);  // glue_kernel.cpp
 
 // The kernels touch no Python object: they let go of the GIL while they run, so the engine's I/O threads
 // (disk reads, copies) go on meanwhile instead of waiting for the kernel to return.
@@ -37,7 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("simd", &simd);
   m.def("simd_width", &simd_width);
-  m.def("decode_attention", &decode_attention, nogil);
   m.def("decode_attention_parts", &decode_attention_parts, nogil);
   m.def("lowrank_scores", &lowrank_scores, nogil);
   m.def("pick_rows", &pick_rows, nogil);
@@ -51,4 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_mlp", &q4_mlp, nogil);
   m.def("q4_qkv", &q4_qkv, nogil);
   m.def("q4_out", &q4_out, nogil);
+  m.def("put_rows", &put_rows, nogil);
+  m.def("decode_attention_heads", &decode_attention_heads, nogil);
 }

@@ -169,14 +169,11 @@ def kernel_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     rows: [1|B, T'] int64, the rows of k and v attended (None: all T, T' = T). Returns out: [B, H, 1, D]
     (float32; keep_dtype: a bfloat16 q's own dtype, read and rounded in the kernel, no conversion calls)
     and lse: [B, H, 1] float32 (a row with no valid key: 0 and -inf)."""
-    b, h, _, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
     if q.dtype != torch.float32 and not (keep_dtype and q.dtype == torch.bfloat16):
-        qg = qg.float()
+        q = q.float()
     mask = None if valid is None else (valid[:, None] if valid.dim() == 2 else valid).contiguous()  # [B, 1|Hkv, T']
-    out, lse = compiled_kernel().decode_attention(qg.contiguous(), k, v, mask, rows)  # out: [B, Hkv, G, D]; lse: [B, Hkv, G]
-    return out.reshape(b, h, 1, d), lse.reshape(b, h, 1)
+    out, lse = compiled_kernel().decode_attention_heads(q, k, v, mask, rows)  # out: [B, H, 1, D]; lse: [B, H, 1]
+    return out, lse
 
 
 def kernel_decode_parts(q: torch.Tensor, parts: list) -> torch.Tensor:

@@ -183,3 +183,21 @@ def test_fused_attention_input_and_output_equal_the_layer_by_layer_ones(dtype, b
     assert q4_qkv(x, ln, 1e-5, P.pack(torch.randn(qkv.shape[0], hidden), "bfloat16"), cos, sin, heads, kv_heads) is None
     assert q4_qkv(x, ln, 1e-5, qkv, cos.double(), sin.double(), heads, kv_heads) is None
     assert q4_out(torch.randn(P.MAX_ROWS + 1, 1, hidden).to(dtype), o, out) is None
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_put_rows_writes_what_copy_writes(dst_dtype, src_dtype):
+    """glue_kernel.cpp put_rows (a decode step's append, kv/block_table.py) writes each plane's rows
+    where a sliced copy_ does, rounded as copy_ rounds, from strided planes into a strided buffer, and
+    declines (False, nothing written) a dtype it does not take."""
+    gen = torch.Generator().manual_seed(7)
+    dst = torch.randn(2, 2, 3, 32, 64, generator=gen).to(dst_dtype)[:, :, :, 8:24]  # a block's view of an arena
+    k = torch.randn(2, 3, 2, 64, generator=gen).to(src_dtype)
+    v = torch.randn(2, 3, 64, 6, generator=gen).to(src_dtype).transpose(2, 3)[:, :, 1:3]  # D strided
+    want = dst.clone()
+    want[0, :, :, 5:7].copy_(k)
+    want[1, :, :, 5:7].copy_(v)
+    assert cpu_kernel.kernel().put_rows(dst, 5, [k, v]) and torch.equal(dst, want)
+    before = dst.clone()
+    assert not cpu_kernel.kernel().put_rows(dst, 0, [k.double(), v.double()]) and torch.equal(dst, before)
