@@ -148,9 +148,8 @@ class TierStore(TierReads):
 
     def writable(self, b: int) -> torch.Tensor:
         """Where block b is filled: its arena slot if it lives raw on compute, else the open buffer."""
-        if self.homes[b] == Tier.COMPUTE and Tier.COMPUTE in self._arena:
-            return self.in_place(b)
-        return self._tail
+        buf, row = self.write_at(b)
+        return buf if buf is self._tail else buf[:, :, :, row:row + self.bs]
 
     def write_at(self, b: int) -> tuple[torch.Tensor, int]:
         """`writable(b)` as (the buffer it lies in: [planes, B, Hkv, T, D], block b's first row there),

@@ -170,13 +170,6 @@ void put_plane(O* d, const torch::Tensor& dst, int64_t row, const I* x, const to
       }
 }
 
-template <typename O>
-void put_any(O* d, const torch::Tensor& dst, int64_t row, const torch::Tensor& p) {
-  if (p.scalar_type() == torch::kFloat32) put_plane(d, dst, row, p.data_ptr<float>(), p);
-  else if (p.scalar_type() == torch::kBFloat16) put_plane(d, dst, row, p.data_ptr<c10::BFloat16>(), p);
-  else put_plane(d, dst, row, p.data_ptr<c10::Half>(), p);
-}
-
 bool float_cpu(const torch::Tensor& t) {
   const auto dt = t.scalar_type();
   return t.is_cpu() && (dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf);
@@ -194,10 +187,14 @@ bool put_rows(torch::Tensor dst, int64_t row, std::vector<torch::Tensor> planes)
   }
   if (!ok) return false;
   for (size_t i = 0; i < planes.size(); ++i) {
-    const int64_t at = static_cast<int64_t>(i) * dst.stride(0);
-    if (dst.scalar_type() == torch::kFloat32) put_any(dst.data_ptr<float>() + at, dst, row, planes[i]);
-    else if (dst.scalar_type() == torch::kBFloat16) put_any(dst.data_ptr<c10::BFloat16>() + at, dst, row, planes[i]);
-    else put_any(dst.data_ptr<c10::Half>() + at, dst, row, planes[i]);
+    const torch::Tensor& p = planes[i];
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst.scalar_type(), "put_rows", [&] {
+      using O = scalar_t;
+      O* d = dst.data_ptr<O>() + static_cast<int64_t>(i) * dst.stride(0);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.scalar_type(), "put_rows", [&] {
+        put_plane(d, dst, row, p.data_ptr<scalar_t>(), p);
+      });
+    });
   }
   return true;
 }
