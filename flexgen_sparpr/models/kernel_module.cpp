@@ -11,6 +11,8 @@ bool simd();  // decode_kernel.cpp
 int64_t simd_width();  // decode_kernel.cpp
 torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor codes, c10::optional<torch::Tensor> bias,
                              int64_t bs);  // lowrank_kernel.cpp
+bool lowrank_encode(torch::Tensor keys, torch::Tensor u, torch::Tensor step, torch::Tensor codes,
+                    int64_t block);  // lowrank_kernel.cpp
 
 std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::Tensor> own, int64_t k, int64_t bs,
                                      int64_t length);  // select_kernel.cpp
@@ -39,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_width", &simd_width);
   m.def("decode_attention_parts", &decode_attention_parts, nogil);
   m.def("lowrank_scores", &lowrank_scores, nogil);
+  m.def("lowrank_encode", &lowrank_encode, nogil);
   m.def("pick_rows", &pick_rows, nogil);
   m.def("q4_matmul", &q4_matmul, nogil);
   m.def("q8_matmul", &q8_matmul, nogil);

@@ -185,3 +185,47 @@ torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor
   TORCH_CHECK(false, "built without AVX-512 or AVX2");
 #endif
 }
+
+// kv/policies/sparpr_lowrank.py encode_into: a sealed block's 4-bit codes written where the scores read them, in
+// one call (the torch encode took about twenty tensor calls a block, each slow after a layer's weights went
+// through the caches). keys: [B, Hkv, bs, D] float32 / bfloat16 / float16, any strides (the block as the cache
+// holds it); u: [Hkv, D, r] float32 contiguous (the directions); step: [Hkv, r] float32 contiguous; codes:
+// [B, Hkv, r / 2, nb, bs] uint8, any strides (the table's summaries). Writes block's codes as the torch encode
+// does: round(k . u_j / step_j) clamped to -7..7, plus 8, even directions in the low nibble. False: keys not
+// of a float dtype (nothing written).
+bool lowrank_encode(torch::Tensor keys, torch::Tensor u, torch::Tensor step, torch::Tensor codes, int64_t block) {
+  TORCH_CHECK(keys.dim() == 4 && u.dim() == 3 && step.dim() == 2 && codes.dim() == 5, "keys 4-d, u 3-d, step 2-d, codes 5-d");
+  const int64_t B = keys.size(0), H = keys.size(1), bs = keys.size(2), D = keys.size(3), r = u.size(2);
+  TORCH_CHECK(u.scalar_type() == torch::kFloat32 && u.is_contiguous() && u.size(0) == H && u.size(1) == D && r % 2 == 0 &&
+                  step.scalar_type() == torch::kFloat32 && step.is_contiguous() && step.size(0) == H && step.size(1) == r,
+              "u: contiguous float32 [Hkv, D, r]; step: contiguous float32 [Hkv, r]");
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.size(0) == B && codes.size(1) == H && 2 * codes.size(2) == r &&
+                  codes.size(4) == bs && block >= 0 && block < codes.size(3),
+              "codes: uint8 [B, Hkv, r / 2, nb, bs], block < nb");
+  const auto kt = keys.scalar_type();
+  if (kt != torch::kFloat32 && kt != torch::kBFloat16 && kt != torch::kHalf) return false;
+  const float* up = u.data_ptr<float>();
+  const float* sp = step.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>() + block * codes.stride(3);
+  std::vector<float> k(D), c(r);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, kt, "lowrank_encode", [&] {
+    const scalar_t* kp = keys.data_ptr<scalar_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < bs; ++t) {
+          const scalar_t* row = kp + b * keys.stride(0) + h * keys.stride(1) + t * keys.stride(2);
+          for (int64_t d = 0; d < D; ++d) k[d] = static_cast<float>(row[d * keys.stride(3)]);
+          std::fill(c.begin(), c.end(), 0.f);
+          const float* uh = up + h * D * r;
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t j = 0; j < r; ++j) c[j] += k[d] * uh[d * r + j];
+          uint8_t* o = cp + b * codes.stride(0) + h * codes.stride(1) + t * codes.stride(4);
+          for (int64_t j = 0; j < r; j += 2) {
+            const float lo = std::min(7.f, std::max(-7.f, std::nearbyint(c[j] / sp[h * r + j])));
+            const float hi = std::min(7.f, std::max(-7.f, std::nearbyint(c[j + 1] / sp[h * r + j + 1])));
+            o[(j / 2) * codes.stride(2)] = static_cast<uint8_t>((static_cast<int>(lo) + 8) | ((static_cast<int>(hi) + 8) << 4));
+          }
+        }
+  });
+  return true;
+}

@@ -92,10 +92,17 @@ def test_recomputed_kv_equals_stored_kv(tiny_model_dir, tmp_path, monkeypatch):
 
 def test_a_prefill_summarises_its_blocks_once_per_table(tiny_opt_dir, tmp_path, monkeypatch):
     """The prefill's sealed blocks are summarised in one call per table (on_prefill, with the
-    padding known), not once per block as each seals; a decode step's sealed block, once."""
+    padding known), not once per block as each seals; a decode step's sealed block, once (by the
+    compiled encode where it is built, else by summarise)."""
     pol, calls = SparPR(keep_ratio=0.3, min_keep_tokens=0, costs=fixed()), []
-    real = pol.summarise
+    real, real_seal = pol.summarise, pol.seal_in_place
     monkeypatch.setattr(pol, "summarise", lambda t, keys, valid: calls.append(keys.shape[2]) or real(t, keys, valid))
+
+    def seal(*a):
+        done = real_seal(*a)
+        calls.extend([1] if done else [])
+        return done
+    monkeypatch.setattr(pol, "seal_in_place", seal)
     cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path))
     with Engine(resolve_source(str(tiny_opt_dir), ""), Policy(gpu_batch_size=2), cfg) as eng:
         eng.set_kv_policy(pol)

@@ -3,17 +3,21 @@ compute device against the K+V they summarise, the codes, and the scores they gi
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 
 from flexgen_sparpr.kv.block_table import BlockTable
 from flexgen_sparpr.kv.policies.sparpr import SparPR
-from flexgen_sparpr.kv.policies.sparpr_lowrank import decode, encode, fit_basis, lowrank_block_scores, rank_for
+from flexgen_sparpr.kv.policies.sparpr_lowrank import (decode, encode, encode_into, fit_basis, lowrank_block_scores,
+                                                       rank_for)
+from flexgen_sparpr.models import cpu_kernel
 from flexgen_sparpr.runtime.costs import CostModel
 from flexgen_sparpr.storage.tiers import Devices, Tier
 
 CPU = Devices(torch.device("cpu"))
+BUILT = cpu_kernel.has_simd() and shutil.which("g++") is not None and shutil.which("ninja") is not None
 BOUND = 1 / 32  # issue 17: summaries <= 1/32 of the K+V bytes they summarise, on the compute device
 
 
@@ -133,8 +137,9 @@ def test_a_two_token_needle_the_block_mean_dilutes_is_found():
     assert 5 in SparPR(**budget, summary="lowrank").select(t, 0, q).blocks
 
 
-def test_blocks_sealed_at_decode_use_the_prefills_basis():
-    t = table(torch.float32, tokens=256)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_blocks_sealed_at_decode_use_the_prefills_basis(dtype):
+    t = table(dtype, tokens=256)
     pol = SparPR(keep_ratio=0.5, min_keep_tokens=0, costs=costs(), summary="lowrank")
     prefill(pol, t, 128)
     basis = pol._basis[t]
@@ -146,3 +151,24 @@ def test_blocks_sealed_at_decode_use_the_prefills_basis():
     codes = pol.summaries(t, 0)[0]  # codes: [B, Hkv, r / 2, 9, bs]
     keys = t.gather([8])[0][0].float()  # keys: [B, Hkv, bs, D]
     assert torch.equal(codes[:, :, :, 8].mT, encode(keys, basis))
+
+
+@pytest.mark.skipif(not BUILT, reason="no AVX-512 or AVX2 CPU, g++ or ninja: the compiled kernels are not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compiled_encode_writes_what_encode_gives(dtype):
+    """encode_into (one compiled call a sealed block, what decode runs) against the torch encode: every
+    block of a strided cache, written at its place in the table's codes and nowhere else."""
+    assert cpu_kernel.kernel() is not None, cpu_kernel.why_not()
+    gen = torch.Generator().manual_seed(5)
+    b, hkv, nb, bs, d = 2, 3, 5, 16, 64
+    keys = torch.randn(b, hkv, nb * bs, d, generator=gen) * torch.linspace(3, 0.1, d)  # keys: [B, Hkv, T, D]
+    basis = fit_basis(keys, torch.ones(b, nb * bs, dtype=torch.bool), 32)
+    arena = torch.zeros(2, b, hkv, nb * bs + 7, d, dtype=dtype)  # arena: [2, B, Hkv, cap, D], keys strided in it
+    arena[0, :, :, :nb * bs] = keys.to(dtype)
+    want = encode(arena[0, :, :, :nb * bs].float(), basis).unflatten(2, (nb, bs)).permute(0, 1, 4, 2, 3)  # [B, Hkv, r / 2, nb, bs]
+    codes = torch.zeros(b, hkv, 16, nb + 1, bs, dtype=torch.uint8)
+    for blk in range(nb):
+        assert encode_into(codes, blk, arena[0, :, :, blk * bs:(blk + 1) * bs], basis)
+    assert torch.equal(codes[:, :, :, :nb], want)
+    assert not codes[:, :, :, nb].any()  # the block not sealed is untouched
+    assert not encode_into(codes, 0, arena[0, :, :, :bs].to(torch.int32), basis)  # not float: torch encodes

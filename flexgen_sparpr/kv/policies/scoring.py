@@ -109,6 +109,11 @@ class BlockScoringPolicy(BudgetPolicy):
         padding). Returns their summaries, each with a leading [n] axis."""
         raise NotImplementedError
 
+    def seal_in_place(self, table: BlockTable, parts: tuple[torch.Tensor, ...], block: int, keys: torch.Tensor) -> bool:
+        """A block just sealed (keys: [B, Hkv, bs, D] as the cache holds them) summarised straight into
+        parts at block, where a subclass has a one-call way; False: summarise and _put do it."""
+        return False
+
     # --- summaries ---
     def attach(self, table: BlockTable, layer: int) -> None:
         if table in self._sums:  # attached twice (engine policy and observer): one hook
@@ -124,9 +129,10 @@ class BlockScoringPolicy(BudgetPolicy):
             # once: one summarise per block here cost as much as the prefill's attention
             if s is None or t is None or t not in self._pads:
                 return
-            keys = kv[0].float()[:, :, None]  # keys: [B, Hkv, 1, bs, D]
-            pos = block * t.bs + torch.arange(t.bs, device=keys.device)
-            self._put(s, slice(block, block + 1), self.summarise(t, keys, self._valid(t, pos)[:, None]))
+            if not self.seal_in_place(t, s.parts, block, kv[0]):
+                keys = kv[0].float()[:, :, None]  # keys: [B, Hkv, 1, bs, D]
+                pos = block * t.bs + torch.arange(t.bs, device=keys.device)
+                self._put(s, slice(block, block + 1), self.summarise(t, keys, self._valid(t, pos)[:, None]))
             s.known[block] = True
         table.on_seal.append(on_seal)
 

@@ -19,7 +19,8 @@ from .base import masked_mean_keys
 from .scoring import exact_block_mass
 from .selection import BlockSelectionPolicy, Room, StepView, shared_pick
 from .sparpr_int4 import PackedCodes, packed_nbytes, synced_codes
-from .sparpr_lowrank import KeyBasis, encode, fit_basis, kernel_scores, lowrank_block_scores, rank_for, summary_share
+from .sparpr_lowrank import (KeyBasis, encode, encode_into, fit_basis, kernel_scores, lowrank_block_scores, rank_for,
+                             summary_share)
 from .sparpr_mean import summary_scores
 from .sparpr_plan import CostPlan
 from .sparpr_stats import StepStats
@@ -217,6 +218,10 @@ class SparPR(CostPlan, BlockSelectionPolicy):
             codes = encode(keys.flatten(2, 3), basis).unflatten(2, keys.shape[2:4])  # [B, Hkv, n, bs, r / 2]
             return (codes.permute(2, 0, 1, 4, 3),)  # codes: [n, B, Hkv, r / 2, bs] (tokens innermost)
         return masked_mean_keys(keys, valid, self.parts(table))  # mean: [n, B, Hkv, P, D]; live: [n, B, P]
+
+    def seal_in_place(self, table: BlockTable, parts: tuple[torch.Tensor, ...], block: int, keys: torch.Tensor) -> bool:
+        basis = self._basis.get(table) if self.lowrank else None  # no basis yet: summarise fits one
+        return basis is not None and encode_into(parts[0], block, keys, basis)
 
     def on_prefill(self, table: BlockTable, layer: int, q, k, valid) -> None:
         if self.lowrank and table.length == k.shape[2]:  # a prefill into an empty table: fit on all of it

@@ -51,10 +51,11 @@ class KeyBasis:
     # even directions then (odd - 16 even), each scaled by its step and 1 / sqrt(D) (lowrank_block_scores)
     _query: torch.Tensor | None = field(default=None, repr=False)
     _plain: torch.Tensor | None = field(default=None, repr=False)  # [Hkv, D, r]: the int4 kernel's (plain_basis)
+    _u32: torch.Tensor | None = field(default=None, repr=False)  # [Hkv, D, r]: u in float32, contiguous (encode_into)
 
     @property
     def nbytes(self) -> int:
-        extra = sum(t.numel() * t.element_size() for t in (self._query, self._plain) if t is not None)
+        extra = sum(t.numel() * t.element_size() for t in (self._query, self._plain, self._u32) if t is not None)
         return self.u.numel() * self.u.element_size() + self.step.numel() * self.step.element_size() + extra
 
     def plain_basis(self) -> torch.Tensor:
@@ -93,6 +94,19 @@ def encode(keys: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
     c = torch.einsum("bktd,kdr->bktr", keys, basis.u.float()) / basis.step[:, None, :]
     c = (c.round().clamp(-LEVELS, LEVELS) + LEVELS + 1).to(torch.uint8)  # c: [B, Hkv, T, r] in 1..15
     return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def encode_into(codes: torch.Tensor, block: int, keys: torch.Tensor, basis: KeyBasis) -> bool:
+    """One sealed block's keys [B, Hkv, bs, D] (as the cache holds them) encoded into the table's codes
+    [B, Hkv, r / 2, nb, bs] at block by one compiled call (models/lowrank_kernel.cpp; what `encode`
+    gives); False where that call does not apply (not the CPU, kernels not built, keys not float): the
+    caller encodes with torch."""
+    kernel = compiled_kernel()
+    if kernel is None or codes.device.type != "cpu" or keys.device.type != "cpu":
+        return False
+    if basis._u32 is None:
+        basis._u32 = basis.u.float().contiguous()
+    return kernel.lowrank_encode(keys, basis._u32, basis.step, codes, block)
 
 
 def nibbles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
