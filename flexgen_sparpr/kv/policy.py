@@ -34,6 +34,7 @@ class Selection:
     rows: torch.Tensor | None = None
     nseq: list[int] | None = None  # [n sealed picked blocks] sequences reading each, on the host (None: not counted)
     dense: bool = False  # every block, read as a dense step reads them (SparPR's measured step fallback)
+    counted: tuple[int, int] | None = None  # (spans, tokens read), counted where the pick was made (fused_pick.py)
 
     @staticmethod
     def all(table: BlockTable, dense: bool = False) -> "Selection":

@@ -43,6 +43,9 @@ def test_the_compiled_pick_is_the_tensor_pick(name, batch, keep):
             want = selection_from_pick(t, want_pick, view)
             assert torch.equal(pick, want_pick)
             assert (sel.blocks, sel.nseq) == (want.blocks, want.nseq)
+            col = want_pick.any(dim=0)  # col: [nb] the blocks some sequence reads
+            spans = int((col[1:] & ~col[:-1]).sum() + col[:1].sum())
+            assert sel.counted == (spans, int((view.counts * want_pick).sum() + view.open_tokens))  # the statistics'
             assert attended(t, sel, [0] * batch) == attended(t, want, [0] * batch)
             if batch > 1:
                 assert torch.equal(sel.seqs, want.seqs) and torch.equal(sel.rows, want.rows)
@@ -83,13 +86,16 @@ def test_the_compiled_pick_generates_the_tensor_paths_tokens(name, prompts, tiny
         served.append(out is not None)
         return out
 
-    def tokens(tensor_path: bool) -> list[list[int]]:
+    def tokens(tensor_path: bool) -> tuple[list[list[int]], list]:
+        """The generated tokens, and the statistics' spans and tokens read at each step."""
         monkeypatch.setattr(selection, "fused_selection", (lambda *a: None) if tensor_path else counted)
         eng = Engine(resolve_source(str(tiny_llama_dir), ""), Policy(gpu_batch_size=len(prompts)),
                      EngineConfig(device="cpu", block_size=4, offload_dir=str(tmp_path)))
         try:
-            eng.set_kv_policy(make(name, 0.3))
-            return eng.generate(prompts, 12).tokens
+            pol = make(name, 0.3)
+            eng.set_kv_policy(pol)
+            out = eng.generate(prompts, 12).tokens
+            return out, [(s["spans"], s["tokens_read"]) for s in pol.stats()["steps"]]
         finally:
             eng.close()
 

@@ -31,16 +31,18 @@ def fused_selection(table: BlockTable, score: torch.Tensor, view, room) -> tuple
     if kernel is None:
         return None
     b, hkv = table.block_shape[1], table.block_shape[2]
-    # pick: [B, nb]; rows: [B, W] cache positions; mask: [B, 1, W]; readers: [nb] sequences picking each
-    # block; seqs: [B, n] the sequences reading each block read (the union, as the statistics count it)
+    # pick: [B, nb]; rows: [B, W] cache positions; mask: [B, 1, W]; readers: [nb + 2] sequences picking each
+    # block, then the spans and tokens read; seqs: [B, n] the sequences reading each block read (the union,
+    # as the statistics count it)
     pick, rows, mask, readers, seqs = kernel.pick_rows(score, view.own, room.blocks, table.bs, view.length)
     host = readers.tolist()  # the one host read
+    counted = (host.pop(-2), host.pop())
     blocks = list(compress(range(len(host)), host))
     nseq = list(filter(None, host))
     open_len = view.length - view.sealed * table.bs
     if open_len:
         blocks.append(view.sealed)
     if b == 1:  # one row: every position it holds is read, no mask
-        return pick, Selection(blocks, rows=rows, nseq=nseq)
+        return pick, Selection(blocks, rows=rows, nseq=nseq, counted=counted)
     return pick, Selection(blocks, mask.expand(b, hkv, mask.shape[2]), seqs=table.devices.streams.on_host(seqs),
-                           rows=rows, nseq=nseq)
+                           rows=rows, nseq=nseq, counted=counted)

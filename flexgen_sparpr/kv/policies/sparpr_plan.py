@@ -163,14 +163,18 @@ class CostPlan:
                 moved = sum(off.values())
             else:
                 est = self._est_bytes(table, chosen, rebuild, nseq)
-        # nothing offloaded: spans of adjacent chosen blocks and tokens read, counted on the device per step
-        picked = (per_seq, view.counts, view.open_tokens) if nspans is None and not fell_back else None
-        read = sum(view.n_valid) if fell_back else None if picked else (view.counts * per_seq).sum() + view.open_tokens
+        # nothing offloaded: spans of adjacent chosen blocks and tokens read, as the fused pick counted them,
+        # or counted on the device per step
+        counted = sel.counted if nspans is None and not fell_back else None
+        picked = (per_seq, view.counts, view.open_tokens) if nspans is None and not fell_back and not counted else None
+        read = sum(view.n_valid) if fell_back else counted[1] if counted else None if picked else \
+            (view.counts * per_seq).sum() + view.open_tokens
         self.step_stats.add(table, blocks_selected=len(sel.blocks), copied=moved - len(rebuild),
-                            rebuilt=len(rebuild), spans=nspans,
+                            rebuilt=len(rebuild), spans=counted[0] if counted else nspans,
                             n_valid=view.n_valid, tokens_read=read, target=target, rho=rho, sparse_s=sparse_s,
                             dense_s=dense_s, fell_back=fell_back, est_bytes=est, picked=picked, dense_floor_s=floor_s)
-        sel = dataclasses.replace(sel, recompute=tuple(rebuild))
+        if rebuild or sel.recompute:
+            sel = dataclasses.replace(sel, recompute=tuple(rebuild))
         # DKV cold blocks left out are still attended on their exact rows, held on compute (nothing moves)
         return sel if fell_back else with_exact_rows(table, sel, view.valid)
 
