@@ -10,7 +10,7 @@ std::vector<torch::Tensor> decode_attention_parts(torch::Tensor q, std::vector<t
 bool simd();  // decode_kernel.cpp
 int64_t simd_width();  // decode_kernel.cpp
 torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor codes, c10::optional<torch::Tensor> bias,
-                             int64_t bs);  // lowrank_kernel.cpp
+                             int64_t bs, int64_t nb);  // lowrank_kernel.cpp
 bool lowrank_encode(torch::Tensor keys, torch::Tensor u, torch::Tensor step, torch::Tensor codes,
                     int64_t block);  // lowrank_kernel.cpp
 

@@ -101,26 +101,30 @@ inline void block_stats(const float* x, int64_t n, float* m_out, float* s_out) {
 }  // namespace
 #endif
 
-// q: [B, Hkv, G, D] float32 contiguous (each KV head's query heads); basis: [Hkv, D, r] float32 contiguous
-// (the directions, scaled by the steps and 1 / sqrt(D)); codes: [B, Hkv, r / 2, T] uint8, tokens contiguous
-// (even direction low nibble, odd high; code - 8 steps); bias: [B, T] float32 contiguous, 0 or -inf (left
-// padding), or None; bs: tokens a block (T = nb bs).
+// q: [B, Hkv, G, D] or [B, H, 1, D] (H = Hkv G, as the model gives it: the same bytes) float32 contiguous; basis:
+// [Hkv, D, r] float32 contiguous (the directions, scaled by the steps and 1 / sqrt(D)); codes: uint8 (even
+// direction low nibble, odd high; code - 8 steps), tokens contiguous: [B, Hkv, r / 2, T] or the table's
+// summaries [B, Hkv, r / 2, capacity / bs, bs] as they lie; nb: the sealed blocks scored, the first nb of codes'
+// (T = nb bs); bias: [B, T] float32 contiguous, 0 or -inf (left padding), or None; bs: tokens a block.
 // Returns [B, nb] float32: each block's share of each query head's softmax over the T tokens, summed over
 // the query heads.
 torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor codes, c10::optional<torch::Tensor> bias,
-                             int64_t bs) {
+                             int64_t bs, int64_t nb) {
 #if KERNEL_SIMD
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4 && q.size(2) <= kMaxG,
-              "q: contiguous float32 [B, Hkv, G <= 8, D]");
-  TORCH_CHECK(basis.scalar_type() == torch::kFloat32 && basis.is_contiguous() && basis.dim() == 3 &&
-                  basis.size(0) == q.size(1) && basis.size(1) == q.size(3),
+  TORCH_CHECK(basis.scalar_type() == torch::kFloat32 && basis.is_contiguous() && basis.dim() == 3,
               "basis: contiguous float32 [Hkv, D, r]");
-  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.dim() == 4 && codes.stride(3) == 1 &&
-                  codes.size(0) == q.size(0) && codes.size(1) == q.size(1) && 2 * codes.size(2) == basis.size(2),
-              "codes: uint8 [B, Hkv, r / 2, T], T contiguous");
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), half = codes.size(2), T = codes.size(3);
+  const int64_t B = q.size(0), H = basis.size(0), D = basis.size(1), half = codes.size(2), T = nb * bs;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 4 && q.size(3) == D &&
+                  (q.size(1) * q.size(2)) % H == 0 && q.size(1) * q.size(2) / H <= kMaxG,
+              "q: contiguous float32 [B, Hkv, G <= 8, D] or [B, Hkv G, 1, D]");
+  const int64_t G = q.size(1) * q.size(2) / H;
+  const bool whole = codes.dim() == 5;  // the table's summaries: blocks of bs tokens, one after the other
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.size(0) == B && codes.size(1) == H && 2 * half == basis.size(2) &&
+                  bs >= 1 && nb >= 0 &&
+                  (whole ? codes.size(4) == bs && codes.stride(4) == 1 && codes.stride(3) == bs && nb <= codes.size(3)
+                         : codes.dim() == 4 && codes.stride(3) == 1 && T <= codes.size(3)),
+              "codes: uint8 [B, Hkv, r / 2, T >= nb bs] or [B, Hkv, r / 2, >= nb, bs], tokens contiguous");
   const int64_t r = 2 * half;
-  TORCH_CHECK(bs >= 1 && T % bs == 0, "T a whole number of blocks");
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->dim() == 2 &&
@@ -128,8 +132,8 @@ torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor
                 "bias: contiguous float32 [B, T]");
     bp = bias->data_ptr<float>();
   }
-  const int64_t nb = T / bs, BH = B * H;
-  if (nb == 0) return torch::zeros({B, 0}, q.options());  // nothing sealed yet
+  const int64_t BH = B * H;
+  if (nb == 0) return torch::empty({B, 0}, q.options());  // nothing sealed yet
   // the query heads' coordinates, qs [B, Hkv, G, r] as logits_g's pairs: a few thousand products
   std::vector<float> qsv(BH * G * r, 0.f);
   const float* qp = q.data_ptr<float>();
@@ -163,8 +167,9 @@ torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor
     }
   });
   // each head's softmax from its blocks' (max, sum), summed over the query heads, then over the KV heads
-  auto out = torch::zeros({B, nb}, q.options());
+  auto out = torch::empty({B, nb}, q.options());
   float* op = out.data_ptr<float>();
+  std::fill(op, op + B * nb, 0.f);
   std::vector<float> e(nb);
   for (int64_t row = 0; row < BH * G; ++row) {
     const float* m = bmax.data() + row * nb;

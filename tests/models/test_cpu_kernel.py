@@ -188,7 +188,8 @@ def test_keys_in_parts_are_one_softmax_over_them_all(bf16_q):
 @pytest.mark.parametrize("g, r, bs, nb", [(3, 32, 16, 40), (2, 2, 4, 9), (8, 12, 8, 33)])
 def test_lowrank_scores_match_the_float_path(padded, g, r, bs, nb):
     """SparPR's block scores by the compiled kernel equal the float torch path's (kv/policies/sparpr_lowrank.py)."""
-    from flexgen_sparpr.kv.policies.sparpr_lowrank import encode, fit_basis, kernel_scores, lowrank_block_scores
+    from flexgen_sparpr.kv.policies.sparpr_lowrank import (compiled_block_scores, encode, fit_basis, kernel_scores,
+                                                           lowrank_block_scores)
     b, hkv, d = 2, 3, 64
     gen = torch.Generator().manual_seed(g + r)
     t = nb * bs
@@ -207,3 +208,6 @@ def test_lowrank_scores_match_the_float_path(padded, g, r, bs, nb):
     want = lowrank_block_scores(q, codes, basis, bs, "softmax", bias, live)
     got = lowrank_block_scores(q, codes, basis, bs, "softmax", bias, live, compiled=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    whole = store.view(b, hkv, r // 2, nb + 5, bs)  # the table's layout, read as it lies (SparPR.block_scores)
+    assert kernel_scores(q, whole, "softmax")
+    torch.testing.assert_close(compiled_block_scores(q, whole, nb, basis, bias, live), want, rtol=1e-4, atol=1e-6)

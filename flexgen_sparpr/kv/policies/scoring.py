@@ -161,9 +161,9 @@ class BlockScoringPolicy(BudgetPolicy):
             self._put(s, slice(0, sealed), self.summarise(table, keys, valid))
             s.known[:sealed] = [True] * sealed
 
-    def summaries(self, table: BlockTable, layer: int) -> tuple[torch.Tensor, ...]:
-        """The sealed blocks' summaries (views narrowed to them along each block axis); blocks sealed
-        before this policy was attached are summarised once, from the cache."""
+    def summaries(self, table: BlockTable, layer: int, whole: bool = False) -> tuple[torch.Tensor, ...]:
+        """The sealed blocks' summaries (views narrowed to them along each block axis; whole: every
+        block's, as they lie); blocks sealed before this policy was attached are summarised once, from the cache."""
         if table not in self._sums:
             self.attach(table, layer)
         s, bs, sealed = self._sums[table], table.bs, table.length // table.bs
@@ -176,7 +176,7 @@ class BlockScoringPolicy(BudgetPolicy):
             self._put(s, missing, self.summarise(table, keys, valid))
             for i in missing:
                 s.known[i] = True
-        return tuple(t.narrow(axis, 0, sealed) for t, axis in zip(s.parts, self.summary_axes))
+        return s.parts if whole else tuple(t.narrow(axis, 0, sealed) for t, axis in zip(s.parts, self.summary_axes))
 
     # --- the pick ---
     def block_counts(self, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:

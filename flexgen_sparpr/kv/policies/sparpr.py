@@ -19,8 +19,8 @@ from .base import masked_mean_keys
 from .scoring import exact_block_mass
 from .selection import BlockSelectionPolicy, Room, StepView, shared_pick
 from .sparpr_int4 import PackedCodes, packed_nbytes, synced_codes
-from .sparpr_lowrank import (KeyBasis, encode, encode_into, fit_basis, kernel_scores, lowrank_block_scores, rank_for,
-                             summary_share)
+from .sparpr_lowrank import (KeyBasis, compiled_block_scores, encode, encode_into, fit_basis, kernel_scores,
+                             lowrank_block_scores, rank_for, summary_share)
 from .sparpr_mean import summary_scores
 from .sparpr_plan import CostPlan
 from .sparpr_stats import StepStats
@@ -261,13 +261,14 @@ class SparPR(CostPlan, BlockSelectionPolicy):
         """[B, nb] (per_head: [B, Hkv, nb]): each sealed block's score for each sequence."""
         if self.summary == "exact":
             return exact_block_mass(table, q, view.sealed, view.pad_bias, view.live, self.per_head)
-        summ = self.summaries(table, layer)
         if not self.lowrank:
-            return summary_scores(table, q, summ, self.head_score)
-        codes = summ[0].flatten(3)  # codes: [B, Hkv, r / 2, T], a view
-        fast = not self.per_head and kernel_scores(q, codes, self.head_score)  # the compiled kernel reads them as they are
+            return summary_scores(table, q, self.summaries(table, layer), self.head_score)
+        whole = self.summaries(table, layer, whole=True)[0]  # whole: [B, Hkv, r / 2, nb, bs], every block's
+        if not self.per_head and kernel_scores(q, whole, self.head_score):  # one compiled call reads them as they lie
+            return compiled_block_scores(q, whole, view.sealed, self._basis[table], view.pad_bias, view.live)
+        codes = whole[:, :, :, :view.sealed].flatten(3)  # codes: [B, Hkv, r / 2, T], a view
         return lowrank_block_scores(q, codes, self._basis[table], table.bs, self.head_score, view.pad_bias, view.live,
-                                    None if fast else synced_codes(self._packed, table, codes), fast, self.per_head)
+                                    synced_codes(self._packed, table, codes), False, self.per_head)
 
     def summary_bytes(self, table: BlockTable, on_host: bool = False) -> int:
         """Bytes of the table's summaries (every block's) on the compute device, with the low-rank

@@ -123,9 +123,21 @@ def decode(codes: torch.Tensor, basis: KeyBasis) -> torch.Tensor:
 
 def kernel_scores(q: torch.Tensor, codes: torch.Tensor, head_score: str) -> bool:
     """Whether the compiled CPU kernel scores the blocks (head_score "softmax", the CPU, at most 8
-    query heads per KV head, codes read in place; models/cpu_kernel.py says where it is built)."""
+    query heads per KV head, codes read in place: [B, Hkv, r / 2, T] or the table's [B, Hkv, r / 2, nb, bs],
+    tokens contiguous; models/cpu_kernel.py says where it is built)."""
+    inner = codes.stride(-1) == 1 and (codes.dim() == 4 or codes.stride(3) == codes.shape[4])
     return (head_score == "softmax" and q.device.type == "cpu" and q.shape[1] // codes.shape[1] <= 8
-            and codes.stride(3) == 1 and compiled_kernel() is not None)
+            and inner and compiled_kernel() is not None)
+
+
+def compiled_block_scores(q: torch.Tensor, whole: torch.Tensor, sealed: int, basis: KeyBasis,
+                          pad_bias: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
+    """lowrank_block_scores(compiled=True) on the table's codes as they lie, whole: [B, Hkv, r / 2, nb, bs]
+    (`kernel_scores` must hold), of which the first `sealed` blocks are scored, and q [B, H, 1, D] as the
+    model gives it: one call, no view made -> [B, sealed]."""
+    qk = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
+    score = compiled_kernel().lowrank_scores(qk, basis.plain_basis(), whole, pad_bias, whole.shape[4], sealed)  # score: [B, nb]
+    return score if live is None else score.masked_fill(~live, -math.inf)
 
 
 def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, bs: int, head_score: str,
@@ -143,7 +155,7 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     half = codes.shape[2]
     qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
     if compiled:  # one compiled call (models/lowrank_kernel.cpp), the query's coordinates too, float32 throughout
-        score = compiled_kernel().lowrank_scores(qg.contiguous(), basis.plain_basis(), codes, pad_bias, bs)  # score: [B, nb]
+        score = compiled_kernel().lowrank_scores(qg.contiguous(), basis.plain_basis(), codes, pad_bias, bs, t // bs)  # score: [B, nb]
         return score if live is None else score.masked_fill(~live, -math.inf)
     if packed is not None:  # the kernel reads the packed codes as c - 8: no offset to take off
         logit = packed.logits(torch.matmul(qg, basis.plain_basis()), t)  # logit: [B, Hkv, G, T] bfloat16
