@@ -97,12 +97,7 @@ def test_a_prefill_summarises_its_blocks_once_per_table(tiny_opt_dir, tmp_path, 
     pol, calls = SparPR(keep_ratio=0.3, min_keep_tokens=0, costs=fixed()), []
     real, real_seal = pol.summarise, pol.seal_in_place
     monkeypatch.setattr(pol, "summarise", lambda t, keys, valid: calls.append(keys.shape[2]) or real(t, keys, valid))
-
-    def seal(*a):
-        done = real_seal(*a)
-        calls.extend([1] if done else [])
-        return done
-    monkeypatch.setattr(pol, "seal_in_place", seal)
+    monkeypatch.setattr(pol, "seal_in_place", lambda *a: real_seal(*a) and not calls.append(1))  # one block, encoded
     cfg = EngineConfig(device="cpu", block_size=8, offload_dir=str(tmp_path))
     with Engine(resolve_source(str(tiny_opt_dir), ""), Policy(gpu_batch_size=2), cfg) as eng:
         eng.set_kv_policy(pol)
