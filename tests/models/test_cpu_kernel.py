@@ -210,4 +210,4 @@ def test_lowrank_scores_match_the_float_path(padded, g, r, bs, nb):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     whole = store.view(b, hkv, r // 2, nb + 5, bs)  # the table's layout, read as it lies (SparPR.block_scores)
     assert kernel_scores(q, whole, "softmax")
-    torch.testing.assert_close(compiled_block_scores(q, whole, nb, basis, bias, live), want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(compiled_block_scores(q, whole, nb, bs, basis, bias, live), want, rtol=1e-4, atol=1e-6)

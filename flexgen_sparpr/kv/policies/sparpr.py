@@ -265,7 +265,7 @@ class SparPR(CostPlan, BlockSelectionPolicy):
             return summary_scores(table, q, self.summaries(table, layer), self.head_score)
         whole = self.summaries(table, layer, whole=True)[0]  # whole: [B, Hkv, r / 2, nb, bs], every block's
         if not self.per_head and kernel_scores(q, whole, self.head_score):  # one compiled call reads them as they lie
-            return compiled_block_scores(q, whole, view.sealed, self._basis[table], view.pad_bias, view.live)
+            return compiled_block_scores(q, whole, view.sealed, table.bs, self._basis[table], view.pad_bias, view.live)
         codes = whole[:, :, :, :view.sealed].flatten(3)  # codes: [B, Hkv, r / 2, T], a view
         return lowrank_block_scores(q, codes, self._basis[table], table.bs, self.head_score, view.pad_bias, view.live,
                                     synced_codes(self._packed, table, codes), False, self.per_head)

@@ -130,13 +130,13 @@ def kernel_scores(q: torch.Tensor, codes: torch.Tensor, head_score: str) -> bool
             and inner and compiled_kernel() is not None)
 
 
-def compiled_block_scores(q: torch.Tensor, whole: torch.Tensor, sealed: int, basis: KeyBasis,
+def compiled_block_scores(q: torch.Tensor, codes: torch.Tensor, sealed: int, bs: int, basis: KeyBasis,
                           pad_bias: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
-    """lowrank_block_scores(compiled=True) on the table's codes as they lie, whole: [B, Hkv, r / 2, nb, bs]
-    (`kernel_scores` must hold), of which the first `sealed` blocks are scored, and q [B, H, 1, D] as the
-    model gives it: one call, no view made -> [B, sealed]."""
+    """The compiled kernel's block scores (models/lowrank_kernel.cpp; `kernel_scores` must hold) of the
+    first `sealed` blocks of codes [B, Hkv, r / 2, T] or the table's [B, Hkv, r / 2, nb, bs] as they lie,
+    for q [B, H, 1, D] as the model gives it: one call, no view made -> [B, sealed]."""
     qk = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
-    score = compiled_kernel().lowrank_scores(qk, basis.plain_basis(), whole, pad_bias, whole.shape[4], sealed)  # score: [B, nb]
+    score = compiled_kernel().lowrank_scores(qk, basis.plain_basis(), codes, pad_bias, bs, sealed)  # score: [B, nb]
     return score if live is None else score.masked_fill(~live, -math.inf)
 
 
@@ -153,10 +153,9 @@ def lowrank_block_scores(q: torch.Tensor, codes: torch.Tensor, basis: KeyBasis, 
     b, h, _, d = q.shape
     hkv, t = codes.shape[1], codes.shape[3]
     half = codes.shape[2]
-    qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
     if compiled:  # one compiled call (models/lowrank_kernel.cpp), the query's coordinates too, float32 throughout
-        score = compiled_kernel().lowrank_scores(qg.contiguous(), basis.plain_basis(), codes, pad_bias, bs, t // bs)  # score: [B, nb]
-        return score if live is None else score.masked_fill(~live, -math.inf)
+        return compiled_block_scores(q, codes, t // bs, bs, basis, pad_bias, live)
+    qg = q.float().view(b, hkv, h // hkv, d)  # qg: [B, Hkv, G, D]
     if packed is not None:  # the kernel reads the packed codes as c - 8: no offset to take off
         logit = packed.logits(torch.matmul(qg, basis.plain_basis()), t)  # logit: [B, Hkv, G, T] bfloat16
     else:
