@@ -23,29 +23,11 @@ from ..runtime.hardware import gathers_ahead
 from ..storage.tiers import Devices, Tier
 from .attention import decode_attention_step, gathered_rest, open_block_part, split_by_home, with_resident_blocks
 from .io import Done, IOPool
-from .prefetch import Ahead, early_selection
+from .prefetch import Ahead, Landing, early_selection
 from .recall import Recall
 from .recovery import Fetched, GatherRing, gather_selection, rebuild_kv, top_up
 from .split_plan import SplitPlans
 from .step_clock import StepClock
-
-
-class Landing:
-    """A gather whose disk blocks are still landing (KVReader._land_later), answered like a Future:
-    result() waits for the reads and gives the Fetched with its landed blocks."""
-
-    def __init__(self, fetched: Fetched, land: list[int], view: torch.Tensor, reads):
-        self._fetched, self._land, self._view, self._reads = fetched, land, view, reads
-
-    def done(self) -> bool:
-        return self._reads is None
-
-    def result(self, timeout=None) -> Fetched:
-        if self._reads is not None:
-            reads, self._reads = self._reads, None
-            reads.wait()
-            self._fetched.landed = (self._land, self._view)
-        return self._fetched
 
 
 class KVReader:
@@ -121,12 +103,16 @@ class KVReader:
         return self.cpu_cache_compute and self.devices.is_cuda and Tier.CPU in t.homes[:t.num_blocks]
 
     # --- one cell ahead ---
-    def prefetch(self, t: BlockTable, layer: int, kind: str, ahead: Ahead | None) -> Future:
+    def prefetch(self, t: BlockTable, layer: int, kind: str, ahead: Ahead | None, landing_only: bool = False) -> Future:
         """Gather the blocks cell (layer, t) will read, on the I/O pool: planned, or selected from
-        the cell's early (or guessed) query; a done future of None when nothing can start yet."""
+        the cell's early (or guessed) query; a done future of None when nothing can start yet.
+        landing_only: only a planned read whose disk blocks land in flight from this thread, counted
+        when waited for (`Landing`): one a step starts for the next (engine/prefetch.py Carry)."""
         if self.in_place(t):
             return Done(None)
         sel, land = self.resident_split(t, self.policy.plan(t, layer))
+        if landing_only and not (sel is not None and land and self.lands_later(t)):
+            return Done(None)
         if sel is not None and self.reads_rows(t, sel):  # a planned read of a resident cache: in place
             return Done(self._in_place(t, sel))
         if sel is None:
@@ -137,9 +123,15 @@ class KVReader:
             return Done(None)
         if sel.guess:
             return self.io.submit(self._gather_guess, t, sel)
-        if land and self.io.overlap and not self.devices.streams.active and t.store.disk_file.reads_in_flight():
+        if land and self.lands_later(t):
             return self._land_later(t, sel, land)
         return self.io.submit(self._gather, t, sel, False, land)
+
+    def lands_later(self, t: BlockTable) -> bool:
+        """Whether t's disk blocks are read in flight from this thread (native AIO), counted when
+        waited for: then a read started in one step may serve the next (engine/prefetch.py Carry)."""
+        return self.io.overlap and not self.devices.streams.active and t.store.disk_file is not None and \
+            t.store.disk_file.reads_in_flight()
 
     def _land_later(self, t: BlockTable, sel: Selection, land: list[int]) -> "Landing | Future":
         """resident_split's gather with its disk blocks' reads put in flight from this thread (native

@@ -29,6 +29,7 @@ from .config import EngineConfig, Policy, check_engine
 from .io import IOPool
 from .kv_tables import build_tables
 from .pipeline import StageLink
+from .prefetch import Carry
 from .sampling import Sampler
 from .schedule import StepSchedule, step_schedule
 from .state import GenerationResult, GenState, Snapshot
@@ -77,6 +78,7 @@ class Engine:
             if bar:
                 bar.close()
         self.tables: dict[tuple[int, int], BlockTable] = {}
+        self._carry: Carry | None = None  # reads a decode step started for the next (engine/prefetch.py)
         self._observers: tuple[KVPolicy, ...] = ()
         self.clock = StepClock()  # where each step's time goes (select, read, rebuild, io_wait, compute)
         self.reader = KVReader(self.kv_policy, self.arch, self.io, self.devices, self.dtype,
@@ -153,6 +155,7 @@ class Engine:
                     break
                 yield self.step(st, stop)
         finally:
+            self.drop_carried()
             if progress:
                 steps.close()
 
@@ -193,6 +196,7 @@ class Engine:
 
     def set_kv_policy(self, policy: KVPolicy, attach: bool = True) -> None:
         """Swap the KV policy between runs (attach=False for one that observed the prefill)."""
+        self.drop_carried()
         self.kv_policy = self.reader.policy = policy
         if attach:
             for (i, _), t in self.tables.items():
@@ -203,6 +207,7 @@ class Engine:
         return Snapshot.take(st, self.tables)
 
     def restore(self, snap: "Snapshot") -> "GenState":
+        self.drop_carried()
         return snap.restore(self.tables)
 
     def _step(self, ids, pos, pads, prefill: bool, bar=None) -> torch.Tensor | None:
@@ -210,7 +215,11 @@ class Engine:
         logits [B, V] (None on a pipeline stage without the head). `bar` (a progress bar) advances once
         per layer. The schedule says what happens at each cell; the run does it."""
         plan = self._schedule()
-        run = StepRun(self, ids, pos, pads, prefill, plan)
+        carry, self._carry = self._carry, None  # the reads the step before started for this one
+        carried = carry.take(plan, self.kv_policy, self.tables) if carry is not None and not prefill else None
+        if carry is not None and prefill:
+            carry.drop()
+        run = StepRun(self, ids, pos, pads, prefill, plan, carried)
         for cell in plan.cells:
             if cell.is_first:
                 run.take_weights(cell)
@@ -225,7 +234,17 @@ class Engine:
                     bar.update()
             if cell.send is not None:
                 run.send(cell)
-        return run.end()
+        logits = run.end()
+        if pending := run.carried():
+            keys = {(self.layers[plan.cells[m].layer].index, plan.cells[m].batch) for m in pending}
+            self._carry = Carry(pending, plan, self.kv_policy, {key: self.tables[key] for key in keys})
+        return logits
+
+    def drop_carried(self) -> None:
+        """Let the reads a step started for the next one go (the generation ended or changed)."""
+        carry, self._carry = self._carry, None
+        if carry is not None:
+            carry.drop()
 
     def _schedule(self) -> StepSchedule:
         """The current generation's step schedule (cached: the same for every step of a shape)."""
@@ -235,6 +254,8 @@ class Engine:
                              sends=link is not None and not link.stage.is_last)
 
     def close(self) -> None:
+        if getattr(self, "_carry", None) is not None:
+            self.drop_carried()
         for t in getattr(self, "tables", {}).values():
             t.close()
         if getattr(self, "weights", None):

@@ -19,7 +19,8 @@ class StepRun:
     """One token step (or the prefill) of engine `eng`: ids [B, S], pos_all [B, S], pads (one [gbs]
     or None per GPU batch). Starting it posts the stage's receives and loads the first layer's weights."""
 
-    def __init__(self, eng, ids, pos_all, pads, prefill: bool, plan: StepSchedule):
+    def __init__(self, eng, ids, pos_all, pads, prefill: bool, plan: StepSchedule,
+                 carried: dict[int, Future] | None = None):
         p = eng.run_policy
         self.eng, self.pads, self.prefill = eng, pads, prefill
         self.gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
@@ -34,7 +35,10 @@ class StepRun:
         self.w = None  # the current layer's weights
         self.w_next = self._load(plan.cells[0].layer)
         self.cells = plan.cells
-        self.reads = None if prefill else CacheReads(plan.reads, eng.reader.read_ahead)
+        self.reads = None if prefill else CacheReads(plan.reads, eng.reader.read_ahead, len(plan.cells), carried)
+        # the next step's first reads may start in this one (CacheReads.further): where the policy's
+        # reads are planned from the cache alone, and not between pipeline stages
+        self.carry = not prefill and eng.link is None and eng.reader.policy.plans_ahead
         self.stores: list[Future] = []
 
     def _load(self, j: int) -> Future | Done:
@@ -61,6 +65,8 @@ class StepRun:
         """Start the read of the next cell that reads a cache (engine/cell.py KVReader.prefetch),
         with what its early query needs when it is the very next cell."""
         m = c.read
+        if m is None and self.carry:  # past the step's last reading cell: the next step's may start
+            self._read_further(c.n)
         if m is None or not self.reads.may_start(c.n, m):
             return
         mk, layer = c.read_batch, self.eng.layers[c.read_layer]
@@ -74,14 +80,23 @@ class StepRun:
 
     def _read_further(self, n: int) -> None:
         """Start the gathers planned without a query further on (CacheReads.further), in order,
-        until one cannot start (its policy waits for the query: then none further this step)."""
-        while (m := self.reads.further(n)) is not None:
-            cell = self.cells[m]
-            layer = self.eng.layers[cell.layer]
-            table = self.eng.tables[(layer.index, cell.batch)]
-            if not self.reads.start(m, lambda: self.eng.reader.prefetch(table, layer.index, layer.kind, None)):
+        until one cannot start (its policy waits for the query: then none further this step).
+        Past the step's last reading cell, the next step's, of layers this step is done with (their
+        tables as the next step finds them: every token in, every sealed block stored)."""
+        done_with = self.cells[n].layer  # layers before it have run finish_layer
+        beyond = (lambda m: self.cells[m].layer < done_with) if self.carry else None
+        while (m := self.reads.further(n, beyond)) is not None:
+            span = len(self.cells)
+            layer, table = self.eng.layers[self.cells[m % span].layer], self._table(m % span)
+            if not self.reads.start(m, lambda: self.eng.reader.prefetch(table, layer.index, layer.kind, None,
+                                                                        landing_only=m >= span)):
                 self.reads.no_further = True
                 return
+
+    def _table(self, m: int):
+        """The KV table cell m reads."""
+        cell = self.cells[m]
+        return self.eng.tables[(self.eng.layers[cell.layer].index, cell.batch)]
 
     def compute(self, c: Cell) -> None:
         """The cell's layer on its GPU batch, with its cache read in hand; its sealed blocks start storing."""
@@ -109,6 +124,10 @@ class StepRun:
         """A micro-batch's output, on to the next stage."""
         k = c.batch
         self.eng.link.send(c.send, torch.cat(self.hidden[k + 1 - self.per:k + 1]))  # [per * gbs, S, hidden]
+
+    def carried(self) -> dict[int, Future]:
+        """The next step's gathers this step started (CacheReads.carried), keyed by their cell."""
+        return {} if self.reads is None else self.reads.carried()
 
     def end(self) -> torch.Tensor | None:
         """The step's logits [B, V] (None on a stage without the head), once its sends are done."""

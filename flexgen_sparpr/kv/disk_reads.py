@@ -77,6 +77,13 @@ class LandingReads:
         self._pending.wait()
         self._store.devices.counters.add("disk", "cpu", self._nbytes, requests=self._requests)
 
+    def drop(self) -> None:
+        """Reap the reads without counting them: what they read is not used."""
+        try:
+            self._pending.wait()
+        except OSError:  # a failed read nobody uses
+            pass
+
 
 def landed_later(store, ranges: list, out: torch.Tensor) -> LandingReads | None:
     """read_landed, returning at once with its reads in flight (native AIO on an O_DIRECT file: the

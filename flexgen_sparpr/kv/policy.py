@@ -189,3 +189,11 @@ class KVPolicy:
     def reads_all(self) -> bool:
         """True when every step reads the whole cache (lets a resident cache skip gathering)."""
         return type(self).plan is KVPolicy.plan and type(self).select is KVPolicy.select
+
+    @property
+    def plans_ahead(self) -> bool:
+        """True when what a decode step reads is a function of the cache alone (every block, as
+        dense reads; no per-step state, no own attention): a read planned while one step ends then
+        stands for the next step's first layers, so the disk need not idle between steps
+        (engine/prefetch.py CacheReads.further)."""
+        return self.reads_all and not self.attends and not self.observes
