@@ -19,6 +19,7 @@ from flexgen_sparpr.models import cpu_kernel
 from flexgen_sparpr.storage import aio
 from flexgen_sparpr.weights.resolve import resolve_source
 from tests.conftest import tiny_llama
+from tests.engine.test_generate import record_steps
 
 PROMPTS = [list(range(3, 103)), list(range(120, 195))]  # the second is left-padded
 GEN = 7
@@ -60,15 +61,7 @@ def run(model_dir, tmp_path, monkeypatch, *, carry: bool, ngb: int):
     policy = Policy(gpu_batch_size=len(PROMPTS) // ngb, num_gpu_batches=ngb, cache_gpu_percent=0,
                     cache_cpu_percent=0)
     with Engine(resolve_source(str(model_dir), ""), policy, cfg) as eng:
-        steps, real_step = [], eng._step
-
-        def step(*a, **k):
-            before = eng.devices.counters.snapshot()
-            out = real_step(*a, **k)
-            after = eng.devices.counters.snapshot()
-            steps.append({key: after.get(key, 0) - before.get(key, 0) for key in after})
-            return out
-        eng._step = step
+        steps = record_steps(eng)
         st = eng.prefill(PROMPTS, GEN, keep_logits=True)
         eng.decode(st)
         assert eng._carry is None  # the last step's carried reads were dropped with the generation
