@@ -167,17 +167,18 @@ class Engine:
         if i >= st.max_new:
             raise ConfigError(f"the cache holds {st.plen + st.max_new - 1} tokens: it is full")
         length = st.plen + i - 1  # tokens cached before this step's input
-        self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop)
+        self._advance(st, st.tokens[-1][:, None], (length - st.pads)[:, None], prefill=False, stop=stop,
+                      more=i + 1 < st.max_new)
         self.kv_policy.after_step(length, st.step_times[-1])  # SparPR times its sparse and dense steps
         return st.tokens[-1]
 
-    def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None, bar=None) -> None:
+    def _advance(self, st: "GenState", ids, pos, prefill: bool, stop: int | None, bar=None, more: bool = False) -> None:
         t0 = time.perf_counter()
         gbs, ngb = self.run_policy.gpu_batch_size, self.run_policy.num_gpu_batches
         # a batch without left padding needs no attention mask (lets SDPA take its fast path)
         pads = [st.pads[k * gbs:(k + 1) * gbs] for k in range(ngb)]
         pads = [p if bool(p.any()) else None for p in pads]
-        logits = self._step(ids, pos, pads, prefill, bar)  # None on a pipeline stage without the head
+        logits = self._step(ids, pos, pads, prefill, bar, more)  # None on a pipeline stage without the head
         if st.keep_logits and logits is not None:
             st.logits.append(logits.cpu())
         nxt = st.sampler(logits) if logits is not None else None  # nxt: [B]
@@ -210,16 +211,17 @@ class Engine:
         self.drop_carried()
         return snap.restore(self.tables)
 
-    def _step(self, ids, pos, pads, prefill: bool, bar=None) -> torch.Tensor | None:
+    def _step(self, ids, pos, pads, prefill: bool, bar=None, more: bool = False) -> torch.Tensor | None:
         """One token step (or the prefill) through this engine's layers and every batch; returns
         logits [B, V] (None on a pipeline stage without the head). `bar` (a progress bar) advances once
-        per layer. The schedule says what happens at each cell; the run does it."""
+        per layer; `more`: a decode step follows (this one may start its reads). The schedule says
+        what happens at each cell; the run does it."""
         plan = self._schedule()
         carry, self._carry = self._carry, None  # the reads the step before started for this one
         carried = carry.take(plan, self.kv_policy, self.tables) if carry is not None and not prefill else None
         if carry is not None and prefill:
             carry.drop()
-        run = StepRun(self, ids, pos, pads, prefill, plan, carried)
+        run = StepRun(self, ids, pos, pads, prefill, plan, carried, carry=more)
         for cell in plan.cells:
             if cell.is_first:
                 run.take_weights(cell)

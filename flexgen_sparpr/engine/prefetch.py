@@ -81,7 +81,7 @@ class Landing:
         return self._fetched
 
     def drop(self) -> None:
-        """Unused (a read carried to a step that did not come): its reads reaped, not counted."""
+        """Unused (a read carried to a step that did not take it): its reads reaped (and counted)."""
         if self._reads is not None:
             reads, self._reads = self._reads, None
             reads.drop()
@@ -104,7 +104,8 @@ class CacheReads:
 
     Past the step's last reading cell, `further` goes on into the next step's (keyed `span` on:
     cell m of the next step is span + m) where `beyond(m)` allows it; the step hands those on
-    (`carried`), and the next step starts holding them (`pending`). Without this the disk idled
+    (`carried`), and the next step starts holding them (`pending`). Only a step that another follows
+    (Engine.step: not the generation's last) starts them. Without this the disk idled
     from the last layer's read to the next step's first (the last layers, the head, sampling):
     a tenth of a dense step with half its KV on disk."""
 
@@ -158,7 +159,7 @@ class CacheReads:
 
 
 def drop(f) -> None:
-    """Let a gather go unused: its reads reaped (not counted as read), its buffer free again."""
+    """Let a gather go unused: its reads reaped (counted: the disk read them), its buffer free again."""
     if hasattr(f, "drop"):
         f.drop()
         return

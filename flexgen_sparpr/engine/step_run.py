@@ -20,7 +20,7 @@ class StepRun:
     or None per GPU batch). Starting it posts the stage's receives and loads the first layer's weights."""
 
     def __init__(self, eng, ids, pos_all, pads, prefill: bool, plan: StepSchedule,
-                 carried: dict[int, Future] | None = None):
+                 carried: dict[int, Future] | None = None, carry: bool = False):
         p = eng.run_policy
         self.eng, self.pads, self.prefill = eng, pads, prefill
         self.gbs, ngb = p.gpu_batch_size, p.num_gpu_batches
@@ -36,9 +36,9 @@ class StepRun:
         self.w_next = self._load(plan.cells[0].layer)
         self.cells = plan.cells
         self.reads = None if prefill else CacheReads(plan.reads, eng.reader.read_ahead, len(plan.cells), carried)
-        # the next step's first reads may start in this one (CacheReads.further): where the policy's
-        # reads are planned from the cache alone, and not between pipeline stages
-        self.carry = not prefill and eng.link is None and eng.reader.policy.plans_ahead
+        # the next step's first reads may start in this one (CacheReads.further): where a next step
+        # comes, the policy's reads are planned from the cache alone, and not between pipeline stages
+        self.carry = carry and not prefill and eng.link is None and eng.reader.policy.plans_ahead
         self.stores: list[Future] = []
 
     def _load(self, j: int) -> Future | Done:

@@ -78,9 +78,9 @@ class LandingReads:
         self._store.devices.counters.add("disk", "cpu", self._nbytes, requests=self._requests)
 
     def drop(self) -> None:
-        """Reap the reads without counting them: what they read is not used."""
+        """Reap reads whose bytes will not be used; still counted on the disk link: the disk read them."""
         try:
-            self._pending.wait()
+            self.wait()
         except OSError:  # a failed read nobody uses
             pass
 

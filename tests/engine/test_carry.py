@@ -49,13 +49,18 @@ def run(model_dir, tmp_path, monkeypatch, *, carry: bool, ngb: int):
     """Tokens, logits, per-step link bytes, and how many steps took carried reads."""
     if not carry:
         monkeypatch.setattr(KVPolicy, "plans_ahead", property(lambda self: False))
-    taken, real_take = [], prefetch.Carry.take
+    taken, real_take, made, real_init = [], prefetch.Carry.take, [], prefetch.Carry.__init__
 
     def take(self, *a):
         got = real_take(self, *a)
         taken.append(got is not None)
         return got
+
+    def init(self, *a):
+        made.append(1)
+        real_init(self, *a)
     monkeypatch.setattr(prefetch.Carry, "take", take)
+    monkeypatch.setattr(prefetch.Carry, "__init__", init)
     folder = tmp_path / ("carry" if carry else "plain")
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=BLOCK, offload_dir=str(folder), direct_io=True)
     policy = Policy(gpu_batch_size=len(PROMPTS) // ngb, num_gpu_batches=ngb, cache_gpu_percent=0,
@@ -66,6 +71,7 @@ def run(model_dir, tmp_path, monkeypatch, *, carry: bool, ngb: int):
         eng.decode(st)
         assert eng._carry is None  # the last step's carried reads were dropped with the generation
     monkeypatch.undo()
+    assert len(made) == len(taken)  # the generation's last step started no reads for a step to come
     return torch.stack(st.tokens, 1).tolist(), torch.stack(st.logits), steps, taken
 
 
