@@ -218,9 +218,7 @@ class Engine:
         what happens at each cell; the run does it."""
         plan = self._schedule()
         carry, self._carry = self._carry, None  # the reads the step before started for this one
-        carried = carry.take(plan, self.kv_policy, self.tables) if carry is not None and not prefill else None
-        if carry is not None and prefill:
-            carry.drop()
+        carried = None if carry is None else carry.drop() if prefill else carry.take(plan, self.kv_policy, self.tables)
         run = StepRun(self, ids, pos, pads, prefill, plan, carried, carry=more)
         for cell in plan.cells:
             if cell.is_first:
@@ -237,9 +235,9 @@ class Engine:
             if cell.send is not None:
                 run.send(cell)
         logits = run.end()
-        if pending := run.carried():
-            keys = {(self.layers[plan.cells[m].layer].index, plan.cells[m].batch) for m in pending}
-            self._carry = Carry(pending, plan, self.kv_policy, {key: self.tables[key] for key in keys})
+        pending, tables = run.carried()
+        if pending:
+            self._carry = Carry(pending, plan, self.kv_policy, tables)
         return logits
 
     def drop_carried(self) -> None:

@@ -93,10 +93,14 @@ class StepRun:
                 self.reads.no_further = True
                 return
 
+    def _key(self, m: int) -> tuple[int, int]:
+        """The engine's key (layer index, GPU batch) of the KV table cell m reads."""
+        cell = self.cells[m]
+        return self.eng.layers[cell.layer].index, cell.batch
+
     def _table(self, m: int):
         """The KV table cell m reads."""
-        cell = self.cells[m]
-        return self.eng.tables[(self.eng.layers[cell.layer].index, cell.batch)]
+        return self.eng.tables[self._key(m)]
 
     def compute(self, c: Cell) -> None:
         """The cell's layer on its GPU batch, with its cache read in hand; its sealed blocks start storing."""
@@ -125,9 +129,11 @@ class StepRun:
         k = c.batch
         self.eng.link.send(c.send, torch.cat(self.hidden[k + 1 - self.per:k + 1]))  # [per * gbs, S, hidden]
 
-    def carried(self) -> dict[int, Future]:
-        """The next step's gathers this step started (CacheReads.carried), keyed by their cell."""
-        return {} if self.reads is None else self.reads.carried()
+    def carried(self) -> tuple[dict[int, Future], dict]:
+        """The next step's gathers this step started (CacheReads.carried), keyed by their cell, and
+        the tables they read, keyed as the engine keys them."""
+        pending = {} if self.reads is None else self.reads.carried()
+        return pending, {self._key(m): self._table(m) for m in pending}
 
     def end(self) -> torch.Tensor | None:
         """The step's logits [B, V] (None on a stage without the head), once its sends are done."""
