@@ -21,6 +21,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor dm);
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d);  // weight_kernel.cpp
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x, bool wide);  // weight_kernel.cpp
 torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w);  // bf16_kernel.cpp
+torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);  // bf16_kernel.cpp
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor w, double eps);  // glue_kernel.cpp
 torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);  // glue_kernel.cpp
 torch::Tensor silu_mul_rows(torch::Tensor gu);  // glue_kernel.cpp
@@ -47,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_matmul", &q8_matmul, nogil);
   m.def("quantize_rows", &quantize_rows, nogil);
   m.def("bf16_matmul", &bf16_matmul, nogil);
+  m.def("f32_matmul", &f32_matmul, nogil);
   m.def("rms_norm_rows", &rms_norm_rows, nogil);
   m.def("rope_rows", &rope_rows, nogil);
   m.def("silu_mul_rows", &silu_mul_rows, nogil);

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_kernel import kernel as compiled_kernel, usable as kernel_usable
-from .packed import Packed, bf16_kernel
+from .packed import Packed, bf16_kernel, f32_kernel
 
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -62,6 +62,10 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         # a bfloat16 run's decode rows: torch's bfloat16 product of one row runs at a third of its
         # float32 one here; the kernel widens each weight as it reads it (bf16_kernel.cpp)
         y = k.bf16_matmul(x.reshape(rows, -1).contiguous(), w.contiguous()).view(*x.shape[:-1], w.shape[0])
+        return y + b if b is not None else y
+    k = f32_kernel(x.reshape(rows, -1)) if w.dtype == x.dtype == torch.float32 else None
+    if k is not None:  # a batch's decode rows: each weight row read once for all of them (bf16_kernel.cpp)
+        y = k.f32_matmul(x.reshape(rows, -1).contiguous(), w.contiguous()).view(*x.shape[:-1], w.shape[0])
         return y + b if b is not None else y
     if x.device.type == "cpu" and rows <= 16:
         # decode-sized inputs: CPU BLAS is much faster as W @ x^T than as x @ W^T (measured

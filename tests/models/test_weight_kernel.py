@@ -118,6 +118,25 @@ def test_bfloat16_products_are_exact_up_to_float32_sums(out, inputs, rows):
     torch.testing.assert_close(layers.linear(xb[:1], w), got_b[:1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("out, inputs", [(37, 100), (64, 576), (5, 16), (130, 7)])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
+def test_float32_products_of_a_batch_equal_float64(out, inputs, rows):
+    """bf16_kernel.cpp f32_matmul: 2-8 float32 rows times float32 weights, each weight row read once for
+    all rows; the product is the float64 one up to float32 sums, with a bias, through models/layers.linear
+    (a batch's decode rows), shaped as the caller's [B, 1, in]. One row and nine stay on torch."""
+    gen = torch.Generator().manual_seed(out + inputs + rows)
+    w, b = torch.randn(out, inputs, generator=gen), torch.randn(out, generator=gen)
+    x = torch.randn(rows, 1, inputs, generator=gen)
+    assert P.f32_kernel(x.view(rows, -1)) is not None
+    assert P.f32_kernel(torch.randn(1, inputs)) is None and P.f32_kernel(torch.randn(9, inputs)) is None
+    assert P.f32_kernel(torch.randn(rows, inputs).bfloat16()) is None
+    got = cpu_kernel.kernel().f32_matmul(x.view(rows, -1), w)
+    assert got.dtype == torch.float32 and rel(got, x.view(rows, -1).double() @ w.double().T) < 1e-6
+    y = layers.linear(x, w, b)
+    assert y.shape == (rows, 1, out)
+    torch.testing.assert_close(y, (got + b).view(rows, 1, out), rtol=0, atol=0)  # the kernel served it
+
+
 def test_glue_ops_in_bfloat16_round_torchs_float32_values_once():
     """The bfloat16 glue ops compute in float32 and round each output once: within one bfloat16 step of
     torch's ops on the same values (which round after each op)."""
