@@ -47,7 +47,7 @@ ENGINE = [
            "--steps", "2", "--offload-dir", "{out}/offload", "--out", "{out}")),
     # the decode step per weight format and compute dtype (--compress-weight, --dtype bfloat16)
     Entry("weights", "scripts/bench_weights.py", ("--out", "results/weights"), _pair("results/weights", "weights"),
-          ("--lengths", "256", "--batches", "1", "--placements", "resident", "--steps", "2",
+          ("--lengths", "256", "--batches", "1", "--placements", "resident", "--steps", "2", "--rounds", "1",
            "--offload-dir", "{out}/offload", "--out", "{out}")),
     Entry("attention", "scripts/bench_attention.py", ("--out", "results/attention"),
           _pair("results/attention", "attention"),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..api.llm import LLM
 from ..api.resolved import resolved
-from .args import OneLineParser
+from .args import OneLineParser, die
 from .needle_prompt import NeedlePrompts, random_key
 from .results import REPO, md_table, publish
 from .texts import TEXTS
@@ -78,7 +78,8 @@ def render(payload: dict) -> str:
     return (f"# Decode step per weight format and dtype (SmolLM2-135M, engine {cfg['engine_commit']})\n\n"
             f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads). "
             f"Dense, KV resident, the weights resident or on disk (O_DIRECT, read every step); median of "
-            f"{cfg['steps']} decode steps; each run names only the options in its row, the rest at the defaults "
+            f"{cfg['steps']} decode steps, the median of {cfg.get('rounds', 1)} rounds (a cell's runs taken in turn "
+            f"each round); each run names only the options in its row, the rest at the defaults "
             f"(each cell's resolved configuration is in the json). Speed-ups are the other run's step over "
             f"this one's (above 1: this one is faster). Produced by `scripts/bench_weights.py`.\n\n"
             + md_table(["tokens", "batch", "weights on", "run", "weight format", "step s", "disk MiB/step",
@@ -93,21 +94,37 @@ def parser(doc: str) -> OneLineParser:
     ap.add_argument("--placements", nargs="+", choices=list(PLACEMENTS), default=list(PLACEMENTS))
     ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     ap.add_argument("--steps", type=int, default=12, help="decode steps each run times (median taken)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times each cell runs, its runs taken in turn each round (the cell: the median round); "
+                         "formats that differ by a few per cent are not told apart by the hour they ran in")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offload-dir", default=str(Path(tempfile.gettempdir()) / "flexgen-sparpr-bench-weights"))
     ap.add_argument("--out", default=str(REPO / "results" / "weights"))
     return ap
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """A cell from its rounds: the round with the median step, every round's step beside it."""
+    best = sorted(rounds, key=lambda c: c["step_s"])[(len(rounds) - 1) // 2]
+    return {**best, "round_steps_s": [c["step_s"] for c in rounds]}
+
+
 def run_grid(args) -> int:
-    """Every (length, batch, placement, run) cell in turn, then <out>/weights.json and weights.md."""
+    """Every (length, batch, placement) group, its runs in turn, `rounds` times over; then
+    <out>/weights.json and weights.md."""
+    if args.rounds < 1 or args.steps < 1:
+        die("--rounds and --steps take a positive count")
     cells = []
     for tokens in args.lengths:
         for batch in args.batches:
             for placement in args.placements:
-                for label in args.runs:
-                    cells.append(run_cell(tokens, batch, placement, label, args.steps, args.offload_dir, args.seed))
-                    print(f"{tokens} x{batch} {placement} {label}: {cells[-1]['step_s']:.4f} s", flush=True)
+                rounds: dict[str, list[dict]] = {label: [] for label in args.runs}
+                for r in range(args.rounds):
+                    for label in args.runs:
+                        c = run_cell(tokens, batch, placement, label, args.steps, args.offload_dir, args.seed)
+                        rounds[label].append(c)
+                        print(f"{tokens} x{batch} {placement} {label} round {r + 1}: {c['step_s']:.4f} s", flush=True)
+                cells += [median_round(rounds[label]) for label in args.runs]
     add_ratios(cells)
     publish(args.out, "weights", {**vars(args), "model": "smollm2-135m"}, cells, render)
     return 0
