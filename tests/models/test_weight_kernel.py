@@ -99,7 +99,7 @@ def test_glue_ops_equal_torchs():
 
 
 @pytest.mark.parametrize("out, inputs", [(37, 100), (64, 576), (5, 16)])
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
 def test_bfloat16_products_are_exact_up_to_float32_sums(out, inputs, rows):
     """bf16_kernel.cpp widens each bfloat16 weight: the product is the float64 one of the same values;
     a bfloat16 input gives a bfloat16 output (one rounding)."""
@@ -107,7 +107,7 @@ def test_bfloat16_products_are_exact_up_to_float32_sums(out, inputs, rows):
     w = torch.randn(out, inputs, generator=gen).bfloat16()
     x = torch.randn(rows, inputs, generator=gen)
     p = P.pack(w.float(), "bfloat16")
-    assert P.bf16_kernel(x) is not None and P.bf16_kernel(torch.randn(3, inputs)) is None
+    assert P.bf16_kernel(x) is not None and P.bf16_kernel(torch.randn(9, inputs)) is None
     got = p.matmul(x)
     assert got.dtype == torch.float32 and rel(got, x.double() @ w.double().T) < 1e-6
     xb = x.bfloat16()
