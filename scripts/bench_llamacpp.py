@@ -30,8 +30,10 @@ def main() -> int:
     ap.add_argument("--gen-len", type=int, default=32, help="new tokens per run (default 32)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
     ap.add_argument("--keep", type=float, default=0.1, help="SparPR's keep ratio (default 0.1)")
-    ap.add_argument("--weight-formats", nargs="+", default=["auto", "raw"], choices=["auto", "raw", "bfloat16", "int8", "int4"],
-                    help="this engine's --weight-format values, one run each (default: auto raw)")
+    ap.add_argument("--weight-formats", nargs="+", default=["auto", "raw", "bfloat16", "int8"],
+                    choices=["auto", "raw", "bfloat16", "int8", "int4"],
+                    help="this engine's --weight-format values, one run each (default: auto raw bfloat16 int8; "
+                         "auto is the probe's pick, int4 where the kernels are built)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "results" / "llamacpp"))
     args = ap.parse_args()
