@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..api.llm import LLM
 from ..weights.resolve import smollm2_dir
-from .membound import sparpr_code_bytes, step_bytes
+from .membound import read_bandwidth, sparpr_code_bytes, step_bytes
 from .needle_prompt import NeedlePrompts, random_key
 from .peers import llamacpp_greedy
 from ..api.resolved import resolved
@@ -40,8 +40,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
                 formats: tuple[str, ...] = ("auto",), batch: int = 1, read_Bps: float | None = None) -> dict:
     """One context length and batch: llama.cpp, then this engine's dense and SparPR runs on the
-    same ids, once per weight format (--weight-format; auto: the engine's default). read_Bps: the
-    memory read bandwidth each engine step is set against (bench/membound.py; None: not)."""
+    same ids, once per weight format (--weight-format; auto: the engine's default). read_Bps: set
+    each engine step against the memory read bandwidth (bench/membound.py), measured again right
+    after each format's runs, so a slow hour slows the floor with the steps (None: no floor)."""
     cell = {"tokens": None, "batch": batch, "gen_len": gen_len, "resolved": {}, "engine": {}}
     for fmt in formats:
         with LLM("smollm2-135m", gpu_batch_size=batch, quiet=True, weight_format=fmt) as llm:
@@ -52,6 +53,7 @@ def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
             runs = llm.compare(ids, {label: {"kv_policy": "sparpr", "keep_ratio": keep}}, max_new_tokens=gen_len,
                                stop=None)
             cell["resolved"][fmt] = {**resolved(llm), "sparpr": runs[label][1].kv_policy_stats.get("config")}
+            bw = read_bandwidth(threads) if read_Bps else None  # the bus as the steps just found it
             for name, (outs, s) in runs.items():
                 steps = s.step_times[0][1:]
                 row = cell["engine"][f"{name}, weights {fmt}"] = {
@@ -61,8 +63,9 @@ def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
                 keep_read = s.kv_policy_stats["totals"]["effective_keep"] if name == label else 1.0
                 row["step_bytes"] = step_bytes(llm, len(ids[0]), batch, keep_read,
                                                sparpr_code_bytes(config, llm.spec.head_dim) if name == label else 0)
-                if read_Bps:
-                    row["floor_s"] = sum(row["step_bytes"].values()) / read_Bps
+                if bw:
+                    row["read_GBps"] = bw / 1e9
+                    row["floor_s"] = sum(row["step_bytes"].values()) / bw
                     row["vs_floor"] = statistics.median(steps) / row["floor_s"]
         cell["tokens"] = len(ids[0])
     peer = cell["llamacpp"] = llamacpp_greedy(gguf_path(), ids, gen_len, threads)
@@ -114,10 +117,10 @@ def render(payload: dict) -> str:
             f"one after the other on the same prompt ids; llama.cpp keeps a KV cache per prompt, flash attention "
             f"off (llama-cpp-python's default; faster here). llama.cpp reads the Q4_1 GGUF; this engine the same "
             f"weight values at its defaults, KV resident, with each --weight-format named in a row (auto, the "
-            f"default: {_formats(payload)}; raw: float32). Produced by `scripts/bench_llamacpp.py`.\n\n"
+            f"default: {_formats(payload)}; raw: float32; bfloat16: 2-byte weights; int8: a scale per row). Produced by `scripts/bench_llamacpp.py`.\n\n"
             + md_table(["tokens", "batch", "run", "prefill tok/s", "decode tok/s", "prefill vs llama.cpp",
                         "decode vs llama.cpp", "greedy tokens vs llama.cpp", "MB read / step", "step / floor"],
-                       rows) + _floor_note(cfg))
+                       rows) + _floor_note(cfg, payload["cells"]))
 
 
 def _floor(r: dict) -> list[str]:
@@ -128,9 +131,12 @@ def _floor(r: dict) -> list[str]:
     return [mb, f"{r['vs_floor']:.1f}x" if "vs_floor" in r else ""]
 
 
-def _floor_note(cfg: dict) -> str:
+def _floor_note(cfg: dict, cells: list[dict]) -> str:
     if not cfg.get("read_GBps"):
         return ""
+    bws = [r["read_GBps"] for c in cells for r in c["engine"].values() if "read_GBps" in r]
+    when = (f"measured right after each weight format's runs, {min(bws):.1f}-{max(bws):.1f} GB/s "
+            f"({cfg['read_GBps']:.1f} at the start)" if bws else f"{cfg['read_GBps']:.1f} GB/s")
     return (f"\nFloor: the bytes a step must read (the weights it multiplies, the KV tokens its attention reads, "
-            f"SparPR's 4-bit key codes; bench/membound.py) over the memory read bandwidth, "
-            f"{cfg['read_GBps']:.1f} GB/s (the best of three float32 sums over 1 GiB on {cfg['threads']} threads).\n")
+            f"SparPR's 4-bit key codes; bench/membound.py) over the memory read bandwidth, {when}: the best of "
+            f"three float32 sums over 1 GiB on {cfg['threads']} threads.\n")

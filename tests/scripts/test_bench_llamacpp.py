@@ -47,12 +47,18 @@ def test_tiny_run_writes_both_sides(tmp_path):
         b = cell["batch"]
         assert cell["llamacpp"]["ok"] and len(cell["llamacpp"]["tokens"]) == b and len(cell["llamacpp"]["step_s"]) == 3
         assert all(len(t) == 4 for t in cell["llamacpp"]["tokens"])
-        assert set(cell["engine"]) == {f"{run}, weights {fmt}" for run in ("dense", "sparpr@0.1") for fmt in ("auto", "raw")}
+        assert set(cell["engine"]) == {f"{run}, weights {fmt}" for run in ("dense", "sparpr@0.1")
+                                       for fmt in ("auto", "raw", "bfloat16", "int8")}  # every format by default
         # auto packs the prepared Q4_1 projections (and the Q8_0 head) for the int4 kernel where it is faster
         assert cell["resolved"]["auto"]["weight_format"].startswith("auto: ")
         assert all(len(row["tokens"]) == b and all(len(t) == 4 for t in row["tokens"]) and row["decode_tok_s"] > 0
                    and len(row["first_difference"]) == b for row in cell["engine"].values())
-    assert "| batch |" in (tmp_path / "llamacpp.md").read_text()
+        # each format's floor is set against the bus measured right after its runs
+        assert all(row["read_GBps"] > 0 and row["floor_s"] == pytest.approx(sum(row["step_bytes"].values())
+                                                                            / (row["read_GBps"] * 1e9))
+                   for row in cell["engine"].values())
+    md = (tmp_path / "llamacpp.md").read_text()
+    assert "| batch |" in md and "measured right after each weight format's runs" in md
 
 
 @pytest.mark.skipif(llamacpp_version() is None, reason="llama-cpp-python is an optional bench extra, not built here")
