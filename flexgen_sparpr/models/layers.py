@@ -48,6 +48,9 @@ class Transposed(NamedTuple):
     t: torch.Tensor  # [in, out]
 
 
+_ROW_PRODUCTS = {torch.bfloat16: (bf16_kernel, "bf16_matmul"), torch.float32: (f32_kernel, "f32_matmul")}
+
+
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., in]; w: [out, in] (or Transposed: [in, out]) -> [..., out]."""
     if isinstance(w, Transposed):
@@ -57,15 +60,12 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         y = w.matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], w.shape[0])
         return y + b if b is not None else y
     rows = x.numel() // x.shape[-1]
-    k = bf16_kernel(x.reshape(rows, -1)) if w.dtype == x.dtype == torch.bfloat16 else None
+    # decode rows of a bfloat16 run (torch's bfloat16 product of one row runs at a third of its float32
+    # one here) or a float32 batch (2-8 rows): each weight row read once for all rows (bf16_kernel.cpp)
+    pick = _ROW_PRODUCTS.get(w.dtype)
+    k = pick[0](x.reshape(rows, -1)) if pick and x.dtype == w.dtype else None
     if k is not None:
-        # a bfloat16 run's decode rows: torch's bfloat16 product of one row runs at a third of its
-        # float32 one here; the kernel widens each weight as it reads it (bf16_kernel.cpp)
-        y = k.bf16_matmul(x.reshape(rows, -1).contiguous(), w.contiguous()).view(*x.shape[:-1], w.shape[0])
-        return y + b if b is not None else y
-    k = f32_kernel(x.reshape(rows, -1)) if w.dtype == x.dtype == torch.float32 else None
-    if k is not None:  # a batch's decode rows: each weight row read once for all of them (bf16_kernel.cpp)
-        y = k.f32_matmul(x.reshape(rows, -1).contiguous(), w.contiguous()).view(*x.shape[:-1], w.shape[0])
+        y = getattr(k, pick[1])(x.reshape(rows, -1).contiguous(), w.contiguous()).view(*x.shape[:-1], w.shape[0])
         return y + b if b is not None else y
     if x.device.type == "cpu" and rows <= 16:
         # decode-sized inputs: CPU BLAS is much faster as W @ x^T than as x @ W^T (measured
