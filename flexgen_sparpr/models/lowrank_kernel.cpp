@@ -3,8 +3,8 @@
 // q . k~ of every sealed token from its 4-bit codes (two a byte, tokens innermost), the softmax over
 // the tokens, and each block's share of it, summed over the heads: one call a layer where torch takes
 // about fifteen. Float32 throughout (the torch path multiplies in bfloat16).
-// The softmax is taken a block at a time (each block's max and its sum of e^(x - max), then one pass
-// over the blocks), so a work item's logits stay in a buffer the size of L1 and the codes are read once:
+// The softmax is taken a work item at a time (the item's max, each block's sum of e^(x - max), then one pass
+// over the items' blocks), so a work item's logits stay in a buffer the size of L1 and the codes are read once:
 // a layer's codes come from the shared cache after the layer's weights went through (at 8000 tokens
 // the call took twice as long in place as alone with a buffer of every logit).
 #include <torch/extension.h>
@@ -81,21 +81,26 @@ void logits(const float* qs, int G, int half, const uint8_t* codes, int64_t cs, 
   }
 }
 
-// x [n] -> (its max m, sum of e^(x - m)), a vector at a time (the compiler's exp over this loop ran
-// scalar, ten times the logits' cost); the tail past the last whole vector a value at a time
-inline void block_stats(const float* x, int64_t n, float* m_out, float* s_out) {
+// a work item's logits x [n] (n a whole number of blocks of bs) -> each block's sum of e^(x - m) in s_out, m the
+// item's max (returned): one max over the item, not one a block (a horizontal max per block cost as much as the
+// logits at 16 tokens a block); a block's terms that underflow against m would underflow against the row's max
+// in the merge as well
+inline float chunk_stats(const float* x, int64_t n, int64_t bs, float* s_out) {
   vf vm = vec::set1(kLow);
   int64_t t = 0;
   for (; t + kLanes <= n; t += kLanes) vm = vec::max(vm, vec::load(x + t));
   float m = vec::hmax(vm);
   for (int64_t j = t; j < n; ++j) m = std::max(m, x[j]);
   const vf vt = vec::set1(m);
-  vf vs = vec::zero();
-  for (t = 0; t + kLanes <= n; t += kLanes) vs = vec::add(vs, vec::exp(vec::sub(vec::load(x + t), vt)));
-  float s = vec::sum(vs);
-  for (int64_t j = t; j < n; ++j) s += x[j] - m <= -87.f ? 0.f : std::exp(x[j] - m);
-  *m_out = m;
-  *s_out = s;
+  for (int64_t b0 = 0; b0 < n; b0 += bs) {
+    vf vs = vec::zero();
+    int64_t j = b0;
+    for (; j + kLanes <= b0 + bs; j += kLanes) vs = vec::add(vs, vec::exp(vec::sub(vec::load(x + j), vt)));
+    float s = vec::sum(vs);
+    for (; j < b0 + bs; ++j) s += x[j] - m <= -87.f ? 0.f : std::exp(x[j] - m);
+    s_out[(b0 / bs)] = s;
+  }
+  return m;
 }
 
 }  // namespace
@@ -159,11 +164,11 @@ torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor
       if (static_cast<int64_t>(buf.size()) < G * n) buf.resize(G * n);
       logits(qsv.data() + bh * G * r, G, half, cp + b * codes.stride(0) + h * codes.stride(1) + t0, codes.stride(2), n,
              bp ? bp + b * T + t0 : nullptr, buf.data(), n);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t k = 0; k < kn; ++k) {
-          const int64_t at = (bh * G + g) * nb + k0 + k;
-          block_stats(buf.data() + g * n + k * bs, bs, &bmax[at], &bsum[at]);
-        }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = (bh * G + g) * nb + k0;
+        const float m = chunk_stats(buf.data() + g * n, n, bs, &bsum[at]);
+        std::fill(&bmax[at], &bmax[at] + kn, m);
+      }
     }
   });
   // each head's softmax from its blocks' (max, sum), summed over the query heads, then over the KV heads
@@ -171,19 +176,31 @@ torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor
   float* op = out.data_ptr<float>();
   std::fill(op, op + B * nb, 0.f);
   std::vector<float> e(nb);
-  for (int64_t row = 0; row < BH * G; ++row) {
+  for (int64_t row = 0; row < BH * G; ++row) {  // vector exps: 4500 scalar ones at 500 blocks were a third of a call
     const float* m = bmax.data() + row * nb;
     const float* s = bsum.data() + row * nb;
-    const float top = *std::max_element(m, m + nb);
-    float z = 0.f;
-    for (int64_t k = 0; k < nb; ++k) {
+    int64_t k = 0;
+    vf vm = vec::set1(kLow);
+    for (; k + kLanes <= nb; k += kLanes) vm = vec::max(vm, vec::load(m + k));
+    float top = vec::hmax(vm);
+    for (; k < nb; ++k) top = std::max(top, m[k]);
+    const vf vt = vec::set1(top);
+    vf vz = vec::zero();
+    for (k = 0; k + kLanes <= nb; k += kLanes) {
+      const vf x = vec::mul(vec::load(s + k), vec::exp(vec::sub(vec::load(m + k), vt)));
+      vec::store(e.data() + k, x);
+      vz = vec::add(vz, x);
+    }
+    float z = vec::sum(vz);
+    for (; k < nb; ++k) {
       const float x = m[k] - top;
       e[k] = x <= -87.f ? 0.f : s[k] * std::exp(x);
       z += e[k];
     }
-    const float inv = z > 0.f ? 1.f / z : 0.f;
+    const vf inv = vec::set1(z > 0.f ? 1.f / z : 0.f);
     float* o = op + (row / (H * G)) * nb;
-    for (int64_t k = 0; k < nb; ++k) o[k] += e[k] * inv;
+    for (k = 0; k + kLanes <= nb; k += kLanes) vec::store(o + k, vec::fma(vec::load(e.data() + k), inv, vec::load(o + k)));
+    for (; k < nb; ++k) o[k] += e[k] * (z > 0.f ? 1.f / z : 0.f);
   }
   return out;
 #else
