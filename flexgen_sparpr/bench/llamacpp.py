@@ -37,6 +37,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def median_step_keep(stats: dict) -> float:
+    """The share of the cache SparPR's median decode step read (its steps' effective keeps): the step
+    the decode rate and the floor stand for. The run's total over-counts it: SparPR's measured step
+    fallback times a few whole steps dense before it settles on sparse ones (kv/policies/sparpr_steps.py)."""
+    return statistics.median(s["effective_keep"] for s in stats["steps"])
+
+
 def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
                 formats: tuple[str, ...] = ("auto",), batch: int = 1, read_Bps: float | None = None) -> dict:
     """One context length and batch: llama.cpp, then this engine's dense and SparPR runs on the
@@ -60,7 +67,7 @@ def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
                     "prefill_s": s.prefill_s, "prefill_tok_s": sum(map(len, ids)) / s.prefill_s,
                     "decode_tok_s": batch / statistics.median(steps), "tokens": [o.token_ids for o in outs]}
                 config = (s.kv_policy_stats or {}).get("config")
-                keep_read = s.kv_policy_stats["totals"]["effective_keep"] if name == label else 1.0
+                keep_read = median_step_keep(s.kv_policy_stats) if name == label else 1.0
                 row["step_bytes"] = step_bytes(llm, len(ids[0]), batch, keep_read,
                                                sparpr_code_bytes(config, llm.spec.head_dim) if name == label else 0)
                 if bw:
@@ -137,6 +144,6 @@ def _floor_note(cfg: dict, cells: list[dict]) -> str:
     bws = [r["read_GBps"] for c in cells for r in c["engine"].values() if "read_GBps" in r]
     when = (f"measured right after each weight format's runs, {min(bws):.1f}-{max(bws):.1f} GB/s "
             f"({cfg['read_GBps']:.1f} at the start)" if bws else f"{cfg['read_GBps']:.1f} GB/s")
-    return (f"\nFloor: the bytes a step must read (the weights it multiplies, the KV tokens its attention reads, "
-            f"SparPR's 4-bit key codes; bench/membound.py) over the memory read bandwidth, {when}: the best of "
+    return (f"\nFloor: the bytes a step must read (the weights it multiplies, the KV tokens its attention reads (SparPR: "
+            f"its median step's share of them), SparPR's 4-bit key codes; bench/membound.py) over the memory read bandwidth, {when}: the best of "
             f"three float32 sums over 1 GiB on {cfg['threads']} threads.\n")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from flexgen_sparpr.bench.llamacpp import first_difference, gguf_path
+from flexgen_sparpr.bench.llamacpp import first_difference, gguf_path, median_step_keep
 from flexgen_sparpr.bench.peers import llamacpp_greedy, llamacpp_version
 from tests.scripts.runner import REPO, run_script
 
@@ -21,6 +21,13 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([4], [5, 6]) == 0
+
+
+def test_the_floor_reads_the_median_steps_keep():
+    """SparPR's floor stands for its median step: a few steps timed dense (the measured step fallback)
+    must not count a run's mean into it."""
+    steps = [{"effective_keep": k} for k in (0.1, 0.1, 1.0, 1.0, 0.12, 0.1, 0.11)]
+    assert median_step_keep({"steps": steps, "totals": {"effective_keep": 0.36}}) == pytest.approx(0.11)
 
 
 def test_without_llama_cpp_one_line_and_exit_2(tmp_path):
