@@ -277,8 +277,11 @@ class KVReader:
             return kv, pos, None, jobs
         if fetched.rows is not None:  # read in place: the arena after the append, the new token's row added
             jobs = t.append(k, v)
-            new = fetched.rows.new_full((fetched.rows.shape[0], 1), t.length - 1)
-            fetched.rows = torch.cat([fetched.rows, new], dim=1)  # rows: [1|B, T+1]
+            if fetched.rows is fetched.sel.rows and fetched.sel.next_rows is not None:
+                fetched.rows = fetched.sel.next_rows  # the pick left the new token's row after them
+            else:
+                new = fetched.rows.new_full((fetched.rows.shape[0], 1), t.length - 1)
+                fetched.rows = torch.cat([fetched.rows, new], dim=1)  # rows: [1|B, T+1]
             pos = fetched.rows[0] if fetched.rows.shape[0] == 1 else fetched.rows
             return t.store.resident_view(t.length), pos, fetched.sel.mask, jobs
         kv, pos = fetched.kv, fetched.pos

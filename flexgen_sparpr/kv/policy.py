@@ -35,6 +35,9 @@ class Selection:
     nseq: list[int] | None = None  # [n sealed picked blocks] sequences reading each, on the host (None: not counted)
     dense: bool = False  # every block, read as a dense step reads them (SparPR's measured step fallback)
     counted: tuple[int, int] | None = None  # (spans, tokens read), counted where the pick was made (fused_pick.py)
+    # [1|B, T+1]: rows with the step's new token's position after them, where the pick made room for it
+    # (fused_pick.py; rows is then a view of it): attention after the append reads it, nothing concatenated
+    next_rows: torch.Tensor | None = None
 
     @staticmethod
     def all(table: BlockTable, dense: bool = False) -> "Selection":

@@ -44,11 +44,13 @@ bool unique_kth(const float* s, int64_t n, int64_t k, std::vector<float>& buf, f
 // score: [B, nb] float32 (-inf: never picked); own: [B, nb] bool or None (always read, outside the k);
 // k: blocks the budget takes beyond own; bs: tokens a block; length: cached tokens (the open block is
 // length - nb bs of them, always read).
-// Returns {pick [B, nb] bool, rows [B, W] int64, mask [B, 1, W] bool, readers [nb + 2] int64, seqs [B, n] bool}:
+// Returns {pick [B, nb] bool, rows [B, W + 1] int64, mask [B, 1, W] bool, host [2 + 2 n] int64, seqs [B, n'] bool}:
 // row b holds sequence b's picked blocks ascending, padded to the longest row with the first blocks it
-// did not pick (masked out), then the open block's positions; readers counts the sequences picking each
-// block, then the spans (runs of blocks some sequence reads) and the tokens read, for the statistics;
-// seqs says which sequences read each of the n blocks some sequence picked, and the open block.
+// did not pick (masked out), then the open block's positions, then `length` (the step's new token, appended
+// next: the caller attends rows[:, :W] until then); host holds, for the one host read, the spans (runs of
+// blocks some sequence reads) and the tokens read (the statistics), the n blocks some sequence picked
+// (ascending), then how many sequences read each; seqs says which sequences read each of them, and the open
+// block (n' = n + 1 where there is one).
 std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::Tensor> own, int64_t k, int64_t bs,
                                      int64_t length) {
   TORCH_CHECK(score.dim() == 2 && score.scalar_type() == torch::kFloat32, "score: float32 [B, nb]");
@@ -83,9 +85,8 @@ std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::T
     for (int64_t j = 0; j < kk; ++j)
       if (!neg_inf(vp[j])) pr[ip[j]] = true;
   }
-  auto readers = torch::empty({nb + 2}, score.options().dtype(torch::kLong));
-  int64_t* rp = readers.data_ptr<int64_t>();
-  std::fill(rp, rp + nb + 2, 0);
+  std::vector<int64_t> readers(nb + 2, 0);
+  int64_t* rp = readers.data();
   int64_t most = 0, picked = 0;
   for (int64_t b = 0; b < B; ++b) {
     int64_t n = 0;
@@ -99,13 +100,14 @@ std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::T
   for (int64_t j = 0; j < nb; ++j) rp[nb] += rp[j] && (j == 0 || !rp[j - 1]);  // spans: runs of blocks some sequence reads
   rp[nb + 1] = picked * bs + B * open;  // tokens read: every block holds bs (the fused pick's premise)
   const int64_t W = most * bs + open;
-  auto rows = torch::empty({B, W}, score.options().dtype(torch::kLong));
+  auto rows = torch::empty({B, W + 1}, score.options().dtype(torch::kLong));
   auto mask = torch::empty({B, 1, W}, score.options().dtype(torch::kBool));
   int64_t* wp = rows.data_ptr<int64_t>();
   bool* mp = mask.data_ptr<bool>();
   for (int64_t b = 0; b < B; ++b) {
-    int64_t* w = wp + b * W;
+    int64_t* w = wp + b * (W + 1);
     bool* m = mp + b * W;
+    w[W] = length;
     int64_t at = 0;
     for (int pass = 1; pass >= 0 && at < most; --pass)  // the picked blocks, then unpicked ones as padding
       for (int64_t j = 0; j < nb && at < most; ++j) {
@@ -124,11 +126,19 @@ std::vector<torch::Tensor> pick_rows(torch::Tensor score, c10::optional<torch::T
   std::vector<int64_t> cols;
   for (int64_t j = 0; j < nb; ++j)
     if (rp[j]) cols.push_back(j);
-  const int64_t n = cols.size() + (open > 0);
+  const int64_t nc = cols.size(), n = nc + (open > 0);
+  auto host = torch::empty({2 + 2 * nc}, score.options().dtype(torch::kLong));
+  int64_t* hp = host.data_ptr<int64_t>();
+  hp[0] = rp[nb];
+  hp[1] = rp[nb + 1];
+  for (int64_t c = 0; c < nc; ++c) {
+    hp[2 + c] = cols[c];
+    hp[2 + nc + c] = rp[cols[c]];
+  }
   auto seqs = torch::empty({B, n}, score.options().dtype(torch::kBool));
   bool* sp = seqs.data_ptr<bool>();
   std::fill(sp, sp + B * n, true);
   for (int64_t b = 0; b < B; ++b)
-    for (size_t c = 0; c < cols.size(); ++c) sp[b * n + c] = pp[b * nb + cols[c]];
-  return {pick, rows, mask, readers, seqs};
+    for (int64_t c = 0; c < nc; ++c) sp[b * n + c] = pp[b * nb + cols[c]];
+  return {pick, rows, mask, host, seqs};
 }

@@ -12,8 +12,6 @@ holds the two to the same picks, Selections and tokens.
 """
 from __future__ import annotations
 
-from itertools import compress
-
 import torch
 
 from ...models.cpu_kernel import kernel as compiled_kernel
@@ -31,18 +29,17 @@ def fused_selection(table: BlockTable, score: torch.Tensor, view, room) -> tuple
     if kernel is None:
         return None
     b, hkv = table.block_shape[1], table.block_shape[2]
-    # pick: [B, nb]; rows: [B, W] cache positions; mask: [B, 1, W]; readers: [nb + 2] sequences picking each
-    # block, then the spans and tokens read; seqs: [B, n] the sequences reading each block read (the union,
-    # as the statistics count it)
-    pick, rows, mask, readers, seqs = kernel.pick_rows(score, view.own, room.blocks, table.bs, view.length)
-    host = readers.tolist()  # the one host read
-    counted = (host.pop(-2), host.pop())
-    blocks = list(compress(range(len(host)), host))
-    nseq = list(filter(None, host))
-    open_len = view.length - view.sealed * table.bs
-    if open_len:
-        blocks.append(view.sealed)
+    # pick: [B, nb]; rows: [B, W + 1] cache positions, the step's new token's last; mask: [B, 1, W]; host:
+    # the spans and tokens read, the n blocks some sequence picked, the sequences reading each; seqs: [B, n]
+    # the sequences reading each block read (the union, as the statistics count it)
+    pick, rows, mask, host, seqs = kernel.pick_rows(score, view.own, room.blocks, table.bs, view.length)
+    host = host.tolist()  # the one host read (a few dozen numbers)
+    n = (len(host) - 2) // 2
+    blocks, nseq = host[2:2 + n], host[2 + n:]
+    if view.length - view.sealed * table.bs:
+        blocks.append(view.sealed)  # the open block
+    picked = dict(rows=rows[:, :-1], next_rows=rows, nseq=nseq, counted=(host[0], host[1]))
     if b == 1:  # one row: every position it holds is read, no mask
-        return pick, Selection(blocks, rows=rows, nseq=nseq, counted=counted)
+        return pick, Selection(blocks, **picked)
     return pick, Selection(blocks, mask.expand(b, hkv, mask.shape[2]), seqs=table.devices.streams.on_host(seqs),
-                           rows=rows, nseq=nseq, counted=counted)
+                           **picked)
