@@ -68,8 +68,9 @@ def run_context(tokens: int, gen_len: int, threads: int, keep: float, seed: int,
                     "decode_tok_s": batch / statistics.median(steps), "tokens": [o.token_ids for o in outs]}
                 config = (s.kv_policy_stats or {}).get("config")
                 keep_read = median_step_keep(s.kv_policy_stats) if name == label else 1.0
-                row["step_bytes"] = step_bytes(llm, len(ids[0]), batch, keep_read,
-                                               sparpr_code_bytes(config, llm.spec.head_dim) if name == label else 0)
+                # a step the measured fallback ran dense scores nothing: no codes read
+                codes = sparpr_code_bytes(config, llm.spec.head_dim) if name == label and keep_read < 1 else 0
+                row["step_bytes"] = step_bytes(llm, len(ids[0]), batch, keep_read, codes)
                 if bw:
                     row["read_GBps"] = bw / 1e9
                     row["floor_s"] = sum(row["step_bytes"].values()) / bw
