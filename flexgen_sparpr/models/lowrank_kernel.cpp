@@ -98,7 +98,7 @@ inline float chunk_stats(const float* x, int64_t n, int64_t bs, float* s_out) {
     for (; j + kLanes <= b0 + bs; j += kLanes) vs = vec::add(vs, vec::exp(vec::sub(vec::load(x + j), vt)));
     float s = vec::sum(vs);
     for (; j < b0 + bs; ++j) s += x[j] - m <= -87.f ? 0.f : std::exp(x[j] - m);
-    s_out[(b0 / bs)] = s;
+    s_out[b0 / bs] = s;
   }
   return m;
 }
@@ -197,10 +197,11 @@ torch::Tensor lowrank_scores(torch::Tensor q, torch::Tensor basis, torch::Tensor
       e[k] = x <= -87.f ? 0.f : s[k] * std::exp(x);
       z += e[k];
     }
-    const vf inv = vec::set1(z > 0.f ? 1.f / z : 0.f);
+    const float inv = z > 0.f ? 1.f / z : 0.f;
+    const vf vinv = vec::set1(inv);
     float* o = op + (row / (H * G)) * nb;
-    for (k = 0; k + kLanes <= nb; k += kLanes) vec::store(o + k, vec::fma(vec::load(e.data() + k), inv, vec::load(o + k)));
-    for (; k < nb; ++k) o[k] += e[k] * (z > 0.f ? 1.f / z : 0.f);
+    for (k = 0; k + kLanes <= nb; k += kLanes) vec::store(o + k, vec::fma(vec::load(e.data() + k), vinv, vec::load(o + k)));
+    for (; k < nb; ++k) o[k] += e[k] * inv;
   }
   return out;
 #else
