@@ -10,7 +10,7 @@ import torch
 
 from ..kv.block_table import BlockTable
 from ..kv.policy import Selection
-from ..storage.disk import aligned_empty
+from ..storage.disk import landing_empty
 
 
 @dataclass
@@ -52,7 +52,7 @@ class GatherRing:
         self._bufs: list[torch.Tensor | None] = [None] * n
         self._next = 0
         self._lock = threading.Lock()
-        self.aligned = aligned  # buffers start on a page (O_DIRECT reads land in them) and are not zeroed
+        self.aligned = aligned  # buffers on huge pages (O_DIRECT reads land in them) and not zeroed
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of `shape`, finite but stale, on the next buffer of the ring (grown by 1/4 when short)."""
@@ -64,7 +64,7 @@ class GatherRing:
             buf = self._bufs[i]
             if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
                 n = numel + numel // 4
-                buf = self._bufs[i] = (aligned_empty((n,), dtype) if self.aligned else
+                buf = self._bufs[i] = (landing_empty(n, dtype) if self.aligned else
                                        torch.zeros(n, dtype=dtype, device=device))
         return buf[:numel].view(shape)
 

@@ -45,6 +45,18 @@ def aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
+def landing_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised [numel] CPU tensor that O_DIRECT reads land in, again and again (a landing ring's
+    buffer): on huge pages whatever its size where the kernel gives them (`huge_empty`), since each read
+    pins every page it lands in (aligned_empty keeps small buffers on 4 KiB pages, to bound what a
+    one-off buffer adds to RSS)."""
+    if _MADV_HUGEPAGE is None:
+        return aligned_empty((numel,), dtype)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+        return huge_empty(nbytes).view(dtype)
+
+
 def huge_empty(nbytes: int) -> torch.Tensor:
     """Uninitialised uint8 CPU tensor [nbytes] on its own anonymous map, 2 MiB aligned and advised
     MADV_HUGEPAGE (so taken as huge pages where transparent huge pages are "madvise" or "always").

@@ -1,6 +1,6 @@
 """Page-aligned host buffers (storage/aligned.py): from HUGE_MIN bytes on, aligned_empty maps its
 buffer on its own 2 MiB-aligned map advised for transparent huge pages (an O_DIRECT read pins
-fewer pages there), usable in and out of inference mode, and unmapped with its last view."""
+fewer pages there), and a landing ring's buffer does at any size; usable in and out of inference mode, and unmapped with its last view."""
 import gc
 import os
 import sys
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexgen_sparpr.engine.recovery import GatherRing
 from flexgen_sparpr.storage import aio, aligned
-from flexgen_sparpr.storage.aligned import HUGE_MIN, HUGE_PAGE, aligned_empty
+from flexgen_sparpr.storage.aligned import HUGE_MIN, HUGE_PAGE, aligned_empty, landing_empty
 
 LINUX = sys.platform.startswith("linux")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -62,6 +63,24 @@ def test_the_buffer_is_backed_by_huge_pages_and_unmapped_when_dropped():
     gc.collect()
     got = _mapping(addr)
     assert got is None or got[:2] != (lo, hi), "the buffer's map outlived its tensor"
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16])
+def test_a_landing_buffer_of_any_size_starts_on_a_huge_page(dtype):
+    """The landing ring's buffers take O_DIRECT reads step after step: below HUGE_MIN too (2k tokens,
+    half the KV on disk: under 1 MiB a layer) each read would pin 4 KiB pages one by one."""
+    n = HUGE_MIN // 4 + 3
+    t = landing_empty(n, dtype)
+    assert t.shape == (n,) and t.dtype == dtype and t.data_ptr() % 4096 == 0
+    if aligned._MADV_HUGEPAGE is not None:
+        assert t.data_ptr() % HUGE_PAGE == 0
+    t.copy_(torch.arange(n).to(dtype))
+    assert torch.equal(t[:100], torch.arange(100).to(dtype))
+    ring = GatherRing(2, aligned=True)
+    buf = ring.take((2, 5, 7), dtype, torch.device("cpu"))
+    assert buf.shape == (2, 5, 7) and buf.data_ptr() % 4096 == 0
+    if aligned._MADV_HUGEPAGE is not None:
+        assert buf.data_ptr() % HUGE_PAGE == 0
 
 
 @pytest.mark.skipif(not LINUX or not aio.available(), reason="native AIO is Linux's")
