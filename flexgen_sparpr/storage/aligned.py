@@ -50,11 +50,10 @@ def landing_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     buffer): on huge pages whatever its size where the kernel gives them (`huge_empty`), since each read
     pins every page it lands in (aligned_empty keeps small buffers on 4 KiB pages, to bound what a
     one-off buffer adds to RSS)."""
-    if _MADV_HUGEPAGE is None:
-        return aligned_empty((numel,), dtype)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
-        return huge_empty(nbytes).view(dtype)
+        if _MADV_HUGEPAGE is None:
+            return aligned_empty((numel,), dtype)
+        return huge_empty(numel * torch.empty((), dtype=dtype).element_size()).view(dtype)
 
 
 def huge_empty(nbytes: int) -> torch.Tensor:
