@@ -1,6 +1,7 @@
 """Page-aligned host buffers (storage/aligned.py): from HUGE_MIN bytes on, aligned_empty maps its
 buffer on its own 2 MiB-aligned map advised for transparent huge pages (an O_DIRECT read pins
-fewer pages there), and a landing ring's buffer does at any size; usable in and out of inference mode, and unmapped with its last view."""
+fewer pages there), and a landing ring's buffer does at any size; usable in and out of inference
+mode, and unmapped with its last view."""
 import gc
 import os
 import sys
