@@ -10,7 +10,7 @@ import torch
 
 from ..kv.block_table import BlockTable
 from ..kv.policy import Selection
-from ..storage.disk import landing_empty
+from ..storage.disk import aligned_empty
 
 
 @dataclass
@@ -64,7 +64,7 @@ class GatherRing:
             buf = self._bufs[i]
             if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
                 n = numel + numel // 4
-                buf = self._bufs[i] = (landing_empty(n, dtype) if self.aligned else
+                buf = self._bufs[i] = (aligned_empty((n,), dtype, huge_from=0) if self.aligned else
                                        torch.zeros(n, dtype=dtype, device=device))
         return buf[:numel].view(shape)
 

@@ -32,28 +32,19 @@ def np_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(byte_view(t).numpy())
 
 
-def aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+def aligned_empty(shape, dtype: torch.dtype, huge_from: int = HUGE_MIN) -> torch.Tensor:
     """Uninitialised CPU tensor whose data pointer is 4096-byte aligned (with O_DIRECT, reads into /
     writes from it skip the staging copy when its byte size is a multiple of 4096 too). From
-    HUGE_MIN bytes on, on transparent huge pages where the kernel gives them (`huge_empty`)."""
+    `huge_from` bytes on, on transparent huge pages where the kernel gives them (`huge_empty`):
+    HUGE_MIN bounds what a one-off buffer adds to RSS; a buffer O_DIRECT reads land in again and
+    again (a landing ring's) passes 0, since each read pins every page it lands in."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-    if nbytes >= HUGE_MIN and _MADV_HUGEPAGE is not None:
+    if nbytes >= huge_from and _MADV_HUGEPAGE is not None:
         with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
             return huge_empty(nbytes).view(dtype).view(shape)
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip:skip + nbytes].view(dtype).view(shape)
-
-
-def landing_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Uninitialised [numel] CPU tensor that O_DIRECT reads land in, again and again (a landing ring's
-    buffer): on huge pages whatever its size where the kernel gives them (`huge_empty`), since each read
-    pins every page it lands in (aligned_empty keeps small buffers on 4 KiB pages, to bound what a
-    one-off buffer adds to RSS)."""
-    with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
-        if _MADV_HUGEPAGE is None:
-            return aligned_empty((numel,), dtype)
-        return huge_empty(numel * torch.empty((), dtype=dtype).element_size()).view(dtype)
 
 
 def huge_empty(nbytes: int) -> torch.Tensor:

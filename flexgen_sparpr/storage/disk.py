@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import aio
-from .aligned import ALIGN, aligned_empty, byte_view, is_aligned, landing_empty, np_bytes, round_up, staging  # noqa: F401 (re-exported)
+from .aligned import ALIGN, aligned_empty, byte_view, is_aligned, np_bytes, round_up, staging  # noqa: F401 (re-exported)
 
 _MAX_IO = 1 << 30  # one syscall moves at most ~2 GiB on Linux; stay well below
 

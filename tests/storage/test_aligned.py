@@ -13,7 +13,7 @@ import torch
 
 from flexgen_sparpr.engine.recovery import GatherRing
 from flexgen_sparpr.storage import aio, aligned
-from flexgen_sparpr.storage.aligned import HUGE_MIN, HUGE_PAGE, aligned_empty, landing_empty
+from flexgen_sparpr.storage.aligned import HUGE_MIN, HUGE_PAGE, aligned_empty
 
 LINUX = sys.platform.startswith("linux")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -71,7 +71,7 @@ def test_a_landing_buffer_of_any_size_starts_on_a_huge_page(dtype):
     """The landing ring's buffers take O_DIRECT reads step after step: below HUGE_MIN too (2k tokens,
     half the KV on disk: under 1 MiB a layer) each read would pin 4 KiB pages one by one."""
     n = HUGE_MIN // 4 + 3
-    t = landing_empty(n, dtype)
+    t = aligned_empty((n,), dtype, huge_from=0)
     assert t.shape == (n,) and t.dtype == dtype and t.data_ptr() % 4096 == 0
     if aligned._MADV_HUGEPAGE is not None:
         assert t.data_ptr() % HUGE_PAGE == 0
