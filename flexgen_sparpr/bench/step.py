@@ -8,12 +8,16 @@ compute), the KV bytes read from disk per step, SparPR's effective keep, and the
 decode-step targets name:
   resident:  SparPR step / dense step                      (target <= 1.10 at batch 1, 1.05 at 4)
   disk, half-disk: dense step / max(resident dense step, disk bytes / disk bandwidth)   (target <= 1.3)
+and, beside it, the same with the floor's resident step measured while another process reads the
+disk at full speed ("resident-busy" cells, bench/busy_disk.py): what this machine's compute gives
+up while its disk reads, which no engine overlapping reads with compute can avoid.
 The disk bandwidth is measured on the offload folder with O_DIRECT 4 MiB reads (what `profile`
 records as disk_read_GBps) on the spot: just before and just after each disk cell (a VM's disk
 drifts by a third within minutes), the floor taking their mean. Once per grid it is checked
 against `dd iflag=direct` reading a file of the same size."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -29,14 +33,19 @@ from ..api.measure import disk_bandwidth
 from ..api.llm import LLM
 from .needle_prompt import NeedlePrompts, random_key
 from ..api.resolved import resolved
+from .busy_disk import BusyDisk
 from .args import OneLineParser
 from .results import REPO, md_table, publish
 from .sweep import REFERENCE
 from .texts import TEXTS
 
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "q8", "q4")  # --kv-dtype's values (engine/config.py)
-# --percent per placement: all the KV resident, all on disk (make run's), half of it on disk (the target's wording)
-PLACEMENTS = {"resident": [100, 0, 100, 0, 100, 0], "disk": [100, 0, 0, 0, 100, 0], "half-disk": [100, 0, 50, 0, 100, 0]}
+# --percent per placement: all the KV resident, all on disk (make run's), half of it on disk (the target's wording);
+# resident-busy: all resident, the disk read at full speed by another process through the cell (BusyDisk)
+PLACEMENTS = {"resident": [100, 0, 100, 0, 100, 0], "disk": [100, 0, 0, 0, 100, 0], "half-disk": [100, 0, 50, 0, 100, 0],
+              "resident-busy": [100, 0, 100, 0, 100, 0]}
+ON_DISK = ("disk", "half-disk")
+SAID = {"resident-busy": "resident, disk busy"}  # a placement as its table row names it  # the placements whose KV is read from disk (a floor each, a cell per --kv-dtypes)
 PARTS = ("select", "read", "rebuild", "io_wait", "compute")
 TEXT = TEXTS["alice29"].path  # the demo's text (tuning split: bench/texts.py)
 
@@ -73,8 +82,10 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
              seed: int, kv_dtype: str = "auto") -> dict:
     """One (tokens, batch, placement, --kv-dtype) cell: dense and SparPR at each keep from one
     prefill. kv_dtype: how the disk tier's blocks are stored (q8 / q4: quantized; "auto": the
-    engine's default; the compute tier's stay in the compute dtype)."""
-    with LLM("smollm2-135m", gpu_batch_size=batch, percent=PLACEMENTS[placement], direct_io=True,
+    engine's default; the compute tier's stay in the compute dtype). resident-busy: the whole cell
+    (its prefill too) runs beside a BusyDisk reader, whose rate the cell records."""
+    busy = BusyDisk(Path(offload)) if placement == "resident-busy" else contextlib.nullcontext()
+    with busy, LLM("smollm2-135m", gpu_batch_size=batch, percent=PLACEMENTS[placement], direct_io=True,
              offload_dir=offload, quiet=True, kv_dtype=kv_dtype) as llm:
         rng = random.Random(seed)
         book = NeedlePrompts(llm.tokenizer, TEXT)
@@ -85,6 +96,8 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
         config["compared"] = {label: s.kv_policy_stats.get("config") for label, (_, s) in runs.items() if label != REFERENCE}
     cell = {"tokens": tokens, "batch": batch, "placement": placement, "kv_dtype": kv_dtype, "resolved": config,
             "prefill_s": runs[REFERENCE][1].prefill_s, "policies": {}}
+    if placement == "resident-busy":
+        cell["busy_read_Bps"] = busy.read_Bps  # None: O_DIRECT refused here, nothing read beside the cell
     for label, (_, s) in runs.items():
         decode = s.step_times[0][1:]
         row = {"step_s": statistics.median(decode), "steps": len(decode),
@@ -107,18 +120,28 @@ def defaults_said(cells: list[dict]) -> str:
             "disk: O_DIRECT")
 
 
+def _dense_step(cells: list[dict], c: dict, placement: str) -> float | None:
+    """Dense's step in the cell of `placement` at c's tokens and batch (None: no such cell)."""
+    r = next((r for r in cells if r["placement"] == placement and r["tokens"] == c["tokens"]
+              and r["batch"] == c["batch"] and r.get("kv_dtype", "auto") == "auto"), None)
+    return None if r is None or (placement == "resident-busy" and not r.get("busy_read_Bps")) \
+        else r["policies"][REFERENCE]["step_s"]
+
+
 def add_ratios(cells: list[dict], read_Bps: float) -> None:
-    """Each policy's step over dense's, and each disk cell's dense step over its floor."""
+    """Each policy's step over dense's, and each disk cell's dense step over its floor, and over
+    its floor with the disk busy where a resident-busy cell at its tokens and batch read beside it."""
     for c in cells:
-        res = next((r for r in cells if r["placement"] == "resident" and r["tokens"] == c["tokens"]
-                    and r["batch"] == c["batch"] and r.get("kv_dtype", "auto") == "auto"), None)
         dense = c["policies"][REFERENCE]
         for p in c["policies"].values():
             p["vs_dense"] = p["step_s"] / dense["step_s"]
-        if c["placement"] != "resident" and res is not None:  # the cell's own bandwidth (files before it: the grid's)
-            bw = statistics.mean(c.get("disk_read_Bps_around", [read_Bps]))
-            floor = max(res["policies"][REFERENCE]["step_s"], dense["disk_bytes_per_step"] / bw)
-            c["dense_vs_floor"] = dense["step_s"] / floor
+        if c["placement"] not in ON_DISK:
+            continue
+        bw = statistics.mean(c.get("disk_read_Bps_around", [read_Bps]))  # the cell's own (files before it: the grid's)
+        for key, placement in (("dense_vs_floor", "resident"), ("dense_vs_busy_floor", "resident-busy")):
+            compute = _dense_step(cells, c, placement)
+            if compute is not None:
+                c[key] = dense["step_s"] / max(compute, dense["disk_bytes_per_step"] / bw)
 
 
 def render(payload: dict) -> str:
@@ -128,7 +151,7 @@ def render(payload: dict) -> str:
         for label, p in c["policies"].items():
             parts = " / ".join(f"{p['parts_s'].get(k, 0) * 1e3:.0f}" for k in PARTS)
             kv = c.get("kv_dtype", "auto")
-            rows.append([c["tokens"], c["batch"], c["placement"] + ("" if kv == "auto" else f", {kv}"), label, f"{p['step_s']:.3f}", f"{p['vs_dense']:.2f}x",
+            rows.append([c["tokens"], c["batch"], SAID.get(c["placement"], c["placement"]) + ("" if kv == "auto" else f", {kv}"), label, f"{p['step_s']:.3f}", f"{p['vs_dense']:.2f}x",
                          f"{p['disk_bytes_per_step'] / 2 ** 20:.1f}", f"{p.get('effective_keep', 1):.2f}", parts,
                          _floor_said(c) if label == REFERENCE else ""])
     dd = cfg.get("dd_read_Bps", False)
@@ -136,6 +159,9 @@ def render(payload: dict) -> str:
     said = "" if cfg.get("per_cell_bandwidth") is None else (
         " before the grid; each disk cell's floor uses the mean of its own, measured just before and after it"
         " (beside its ratio)")
+    if any("busy_read_Bps" in c for c in payload["cells"]):
+        said += ("; \"disk busy\": the same over max(dense's step in the \"resident, disk busy\" cell, run while "
+                 "another process read this disk with O_DIRECT at full speed, bytes / bandwidth)")
     return (f"# Decode step, dense vs SparPR (SmolLM2-135M, engine {cfg['engine_commit']})\n\n"
             f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
             f"disk {cfg['disk_read_Bps'] / 1e9:.2f} GB/s O_DIRECT read{said}{dd}. {cfg['defaults']}; median of "
@@ -145,12 +171,17 @@ def render(payload: dict) -> str:
 
 
 def _floor_said(c: dict) -> str:
-    """A disk cell's dense step over its floor, and the bandwidth around the cell it used."""
+    """A disk cell's dense step over its floor, the bandwidth around the cell it used, and the
+    ratio over the floor with the disk busy; a resident-busy cell's reader rate."""
+    if "busy_read_Bps" in c:
+        rate = c["busy_read_Bps"]
+        return "reader: none (no O_DIRECT)" if not rate else f"reader {rate / 1e9:.2f} GB/s"
     if "dense_vs_floor" not in c:
         return ""
     around = c.get("disk_read_Bps_around")
-    return f"{c['dense_vs_floor']:.2f}x" + ("" if around is None else
-                                              f" ({' / '.join(f'{b / 1e9:.2f}' for b in around)} GB/s)")
+    said = f"{c['dense_vs_floor']:.2f}x" + ("" if around is None else
+                                            f" ({' / '.join(f'{b / 1e9:.2f}' for b in around)} GB/s)")
+    return said + (f"; disk busy {c['dense_vs_busy_floor']:.2f}x" if "dense_vs_busy_floor" in c else "")
 
 
 def parser(doc: str) -> OneLineParser:
@@ -183,8 +214,8 @@ def run_grid(args) -> int:
     for tokens in args.lengths:
         for batch in args.batches:
             for placement in args.placements:
-                for kv in (args.kv_dtypes if placement != "resident" else ["auto"]):
-                    before = disk_read_Bps(Path(args.offload_dir))[0] if placement != "resident" else None
+                for kv in (args.kv_dtypes if placement in ON_DISK else ["auto"]):
+                    before = disk_read_Bps(Path(args.offload_dir))[0] if placement in ON_DISK else None
                     cell = run_cell(tokens, batch, placement, args.keeps, args.steps, args.offload_dir, args.seed, kv)
                     if before is not None:
                         cell["disk_read_Bps_around"] = [before, disk_read_Bps(Path(args.offload_dir))[0]]

@@ -80,3 +80,52 @@ def test_dd_reads_a_file_with_o_direct_and_leaves_nothing(tmp_path):
     bw = dd_read_Bps(tmp_path, nbytes=8 << 20)
     assert bw is None or bw > 1e6  # None: no dd, or this filesystem refuses O_DIRECT
     assert not list(tmp_path.iterdir())
+
+
+def test_a_disk_cells_busy_floor_uses_the_resident_step_run_beside_a_busy_disk():
+    """dense vs floor with the disk busy = dense disk step / max(dense's step in the resident-busy
+    cell, bytes / bandwidth); none where that cell's reader did not run."""
+    from flexgen_sparpr.bench.step import add_ratios, render
+
+    def cell(placement, step, nbytes=0.0, **extra):
+        return {"tokens": 2048, "batch": 1, "placement": placement, "kv_dtype": "auto", **extra,
+                "policies": {"dense": {"step_s": step, "disk_bytes_per_step": nbytes, "parts_s": {}}}}
+
+    res, busy, disk = cell("resident", 0.01), cell("resident-busy", 0.02, busy_read_Bps=1.5e9), cell("disk", 0.03, 10e6)
+    add_ratios([res, busy, disk], read_Bps=1e9)
+    assert disk["dense_vs_floor"] == pytest.approx(0.03 / 0.01)
+    assert disk["dense_vs_busy_floor"] == pytest.approx(0.03 / 0.02)
+    md = render({"config": {"engine_commit": "x", "disk_read_Bps": 1e9, "dd_read_Bps": None, "per_cell_bandwidth": True,
+                            "defaults": "d", "steps": 2},
+                 "machine": {"cpu_model": "c", "cpu_count": 2, "torch": "t", "torch_threads": 2}, "cells": [res, busy, disk]})
+    assert "| 3.00x; disk busy 1.50x |" in md and "| resident, disk busy | dense |" in md and "reader 1.50 GB/s" in md
+    idle = cell("resident-busy", 0.02, busy_read_Bps=None)
+    disk = cell("disk", 0.03, 10e6)
+    add_ratios([res, idle, disk], read_Bps=1e9)
+    assert "dense_vs_busy_floor" not in disk and disk["dense_vs_floor"] == pytest.approx(3.0)
+
+
+def test_busy_disk_reads_beside_the_block_and_leaves_nothing(tmp_path):
+    import os
+    import time
+
+    from flexgen_sparpr.bench.busy_disk import BusyDisk
+    with BusyDisk(tmp_path, nbytes=16 << 20) as busy:
+        pid = busy.proc.pid
+        time.sleep(0.5)
+    assert busy.read_Bps is None or busy.read_Bps > 1e6  # None: this filesystem refuses O_DIRECT
+    assert busy.proc.returncode is not None and not list(tmp_path.iterdir())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_resident_busy_cell_records_its_reader_and_the_disk_cell_its_busy_floor(smollm2_dir, tmp_path):
+    r = run_script("bench_step.py", "--lengths", "256", "--batches", "1", "--placements", "resident", "resident-busy",
+                   "disk", "--keeps", "0.25", "--steps", "2", "--offload-dir", str(tmp_path / "off"), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    res, busy, disk = json.loads((tmp_path / "step.json").read_text())["cells"]
+    assert busy["placement"] == "resident-busy" and "busy_read_Bps" in busy and "busy_read_Bps" not in res
+    assert "disk_read_Bps_around" not in busy and "dense_vs_floor" not in busy
+    if busy["busy_read_Bps"]:  # O_DIRECT here: the reader ran, so the disk cell has its busy floor
+        assert busy["busy_read_Bps"] > 1e6 and disk["dense_vs_busy_floor"] > 0
+    assert not list((tmp_path / "off").iterdir())  # no offload or scratch files left
