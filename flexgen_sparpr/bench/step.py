@@ -100,11 +100,12 @@ def run_cell(tokens: int, batch: int, placement: str, keeps: list[float], steps:
         cell["busy_read_Bps"] = busy.read_Bps  # None: O_DIRECT refused here, nothing read beside the cell
     for label, (_, s) in runs.items():
         decode = s.step_times[0][1:]
-        row = {"step_s": statistics.median(decode), "steps": len(decode),
+        row = {"step_s": statistics.median(decode), "steps": len(decode), "steps_s": list(decode),
                "disk_bytes_per_step": s.bytes_moved.get("disk->cpu", 0) / len(decode),
                "parts_s": s.decode_step_parts}
         if label != REFERENCE:
             row["effective_keep"] = s.kv_policy_stats["totals"]["effective_keep"]
+            row["step_fallback"] = s.kv_policy_stats.get("step_fallback")  # its choice and the steps it timed
         cell["policies"][label] = row
     return cell
 
@@ -152,7 +153,7 @@ def render(payload: dict) -> str:
             parts = " / ".join(f"{p['parts_s'].get(k, 0) * 1e3:.0f}" for k in PARTS)
             kv = c.get("kv_dtype", "auto")
             rows.append([c["tokens"], c["batch"], SAID.get(c["placement"], c["placement"]) + ("" if kv == "auto" else f", {kv}"), label, f"{p['step_s']:.3f}", f"{p['vs_dense']:.2f}x",
-                         f"{p['disk_bytes_per_step'] / 2 ** 20:.1f}", f"{p.get('effective_keep', 1):.2f}", parts,
+                         f"{p['disk_bytes_per_step'] / 2 ** 20:.1f}", _keep_said(p), parts,
                          _floor_said(c) if label == REFERENCE else ""])
     dd = cfg.get("dd_read_Bps", False)
     dd = "" if dd is False else " (dd iflag=direct: " + ("not measured" if dd is None else f"{dd / 1e9:.2f} GB/s") + ")"
@@ -168,6 +169,12 @@ def render(payload: dict) -> str:
             f"{cfg['steps']} decode steps. Produced by `scripts/bench_step.py`.\n\n"
             + md_table(["tokens", "batch", "KV", "policy", "step s", "vs dense", "disk MiB/step", "keep",
                         "select / read / rebuild / io_wait / compute ms", "dense vs floor"], rows))
+
+
+def _keep_said(p: dict) -> str:
+    """A row's effective keep, and where the step fallback chose dense steps, so."""
+    fallback = p.get("step_fallback") or {}
+    return f"{p.get('effective_keep', 1):.2f}" + (", dense chosen" if fallback.get("chosen") == "dense" else "")
 
 
 def _floor_said(c: dict) -> str:

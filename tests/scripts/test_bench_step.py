@@ -27,6 +27,16 @@ def test_tiny_run_records_parts_and_resolved_config(smollm2_dir, tmp_path):
     assert conf["block_size"] == 16 and conf["kv_policy"]["name"] == "dense"
     assert conf["compared"]["sparpr@0.25"]["keep_ratio"] == 0.25
     assert "| 256 | 1 | resident | sparpr@0.25 |" in (tmp_path / "step.md").read_text()
+    assert all(len(row["steps_s"]) == row["steps"] == 2 for row in cell["policies"].values())
+    fallback = cell["policies"]["sparpr@0.25"]["step_fallback"]  # the step fallback's choice and timings
+    assert fallback["steps"] == 2 and fallback["chosen"] is None  # two steps: still in its first trial
+
+
+def test_a_row_whose_step_fallback_chose_dense_says_so():
+    from flexgen_sparpr.bench.step import _keep_said
+    assert _keep_said({"effective_keep": 0.88, "step_fallback": {"chosen": "dense"}}) == "0.88, dense chosen"
+    assert _keep_said({"effective_keep": 0.25, "step_fallback": {"chosen": "sparse"}}) == "0.25"
+    assert _keep_said({}) == "1.00"
 
 
 def test_kv_dtypes_make_a_disk_cell_each(smollm2_dir, tmp_path):
