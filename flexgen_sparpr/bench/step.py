@@ -44,8 +44,8 @@ KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "q8", "q4")  # --kv-dtype
 # resident-busy: all resident, the disk read at full speed by another process through the cell (BusyDisk)
 PLACEMENTS = {"resident": [100, 0, 100, 0, 100, 0], "disk": [100, 0, 0, 0, 100, 0], "half-disk": [100, 0, 50, 0, 100, 0],
               "resident-busy": [100, 0, 100, 0, 100, 0]}
-ON_DISK = ("disk", "half-disk")
-SAID = {"resident-busy": "resident, disk busy"}  # a placement as its table row names it  # the placements whose KV is read from disk (a floor each, a cell per --kv-dtypes)
+ON_DISK = ("disk", "half-disk")  # the placements whose KV is read from disk (a floor each, a cell per --kv-dtypes)
+SAID = {"resident-busy": "resident, disk busy"}  # a placement as its table row names it
 PARTS = ("select", "read", "rebuild", "io_wait", "compute")
 TEXT = TEXTS["alice29"].path  # the demo's text (tuning split: bench/texts.py)
 
