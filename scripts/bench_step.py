@@ -1,6 +1,7 @@
 """The decode step, dense vs SparPR, at the engine's defaults: where its time goes, KV resident, all
-on disk or half on disk (O_DIRECT), at 2k / 4k / 8000 tokens, batch 1 and 4 (flexgen_sparpr/bench/step.py says
-what each cell measures and the ratios the targets name).
+on disk or half on disk (O_DIRECT), or resident while another process keeps the disk busy, at 2k / 4k /
+8000 tokens, batch 1 and 4 (flexgen_sparpr/bench/step.py says what each cell measures and the ratios
+the targets name).
 
 Writes <out>/step.json (every cell, the configuration, engine commit and machine) and step.md.
 """
