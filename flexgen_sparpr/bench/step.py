@@ -172,9 +172,10 @@ def render(payload: dict) -> str:
 
 
 def _keep_said(p: dict) -> str:
-    """A row's effective keep, and where the step fallback chose dense steps, so."""
+    """A row's effective keep, and how many of its steps the step fallback ran dense, where any."""
     fallback = p.get("step_fallback") or {}
-    return f"{p.get('effective_keep', 1):.2f}" + (", dense chosen" if fallback.get("chosen") == "dense" else "")
+    dense = fallback.get("dense_steps")
+    return f"{p.get('effective_keep', 1):.2f}" + (f", {dense} of {fallback['steps']} steps dense" if dense else "")
 
 
 def _floor_said(c: dict) -> str:

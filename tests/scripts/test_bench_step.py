@@ -32,10 +32,11 @@ def test_tiny_run_records_parts_and_resolved_config(smollm2_dir, tmp_path):
     assert fallback["steps"] == 2 and fallback["chosen"] is None  # two steps: still in its first trial
 
 
-def test_a_row_whose_step_fallback_chose_dense_says_so():
+def test_a_row_whose_step_fallback_ran_dense_steps_says_how_many():
     from flexgen_sparpr.bench.step import _keep_said
-    assert _keep_said({"effective_keep": 0.88, "step_fallback": {"chosen": "dense"}}) == "0.88, dense chosen"
-    assert _keep_said({"effective_keep": 0.25, "step_fallback": {"chosen": "sparse"}}) == "0.25"
+    assert _keep_said({"effective_keep": 0.88, "step_fallback": {"steps": 24, "dense_steps": 20}}) == \
+        "0.88, 20 of 24 steps dense"
+    assert _keep_said({"effective_keep": 0.25, "step_fallback": {"steps": 24, "dense_steps": 0}}) == "0.25"
     assert _keep_said({}) == "1.00"
 
 
