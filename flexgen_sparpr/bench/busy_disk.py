@@ -22,6 +22,16 @@ from pathlib import Path
 CHUNK = 4 << 20  # bytes a read (as `dd bs=4M` and the bandwidth probe)
 
 
+def write_scratch(path: Path, nbytes: int) -> None:
+    """`nbytes` (whole MiB) of random bytes at `path`, on the disk (fsync'd): a file for a read
+    benchmark that no page cache or compressing device shortcuts."""
+    with open(path, "wb") as f:
+        for _ in range(nbytes >> 20):
+            f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class BusyDisk:
     """with BusyDisk(folder) as busy: ... -- a reader process runs through the block; afterwards
     busy.read_Bps is the rate it read at (None: O_DIRECT or the reader was not there, nothing ran).
@@ -36,11 +46,7 @@ class BusyDisk:
     def __enter__(self) -> "BusyDisk":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with open(self.path, "wb") as f:
-                for _ in range(self.nbytes // CHUNK):
-                    f.write(os.urandom(CHUNK))
-                f.flush()
-                os.fsync(f.fileno())
+            write_scratch(self.path, self.nbytes)
             self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.path)],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             time.sleep(0.5)  # the reader under way before the benchmark's first step

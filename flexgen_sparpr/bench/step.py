@@ -33,7 +33,7 @@ from ..api.measure import disk_bandwidth
 from ..api.llm import LLM
 from .needle_prompt import NeedlePrompts, random_key
 from ..api.resolved import resolved
-from .busy_disk import BusyDisk
+from .busy_disk import BusyDisk, write_scratch
 from .args import OneLineParser
 from .results import REPO, md_table, publish
 from .sweep import REFERENCE
@@ -65,11 +65,7 @@ def dd_read_Bps(folder: Path, nbytes: int = 256 << 20) -> float | None:
         return None
     path = folder / f"dd-{os.getpid()}.bin"
     try:
-        with open(path, "wb") as f:
-            for _ in range(nbytes >> 20):
-                f.write(os.urandom(1 << 20))
-            f.flush()
-            os.fsync(f.fileno())
+        write_scratch(path, nbytes)
         r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"], capture_output=True,
                            text=True, env={**os.environ, "LC_ALL": "C"})
         m = re.search(r"^(\d+) bytes.*copied, ([\d.]+) s", r.stderr, re.M)
